@@ -1,0 +1,69 @@
+"""caffejax's error hierarchy.
+
+Every problem caused by the user's input (a prototxt, a caffemodel, a solver file, a data source, shapes
+that do not fit) is reported as a subclass of :class:`CaffejaxError`, carrying enough context to find the
+fault without a debugger: the file and line, the layer, the blob, the shapes involved.
+"""
+
+from __future__ import annotations
+
+
+class CaffejaxError(Exception):
+    """Base class of every error caffejax raises for bad input."""
+
+
+class ParseError(CaffejaxError):
+    """A prototxt or binary protobuf file could not be parsed.
+
+    ``path`` is the file (or ``"<string>"``), ``line``/``column`` are 1-based where known.
+    """
+
+    def __init__(self, message: str, path: str | None = None, line: int | None = None,
+                 column: int | None = None, text: str | None = None):
+        self.path, self.line, self.column, self.text = path, line, column, text
+        where = path or "<string>"
+        if line is not None:
+            where += f":{line}"
+            if column is not None:
+                where += f":{column}"
+        detail = f"{where}: {message}"
+        if text:
+            detail += f"\n    {text}"
+        super().__init__(detail)
+
+
+class SchemaError(CaffejaxError):
+    """A field or value is not allowed by caffe.proto or by Caffe's rules (e.g. include with exclude)."""
+
+
+class UnsupportedError(CaffejaxError):
+    """A feature caffejax knows of but does not run (e.g. a Python layer that was not allowed)."""
+
+
+class GraphError(CaffejaxError):
+    """The net's wiring is wrong: unknown layer type, dangling bottom, duplicate top, bad sharing."""
+
+
+class ShapeError(CaffejaxError):
+    """Blob shapes do not fit a layer's rule."""
+
+
+class WeightsError(CaffejaxError):
+    """A caffemodel (binary or HDF5) does not fit the net, or is corrupted."""
+
+
+class DataError(CaffejaxError):
+    """A data source (LMDB, image list, HDF5 list, mean file) is missing or malformed."""
+
+
+class DataSourceUnavailable(DataError):
+    """A data layer's source (LMDB, list file, HDF5 list) cannot be opened, so its top shapes are unknown."""
+
+
+class SolverError(CaffejaxError):
+    """A solver definition or solver state is invalid."""
+
+
+def layer_error(cls: type[CaffejaxError], layer_name: str, layer_type: str, message: str) -> CaffejaxError:
+    """Build an error that names the layer the way every layer-level message does."""
+    return cls(f"layer '{layer_name}' (type {layer_type}): {message}")

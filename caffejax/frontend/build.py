@@ -1,0 +1,344 @@
+"""From a NetParameter to the shape-inferred :class:`~caffejax.frontend.ir.Graph`, as Caffe's Net::Init does.
+
+Order as in Caffe: upgrade, set the NetState, FilterNet, InsertSplits, then one pass over the layers that
+wires bottoms/tops (AppendBottom/AppendTop), allocates learnable blobs and resolves sharing (AppendParam),
+infers top shapes (each rule's forward under ``jax.eval_shape``), and finally the two backward-need sweeps.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping, Sequence
+
+import jax
+import numpy as np
+
+from caffejax.errors import (CaffejaxError, DataSourceUnavailable, GraphError, SchemaError, ShapeError,
+                             UnsupportedError, layer_error)
+from caffejax.frontend.filter_net import filter_net, make_state
+from caffejax.frontend.insert_splits import insert_splits
+from caffejax.frontend.ir import Graph, Layer, ParamSlot, Shape
+from caffejax.frontend.prototxt import parse_net_text
+from caffejax.frontend.upgrade import upgrade_net_as_needed
+from caffejax.lower.registry import LayerContext, LayerRule, get_rule
+from caffejax.proto import caffe_pb2
+
+AUTOMATIC_TOP = "(automatic)"
+MAX_BLOB_ELEMENTS = 2 ** 34  # 64 GiB of float32: anything larger is a typo or a hostile file
+
+
+def load_net_param(source, *, is_path: bool | None = None) -> caffe_pb2.NetParameter:
+    """Read a prototxt (path or text, or a NetParameter) and upgrade it as Caffe's UpgradeNetAsNeeded does."""
+    if isinstance(source, caffe_pb2.NetParameter):
+        net = source
+        where = "<NetParameter>"
+    else:
+        net = parse_net_text(source, is_path=is_path)
+        where = os.fspath(source) if is_path or isinstance(source, os.PathLike) else "<string>"
+    return upgrade_net_as_needed(net, where)
+
+
+def build_graph(net: caffe_pb2.NetParameter, phase: int, level: int = 0, stages: Sequence[str] = (),
+                input_shapes: Mapping[str, Shape] | None = None, base_dir: str | None = None,
+                allow_python_layers: bool = False) -> Graph:
+    """Filter, split, wire and shape-infer an (already upgraded) NetParameter.
+
+    ``input_shapes`` overrides the shapes of Input tops (``net.reshape`` after a user resized an input).
+    ``base_dir`` resolves relative data-source paths.
+    """
+    param = caffe_pb2.NetParameter()
+    param.CopyFrom(net)
+    param.state.phase = phase
+    param.state.level = level
+    param.state.stage.extend(stages)
+    param = insert_splits(filter_net(param, param.state))
+    builder = _Builder(param, phase, dict(input_shapes or {}), base_dir, allow_python_layers)
+    for index, layer_param in enumerate(param.layer):
+        builder.add_layer(index, layer_param)
+    return builder.finish()
+
+
+class _Builder:
+    def __init__(self, param, phase, input_shapes, base_dir, allow_python_layers):
+        self.param = param
+        self.phase = phase
+        self.input_shapes = input_shapes
+        self.base_dir = base_dir
+        self.allow_python_layers = allow_python_layers
+        self.layers: list[Layer] = []
+        self.blobs: list[str] = []
+        self.blob_value: dict[str, str] = {}
+        self.blob_first_value: dict[str, str] = {}
+        self.value_shapes: dict[str, Shape | None] = {}
+        self.available: set[str] = set()
+        self.blob_need_backward: dict[str, bool] = {}
+        self.inputs: list[str] = []
+        self.named_params: dict[str, ParamSlot] = {}
+        self.slots: dict[tuple[str, int], ParamSlot] = {}
+        self.loss_weights: dict[str, float] = {}
+        self.rules: dict[str, LayerRule] = {}
+
+    # -- one layer ------------------------------------------------------------------------------------------
+    def add_layer(self, index: int, lp) -> None:
+        if not lp.HasField("phase"):
+            lp.phase = self.phase
+        rule = self._rule(lp)
+        self._check_counts(lp, rule)
+        if len(lp.propagate_down) not in (0, len(lp.bottom)):
+            raise layer_error(SchemaError, lp.name, lp.type,
+                              f"propagate_down has {len(lp.propagate_down)} entries; it must be empty or have "
+                              f"one per bottom ({len(lp.bottom)})")
+
+        bottom_values, bottom_need = [], []
+        need_backward = False
+        for j, blob in enumerate(lp.bottom):
+            if blob not in self.available:
+                raise layer_error(GraphError, lp.name, lp.type,
+                                  f"unknown bottom blob '{blob}' (bottom index {j}): no earlier layer produces "
+                                  "it, or it was already consumed")
+            self.available.discard(blob)
+            bottom_values.append(self.blob_value[blob])
+            need = self.blob_need_backward[blob]
+            need_backward |= need
+            bottom_need.append(bool(lp.propagate_down[j]) if len(lp.propagate_down) else need)
+
+        tops = list(lp.top)
+        if rule.is_loss and not tops:
+            tops = [AUTOMATIC_TOP]  # Caffe's anonymous top for a loss layer without one
+        top_values = []
+        for j, blob in enumerate(tops):
+            if blob == AUTOMATIC_TOP:
+                value = f"{AUTOMATIC_TOP}@{index}"
+            elif j < len(lp.bottom) and blob == lp.bottom[j]:
+                if not rule.in_place:
+                    raise layer_error(GraphError, lp.name, lp.type, f"cannot run in place (top '{blob}')")
+                value = f"{blob}@{index}"
+            elif blob in self.blob_value:
+                raise layer_error(GraphError, lp.name, lp.type,
+                                  f"top blob '{blob}' is produced by multiple sources (a top may reuse a name "
+                                  "only in place, as the bottom at the same index)")
+            else:
+                value = blob
+                self.blobs.append(blob)
+                self.blob_first_value[blob] = value
+                self.blob_need_backward[blob] = False
+            top_values.append(value)
+
+        bottom_shapes = [self.value_shapes[v] for v in bottom_values]
+        param_shapes, top_shapes, is_input = self._shapes(lp, rule, tops, bottom_shapes)
+        if rule.frozen_params:
+            while len(lp.param) < len(param_shapes):
+                lp.param.add(lr_mult=0)  # BatchNorm::LayerSetUp masks its statistics from the solver
+        params = [self._append_param(lp, i, shape) for i, shape in enumerate(param_shapes)]
+        if len(lp.param) > len(params) and all(s is not None for s in bottom_shapes):
+            raise layer_error(SchemaError, lp.name, lp.type,
+                              f"{len(lp.param)} param specs given but the layer has {len(params)} learnable blobs")
+        param_need = [slot.lr_mult != 0 for slot in params]
+        need_backward |= any(param_need)
+
+        for blob, value, shape in zip(tops, top_values, top_shapes):
+            self.value_shapes[value] = shape
+            if blob != AUTOMATIC_TOP:
+                self.blob_value[blob] = value
+                self.available.add(blob)
+        if lp.type == "Input":
+            self.inputs.extend(tops)
+
+        loss_weights = self._loss_weights(lp, rule, len(tops))
+        for blob, weight in zip(tops, loss_weights):
+            self.loss_weights[blob] = weight
+        layer = Layer(name=lp.name, type=lp.type, proto=lp, bottoms=list(lp.bottom), tops=tops,
+                      bottom_values=bottom_values, top_values=top_values, params=params,
+                      loss_weights=loss_weights, need_backward=need_backward,
+                      bottom_need_backward=bottom_need, param_need_backward=param_need, is_input=is_input)
+        if need_backward:
+            for blob in tops:
+                self.blob_need_backward[blob] = True
+        self.layers.append(layer)
+        self.rules[lp.name] = rule
+
+    def _rule(self, lp) -> LayerRule:
+        if lp.type == "Python" and not self.allow_python_layers:
+            p = lp.python_param
+            raise layer_error(UnsupportedError, lp.name, lp.type,
+                              f"Python layer (module '{p.module}', class '{p.layer}') is not run: model files must "
+                              "not execute code. Register a pure-JAX replacement with caffejax.register_layer, or "
+                              "pass allow_python_layers=True if you trust this model")
+        try:
+            return get_rule(lp.type)
+        except KeyError:
+            raise layer_error(GraphError, lp.name, lp.type or "<empty>",
+                              f"unknown layer type '{lp.type}'") from None
+
+    def _check_counts(self, lp, rule: LayerRule) -> None:
+        for what, got, (lo, hi) in (("bottom", len(lp.bottom), rule.bottoms), ("top", len(lp.top), rule.tops)):
+            if what == "top" and rule.is_loss and got == 0:
+                continue  # the anonymous loss top
+            if got < lo or (hi is not None and got > hi):
+                want = f"exactly {lo}" if lo == hi else (f"at least {lo}" if hi is None else f"{lo} to {hi}")
+                raise layer_error(SchemaError, lp.name, lp.type, f"takes {want} {what} blob(s), got {got}")
+
+    def _shapes(self, lp, rule: LayerRule, tops, bottom_shapes):
+        """(param shapes, top shapes, is_input) of one layer; shapes are None downstream of unknown data."""
+        if rule.input_shapes is not None:
+            try:
+                shapes = _declared(rule, lp, self.phase, self.base_dir, len(tops))
+            except DataSourceUnavailable:
+                shapes = [None] * len(tops)
+            shapes = [tuple(self.input_shapes[t]) if t in self.input_shapes else s for t, s in zip(tops, shapes)]
+            for s in shapes:
+                if s is not None:
+                    _check_shape(lp, s)
+            return [], shapes, True
+        if any(s is None for s in bottom_shapes):
+            return [], [None] * len(tops), False
+        try:
+            param_shapes = [tuple(int(d) for d in s) for s in rule.param_shapes(lp, bottom_shapes)]
+        except CaffejaxError:
+            raise
+        except Exception as e:  # a rule's shape code tripped on a configuration it did not anticipate
+            raise layer_error(ShapeError, lp.name, lp.type,
+                              f"cannot allocate learnable blobs for bottom shapes {bottom_shapes}: {e}") from None
+        for s in param_shapes:
+            _check_shape(lp, s)
+        top_shapes = infer_top_shapes(lp, rule, self.phase, bottom_shapes, param_shapes, len(tops))
+        for s in top_shapes:
+            _check_shape(lp, s)
+        return param_shapes, top_shapes, False
+
+    def _append_param(self, lp, index: int, shape: Shape) -> ParamSlot:
+        spec = lp.param[index] if index < len(lp.param) else caffe_pb2.ParamSpec()
+        slot = ParamSlot(layer=lp.name, index=index, shape=shape, name=spec.name, lr_mult=spec.lr_mult,
+                         decay_mult=spec.decay_mult, has_lr_mult=spec.HasField("lr_mult"),
+                         has_decay_mult=spec.HasField("decay_mult"), share_mode=spec.share_mode)
+        owner = self.named_params.get(spec.name) if spec.name else None
+        if owner is None:
+            if spec.name:
+                self.named_params[spec.name] = slot
+        else:
+            self._check_share(lp, slot, owner)
+            slot.owner = owner.key
+            for attr in ("lr_mult", "decay_mult"):
+                has = f"has_{attr}"
+                if getattr(slot, has):
+                    if getattr(owner, has) and getattr(owner, attr) != getattr(slot, attr):
+                        raise layer_error(SchemaError, lp.name, lp.type,
+                                          f"shared param '{spec.name}' has mismatched {attr} "
+                                          f"({getattr(slot, attr)} here, {getattr(owner, attr)} in layer "
+                                          f"'{owner.layer}')")
+                    setattr(owner, has, True)
+                    setattr(owner, attr, getattr(slot, attr))
+                for s in self.slots.values():  # every sharer sees the owner's effective multiplier
+                    if s.owner == owner.key:
+                        setattr(s, attr, getattr(owner, attr))
+                setattr(slot, attr, getattr(owner, attr))
+        self.slots[slot.key] = slot
+        return slot
+
+    def _check_share(self, lp, slot: ParamSlot, owner: ParamSlot) -> None:
+        if slot.shape is None or owner.shape is None:
+            return
+        if slot.share_mode == caffe_pb2.ParamSpec.PERMISSIVE:
+            ok = int(np.prod(slot.shape)) == int(np.prod(owner.shape))
+            what = "count"
+        else:
+            ok = tuple(slot.shape) == tuple(owner.shape)
+            what = "shape"
+        if not ok:
+            raise layer_error(ShapeError, lp.name, lp.type,
+                              f"cannot share param '{slot.name}' owned by layer '{owner.layer}': {what} mismatch "
+                              f"(owner shape {owner.shape}, this layer's shape {slot.shape})")
+
+    def _loss_weights(self, lp, rule: LayerRule, num_tops: int) -> list[float]:
+        weights = list(lp.loss_weight)
+        if rule.is_loss and not weights:
+            weights = [1.0]  # LossLayer::LayerSetUp
+        if weights and len(weights) != num_tops:
+            raise layer_error(SchemaError, lp.name, lp.type,
+                              f"loss_weight must be unspecified or given once per top blob ({len(weights)} "
+                              f"given, {num_tops} tops)")
+        return weights or [0.0] * num_tops
+
+    # -- the whole net --------------------------------------------------------------------------------------
+    def finish(self) -> Graph:
+        self._sweep_backward()
+        if self.param.force_backward:
+            for layer in self.layers:
+                rule = self.rules[layer.name]
+                layer.need_backward = True
+                for j, blob in enumerate(layer.bottoms):
+                    layer.bottom_need_backward[j] = (layer.bottom_need_backward[j]
+                                                     or rule.allow_force_backward(layer.proto, j))
+                    self.blob_need_backward[blob] = (self.blob_need_backward[blob]
+                                                     or layer.bottom_need_backward[j])
+                layer.param_need_backward = [True] * len(layer.params)
+        return Graph(name=self.param.name, phase=self.phase, level=self.param.state.level,
+                     stages=tuple(self.param.state.stage), force_backward=self.param.force_backward,
+                     layers=self.layers, blobs=self.blobs, value_shapes=self.value_shapes,
+                     blob_value=self.blob_value, blob_first_value=self.blob_first_value, inputs=self.inputs,
+                     outputs=sorted(self.available), blob_loss_weights=self.loss_weights, proto=self.param)
+
+    def _sweep_backward(self) -> None:
+        """Net::Init's backward sweep: layers not under a loss, or whose tops all skip backprop, need none."""
+        under_loss: set[str] = set()
+        skip_backprop: set[str] = set()
+        for layer in reversed(self.layers):
+            contributes = any(w != 0 or blob in under_loss for blob, w in zip(layer.tops, layer.loss_weights))
+            skip = all(blob in skip_backprop for blob in layer.tops)
+            if layer.need_backward and skip:
+                layer.need_backward = False
+                layer.bottom_need_backward = [False] * len(layer.bottoms)
+            if not contributes:
+                layer.need_backward = False
+            for j, blob in enumerate(layer.bottoms):
+                if contributes:
+                    under_loss.add(blob)
+                else:
+                    layer.bottom_need_backward[j] = False
+                if not layer.bottom_need_backward[j]:
+                    skip_backprop.add(blob)
+
+
+def _declared(rule: LayerRule, lp, phase: int, base_dir: str | None, num_tops: int):
+    shapes = list(rule.input_shapes(lp, phase, base_dir))
+    if len(shapes) != num_tops:
+        raise layer_error(SchemaError, lp.name, lp.type,
+                          f"declares {len(shapes)} shapes for {num_tops} top blob(s)")
+    return [tuple(int(d) for d in s) for s in shapes]
+
+
+def _check_shape(lp, shape: Shape) -> None:
+    if any(d < 0 for d in shape):
+        raise layer_error(ShapeError, lp.name, lp.type, f"negative dimension in shape {tuple(shape)}")
+    n = 1
+    for d in shape:
+        n *= d
+    if n > MAX_BLOB_ELEMENTS:
+        raise layer_error(ShapeError, lp.name, lp.type,
+                          f"shape {tuple(shape)} has {n} elements, more than caffejax allows "
+                          f"({MAX_BLOB_ELEMENTS}); is a dim mistyped?")
+
+
+def infer_top_shapes(lp, rule: LayerRule, phase: int, bottom_shapes, param_shapes, num_tops: int,
+                     dtype=np.float32) -> list[Shape]:
+    """Caffe's Reshape for one layer: the shapes its forward produces, from abstract evaluation."""
+    in_place = tuple(i < len(lp.bottom) and t == lp.bottom[i] for i, t in enumerate(lp.top))
+    ctx = LayerContext(layer=lp, phase=phase, key=jax.random.key(0), num_tops=num_tops, in_place=in_place)
+    bottoms = [jax.ShapeDtypeStruct(tuple(s), dtype) for s in bottom_shapes]
+    params = [jax.ShapeDtypeStruct(tuple(s), dtype) for s in param_shapes]
+    try:
+        tops = jax.eval_shape(lambda b, p: list(rule.forward(ctx, b, p)), bottoms, params)
+    except CaffejaxError:
+        raise
+    except Exception as e:
+        raise layer_error(ShapeError, lp.name, lp.type,
+                          f"shapes do not fit: bottoms {[tuple(s) for s in bottom_shapes]}, learnable blobs "
+                          f"{[tuple(s) for s in param_shapes]}: {type(e).__name__}: {_first_line(e)}") from None
+    if len(tops) != num_tops:
+        raise layer_error(SchemaError, lp.name, lp.type, f"produces {len(tops)} tops but {num_tops} are named")
+    return [tuple(int(d) for d in t.shape) for t in tops]
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""

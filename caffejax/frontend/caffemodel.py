@@ -1,0 +1,347 @@
+"""Reading and writing trained weights: binary ``.caffemodel`` / ``.binaryproto`` and Caffe's HDF5 layout.
+
+A caffemodel is a NetParameter whose layers carry their learnable blobs. Parsing hundreds of MB of floats
+through protobuf's repeated fields would copy every weight twice and walk it in Python, so the blob
+payloads are located directly in the wire format: the file is memory-mapped, each BlobProto's packed
+``data`` field becomes a NumPy view of the mapping (no copy), and only the small remainder of every layer
+(name, type, params) goes through protobuf. Legacy V1 files (NetParameter field ``layers``) are read the
+same way; the caller upgrades them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import mmap
+import os
+from typing import Iterator
+
+import numpy as np
+from google.protobuf import message
+
+from caffejax.errors import ParseError, WeightsError
+from caffejax.proto import caffe_pb2
+
+# Field numbers from caffe.proto.
+_NET_LAYER, _NET_LAYERS_V1 = 100, 2
+_LAYER_NAME, _LAYER_BLOBS = 1, 7          # LayerParameter
+_V1_NAME, _V1_BLOBS = 4, 6                # V1LayerParameter
+_BLOB_NUM, _BLOB_CHANNELS, _BLOB_HEIGHT, _BLOB_WIDTH = 1, 2, 3, 4
+_BLOB_DATA, _BLOB_DIFF, _BLOB_SHAPE, _BLOB_DOUBLE_DATA, _BLOB_DOUBLE_DIFF = 5, 6, 7, 8, 9
+
+_VARINT, _FIXED64, _LEN, _FIXED32 = 0, 1, 2, 5
+
+
+@dataclasses.dataclass
+class Weights:
+    """The weights of a caffemodel: ``net`` is the NetParameter with blob payloads stripped (layer names,
+    types and params are kept, for upgrading and matching), ``blobs`` maps layer name -> arrays in order."""
+
+    net: caffe_pb2.NetParameter
+    blobs: dict[str, list[np.ndarray]]
+    path: str
+
+
+def blob_shape(blob: caffe_pb2.BlobProto) -> tuple[int, ...]:
+    """A BlobProto's shape: ``shape.dim`` if present, else the legacy 4-D num/channels/height/width."""
+    if any(blob.HasField(f) for f in ("num", "channels", "height", "width")):
+        return (blob.num, blob.channels, blob.height, blob.width)
+    return tuple(int(d) for d in blob.shape.dim)
+
+
+def blobproto_to_array(blob: caffe_pb2.BlobProto, return_diff: bool = False) -> np.ndarray:
+    """A BlobProto as a float32 array (float64 if it holds double_data)."""
+    shape = blob_shape(blob)
+    if return_diff:
+        values = blob.double_diff if len(blob.double_diff) else blob.diff
+    else:
+        values = blob.double_data if len(blob.double_data) else blob.data
+    dtype = np.float64 if (len(blob.double_diff) if return_diff else len(blob.double_data)) else np.float32
+    arr = np.asarray(values, dtype=dtype)
+    if arr.size != int(np.prod(shape, dtype=np.int64)):
+        raise WeightsError(f"BlobProto holds {arr.size} values but its shape {shape} needs "
+                           f"{int(np.prod(shape, dtype=np.int64))}")
+    return arr.reshape(shape)
+
+
+def array_to_blobproto(arr: np.ndarray, diff: np.ndarray | None = None) -> caffe_pb2.BlobProto:
+    blob = caffe_pb2.BlobProto()
+    arr = np.asarray(arr)
+    blob.shape.dim.extend(int(d) for d in arr.shape)
+    if arr.dtype == np.float64:
+        blob.double_data.extend(arr.ravel().tolist())
+    else:
+        blob.data.extend(np.asarray(arr, np.float32).ravel().tolist())
+    if diff is not None:
+        blob.diff.extend(np.asarray(diff, np.float32).ravel().tolist())
+    return blob
+
+
+def is_hdf5(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(8) == b"\x89HDF\r\n\x1a\n"
+    except OSError:
+        return False
+
+
+def read_weights(path: str) -> Weights:
+    """Read a ``.caffemodel`` (binary NetParameter) or ``.caffemodel.h5`` into :class:`Weights`."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise WeightsError(f"{path}: no such weights file")
+    if is_hdf5(path):
+        return _read_hdf5(path)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            raise WeightsError(f"{path}: empty file, not a caffemodel")
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        return _read_binary(memoryview(buf), path)
+    except (ParseError, WeightsError):
+        raise
+    except (IndexError, ValueError, message.DecodeError) as e:
+        raise WeightsError(f"{path}: not a valid caffemodel (corrupted or truncated?): {e}") from None
+
+
+def read_binary_net(path: str) -> caffe_pb2.NetParameter:
+    """A whole binary NetParameter, blobs included (for files that are small or must be edited as protos)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    net = caffe_pb2.NetParameter()
+    try:
+        net.ParseFromString(data)
+    except message.DecodeError as e:
+        raise WeightsError(f"{path}: not a valid binary NetParameter: {e}") from None
+    return net
+
+
+def read_blobproto(path: str) -> caffe_pb2.BlobProto:
+    """A ``.binaryproto`` (e.g. a mean file)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise WeightsError(f"{path}: cannot read: {e.strerror}") from None
+    blob = caffe_pb2.BlobProto()
+    try:
+        blob.ParseFromString(data)
+    except message.DecodeError as e:
+        raise WeightsError(f"{path}: not a valid BlobProto: {e}") from None
+    return blob
+
+
+# ---- the wire-format walk ----------------------------------------------------------------------------------
+
+def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result, pos
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint too long")
+
+
+def _fields(buf: memoryview, start: int, end: int) -> Iterator[tuple[int, int, int, int, int]]:
+    """Yield (field number, wire type, value or payload start, payload end, field start) over buf[start:end]."""
+    pos = start
+    while pos < end:
+        field_start = pos
+        key, pos = _varint(buf, pos)
+        number, wire = key >> 3, key & 7
+        if number == 0:
+            raise ValueError(f"invalid field number 0 at byte {field_start}")
+        if wire == _VARINT:
+            value, pos = _varint(buf, pos)
+            yield number, wire, value, pos, field_start
+        elif wire == _LEN:
+            length, pos = _varint(buf, pos)
+            if pos + length > end:
+                raise ValueError(f"field {number} at byte {field_start} runs past the end of its message")
+            yield number, wire, pos, pos + length, field_start
+            pos += length
+        elif wire == _FIXED32:
+            yield number, wire, pos, pos + 4, field_start
+            pos += 4
+        elif wire == _FIXED64:
+            yield number, wire, pos, pos + 8, field_start
+            pos += 8
+        else:
+            raise ValueError(f"unsupported wire type {wire} at byte {field_start}")
+    if pos != end:
+        raise ValueError("message is truncated")
+
+
+def _read_binary(buf: memoryview, path: str) -> Weights:
+    net_rest = bytearray()
+    blobs: dict[str, list[np.ndarray]] = {}
+    for number, wire, a, b, field_start in _fields(buf, 0, len(buf)):
+        if wire == _LEN and number in (_NET_LAYER, _NET_LAYERS_V1):
+            v1 = number == _NET_LAYERS_V1
+            layer_bytes, layer_blobs = _split_layer(buf, a, b, v1)
+            net_rest += _encode_len_field(number, layer_bytes)
+            layer = (caffe_pb2.V1LayerParameter if v1 else caffe_pb2.LayerParameter).FromString(layer_bytes)
+            if layer.name in blobs and layer_blobs:
+                raise WeightsError(f"{path}: layer '{layer.name}' appears twice with weights")
+            if layer_blobs or layer.name not in blobs:
+                blobs[layer.name] = layer_blobs
+        else:
+            net_rest += buf[field_start:b]
+    net = caffe_pb2.NetParameter.FromString(bytes(net_rest))
+    return Weights(net=net, blobs=blobs, path=path)
+
+
+def _split_layer(buf: memoryview, start: int, end: int, v1: bool) -> tuple[bytes, list[np.ndarray]]:
+    """A layer's bytes without its blobs, and the blobs as arrays (views into ``buf`` where possible)."""
+    blobs_field = _V1_BLOBS if v1 else _LAYER_BLOBS
+    rest = bytearray()
+    blobs = []
+    for number, wire, a, b, field_start in _fields(buf, start, end):
+        if number == blobs_field and wire == _LEN:
+            blobs.append(_blob_array(buf, a, b))
+        else:
+            rest += buf[field_start:b]
+    return bytes(rest), blobs
+
+
+def _blob_array(buf: memoryview, start: int, end: int) -> np.ndarray:
+    legacy = {}
+    shape = None
+    chunks: list[np.ndarray] = []
+    double_chunks: list[np.ndarray] = []
+    for number, wire, a, b, _ in _fields(buf, start, end):
+        if number in (_BLOB_NUM, _BLOB_CHANNELS, _BLOB_HEIGHT, _BLOB_WIDTH) and wire == _VARINT:
+            legacy[number] = a
+        elif number == _BLOB_SHAPE and wire == _LEN:
+            shape = tuple(int(d) for d in caffe_pb2.BlobShape.FromString(bytes(buf[a:b])).dim)
+        elif number == _BLOB_DATA:
+            chunks.append(_floats(buf, a, b, wire, np.dtype("<f4")))
+        elif number == _BLOB_DOUBLE_DATA:
+            double_chunks.append(_floats(buf, a, b, wire, np.dtype("<f8")))
+        # diff and double_diff are not weights: skipped.
+    if shape is None:
+        # Caffe's Blob::FromProto: legacy 4-D fields if any are set, else the (possibly absent, i.e. 0-axis) shape.
+        shape = tuple(legacy.get(k, 0) for k in (_BLOB_NUM, _BLOB_CHANNELS, _BLOB_HEIGHT, _BLOB_WIDTH)) \
+            if legacy else ()
+    parts = double_chunks or chunks
+    if not parts:
+        arr = np.zeros(0, np.float32)
+    elif len(parts) == 1:
+        arr = parts[0]
+    else:
+        arr = np.concatenate(parts)
+    if double_chunks:
+        arr = arr.astype(np.float32)
+    expected = int(np.prod(shape, dtype=np.int64))
+    if any(d < 0 for d in shape) or arr.size != expected:
+        raise WeightsError(f"a blob of shape {shape} should hold {expected} values but holds {arr.size} "
+                           "(corrupted or truncated caffemodel?)")
+    return arr.reshape(shape)
+
+
+def _floats(buf: memoryview, a: int, b: int, wire: int, dtype: np.dtype) -> np.ndarray:
+    if wire == _LEN:  # packed
+        if (b - a) % dtype.itemsize:
+            raise ValueError("packed float field has a partial element")
+        return np.frombuffer(buf[a:b], dtype=dtype)
+    if wire in (_FIXED32, _FIXED64) and (b - a) == dtype.itemsize:  # one unpacked element
+        return np.frombuffer(buf[a:b], dtype=dtype)
+    raise ValueError("float field with the wrong wire type")
+
+
+def _encode_len_field(number: int, payload: bytes) -> bytes:
+    return _encode_varint((number << 3) | _LEN) + _encode_varint(len(payload)) + payload
+
+
+def _encode_varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def encode_blob(arr: np.ndarray) -> bytes:
+    """A BlobProto's bytes: shape, then the data as one packed float field (written without a Python loop)."""
+    arr = np.ascontiguousarray(arr, dtype="<f4")
+    dims = b"".join(_encode_varint(int(d)) for d in arr.shape)
+    shape = _encode_len_field(1, dims) if arr.ndim else b""  # BlobShape.dim is packed (field 1)
+    return _encode_len_field(_BLOB_SHAPE, shape) + _encode_len_field(_BLOB_DATA, arr.tobytes())
+
+
+def encode_net(net: caffe_pb2.NetParameter, blobs: dict[str, list[np.ndarray]]) -> Iterator[bytes]:
+    """A binary caffemodel in chunks: ``net``'s own fields, then each layer with ``blobs[layer.name]`` appended.
+
+    Protobuf parsers accept fields in any order, so a layer is its serialized params followed by its blob
+    fields; BVLC Caffe reads the result like any caffemodel.
+    """
+    head = caffe_pb2.NetParameter()
+    head.CopyFrom(net)
+    del head.layer[:]
+    del head.layers[:]
+    yield head.SerializeToString()
+    for layer in net.layer:
+        stripped = caffe_pb2.LayerParameter()
+        stripped.CopyFrom(layer)
+        del stripped.blobs[:]
+        payload = [stripped.SerializeToString()]
+        payload += [_encode_len_field(_LAYER_BLOBS, encode_blob(a)) for a in blobs.get(layer.name, [])]
+        body = b"".join(payload)
+        yield _encode_varint((_NET_LAYER << 3) | _LEN) + _encode_varint(len(body))
+        yield body
+
+
+# ---- HDF5 -----------------------------------------------------------------------------------------------------
+
+def _h5py():
+    try:
+        import h5py
+    except ImportError:
+        raise WeightsError("reading/writing HDF5 weights needs h5py: pip install 'caffejax[hdf5]'") from None
+    return h5py
+
+
+def _read_hdf5(path: str) -> Weights:
+    """Caffe's HDF5 layout: ``data/<layer>/<i>`` datasets (only owners of shared params are stored)."""
+    h5py = _h5py()
+    blobs: dict[str, list[np.ndarray]] = {}
+    net = caffe_pb2.NetParameter()
+    try:
+        with h5py.File(path, "r") as f:
+            if "data" not in f:
+                raise WeightsError(f"{path}: HDF5 file has no 'data' group (not a Caffe HDF5 caffemodel)")
+            for layer_name, group in f["data"].items():
+                n = len(group)
+                arrays = []
+                for j in range(n):
+                    if str(j) not in group:
+                        break  # a gap means the rest are shared params Caffe did not write
+                    arrays.append(np.asarray(group[str(j)], dtype=np.float32))
+                blobs[layer_name] = arrays
+                net.layer.add(name=layer_name)
+    except OSError as e:
+        raise WeightsError(f"{path}: cannot read HDF5 weights: {e}") from None
+    return Weights(net=net, blobs=blobs, path=path)
+
+
+def write_hdf5(path: str, params: dict[str, list[np.ndarray]], diffs: dict[str, list[np.ndarray]] | None = None):
+    """Write Caffe's HDF5 layout: ``data/<layer>/<i>`` (and ``diff/<layer>/<i>`` if diffs are given)."""
+    h5py = _h5py()
+    with h5py.File(path, "w") as f:
+        for group_name, content in (("data", params), ("diff", diffs)):
+            if content is None:
+                continue
+            group = f.create_group(group_name)
+            for layer_name, arrays in content.items():
+                layer_group = group.create_group(layer_name)
+                for j, arr in enumerate(arrays):
+                    if arr is not None:
+                        layer_group.create_dataset(str(j), data=np.asarray(arr, np.float32))

@@ -1,0 +1,111 @@
+"""The IR: plain dataclasses for a filtered, split, shape-inferred Caffe net.
+
+Layers are in execution order. Caffe's blob names are kept for users (``Layer.bottoms``/``tops``), while
+every write of a blob gets its own *value* (``Layer.bottom_values``/``top_values``), so in-place layers
+(``top == bottom``) become ordinary SSA definitions: value ``conv1`` is the convolution's output, value
+``conv1@relu1`` the ReLU's, and the blob ``conv1`` shows the last one, as Caffe's shared memory does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+Shape = tuple[int, ...]
+
+
+@dataclasses.dataclass
+class ParamSlot:
+    """One learnable blob of a layer, as Net::AppendParam sees it.
+
+    ``owner`` is the (layer name, index) whose storage this slot uses: itself unless the blob is shared by
+    ParamSpec name with an earlier layer. ``lr_mult``/``decay_mult`` are the owner's effective values.
+    """
+
+    layer: str
+    index: int
+    shape: Shape
+    name: str = ""
+    owner: tuple[str, int] | None = None
+    lr_mult: float = 1.0
+    decay_mult: float = 1.0
+    has_lr_mult: bool = False
+    has_decay_mult: bool = False
+    share_mode: int = 0  # ParamSpec.DimCheckMode: STRICT = 0, PERMISSIVE = 1
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.layer, self.index)
+
+    @property
+    def storage(self) -> tuple[str, int]:
+        return self.owner or self.key
+
+    @property
+    def is_owner(self) -> bool:
+        return self.owner is None
+
+
+@dataclasses.dataclass
+class Layer:
+    name: str
+    type: str
+    proto: Any  # caffe_pb2.LayerParameter (the filtered, split, upgraded one)
+    bottoms: list[str]
+    tops: list[str]
+    bottom_values: list[str]
+    top_values: list[str]
+    params: list[ParamSlot]
+    loss_weights: list[float]          # one per top (0 for non-loss tops)
+    need_backward: bool = False
+    bottom_need_backward: list[bool] = dataclasses.field(default_factory=list)
+    param_need_backward: list[bool] = dataclasses.field(default_factory=list)
+    is_input: bool = False             # tops are fed from outside the compiled program
+
+    @property
+    def in_place(self) -> list[bool]:
+        return [i < len(self.bottoms) and t == self.bottoms[i] for i, t in enumerate(self.tops)]
+
+
+@dataclasses.dataclass
+class Graph:
+    """A whole net, ready to lower.
+
+    ``blobs`` are Caffe's blob names in Caffe's blob order; ``value_shapes`` maps every value to its
+    shape (None where it depends on a data source that is not available); ``blob_value`` maps each blob to
+    the value it holds after a full forward.
+    """
+
+    name: str
+    phase: int
+    level: int
+    stages: tuple[str, ...]
+    force_backward: bool
+    layers: list[Layer]
+    blobs: list[str]
+    value_shapes: dict[str, Shape | None]
+    blob_value: dict[str, str]
+    blob_first_value: dict[str, str]
+    inputs: list[str]
+    outputs: list[str]
+    blob_loss_weights: dict[str, float]
+    proto: Any  # the NetParameter after upgrade, filter and splits
+
+    def layer(self, name: str) -> Layer:
+        for layer in self.layers:
+            if layer.name == name:
+                return layer
+        raise KeyError(name)
+
+    def blob_shape(self, blob: str) -> Shape | None:
+        return self.value_shapes[self.blob_value[blob]]
+
+    @property
+    def param_slots(self) -> list[ParamSlot]:
+        """Every layer's learnable blobs in Caffe's net param order (``net.params_``)."""
+        return [slot for layer in self.layers for slot in layer.params]
+
+    @property
+    def learnable_slots(self) -> list[ParamSlot]:
+        """The owners only (``net.learnable_params_``): what a solver updates."""
+        return [slot for slot in self.param_slots if slot.is_owner]

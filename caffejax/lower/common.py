@@ -1,0 +1,660 @@
+"""Common layers: Caffe's shape plumbing, normalisations, products and indexing layers.
+
+Each rule is the Caffe layer's LayerSetUp (learnable blobs), Reshape (checks and top shapes) and Forward_cpu
+as a JAX expression. Backward is the derivative JAX takes of that expression; where Caffe's hand-written
+Backward_cpu differs from the true derivative, the expression is written so that it does not:
+``jnp.where`` routes Eltwise MAX's gradient to the bottom Caffe's mask picks, ``lax.stop_gradient`` cuts what
+Caffe does not differentiate (indices, selectors, labels, BatchNorm's stored statistics), and ``custom_vjp``
+gives MVN and the unstable Eltwise PROD Caffe's own formulas.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from caffejax.errors import SchemaError, ShapeError, layer_error
+from caffejax.lower.registry import TEST, LayerContext, canonical_axis, count, layer
+from caffejax.proto import caffe_pb2
+
+Shape = tuple[int, ...]
+
+
+# ---- helpers shared by several rules --------------------------------------------------------------------------
+
+def _fail(layer_param: Any, message: str, cls: type = ShapeError):
+    """The error for a configuration Caffe rejects, where no LayerContext is at hand (param_shapes)."""
+    return layer_error(cls, layer_param.name, layer_param.type, message)
+
+
+def matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a @ b in full float precision (Caffe's gemm; no reduced-precision tensor-core passes)."""
+    return jnp.matmul(a, b, precision=lax.Precision.HIGHEST)
+
+
+def _fill(filler_param: Any, shape: Shape, key: jax.Array) -> jax.Array:
+    from caffejax.lower.fillers import fill  # lazily: the fillers module belongs to another family
+    return fill(filler_param, shape, key)
+
+
+def _constant_filler(value: float) -> Any:
+    return caffe_pb2.FillerParameter(type="constant", value=value)
+
+
+def _keys(key: jax.Array, n: int) -> list[jax.Array]:
+    return list(jax.random.split(key, max(n, 1)))
+
+
+def _gather_rows(table: jax.Array, index: jax.Array) -> jax.Array:
+    """table[int(index)] along axis 0; an index outside [0, rows) (a CHECK failure in Caffe) gives NaN rows."""
+    rows = table.shape[0]
+    index = lax.stop_gradient(index).astype(jnp.int32)  # static_cast<int>: truncation toward zero
+    valid = (index >= 0) & (index < rows)
+    picked = jnp.take(table, jnp.clip(index, 0, rows - 1), axis=0)
+    valid = valid.reshape(valid.shape + (1,) * (table.ndim - 1))
+    return jnp.where(valid, picked, jnp.array(jnp.nan, table.dtype))
+
+
+def _legacy_axis(ctx: LayerContext, param: Any, legacy: str, ndim: int) -> int:
+    """Concat/Slice's axis: ``axis`` (negative allowed) or the deprecated uint32 ``*_dim``, not both."""
+    if param.HasField("axis") and param.HasField(legacy):
+        raise ctx.error(f"either axis or {legacy} should be specified; not both")
+    if param.HasField(legacy):
+        dim = getattr(param, legacy)
+        if dim >= ndim:
+            raise ctx.error(f"{legacy} {dim} out of range for a {ndim}-D blob")
+        return dim
+    return canonical_axis(ctx, param.axis, ndim)
+
+
+def _param_span(layer_param: Any, axis: int, num_axes: int, bottom_shape: Shape) -> Shape:
+    """bottom.shape[axis : axis + num_axes] (num_axes -1: to the end): a learned Scale/Bias blob's shape."""
+    ndim = len(bottom_shape)
+    axis = canonical_axis(layer_param.name, axis, ndim)
+    if num_axes < -1:
+        raise _fail(layer_param, f"num_axes must be non-negative, or -1 to extend to the end; got {num_axes}")
+    if num_axes >= 0 and ndim < axis + num_axes:
+        raise _fail(layer_param, f"the blob's shape extends past bottom[0]'s shape {bottom_shape} when "
+                                 f"applied from axis {axis} over {num_axes} axes")
+    end = ndim if num_axes == -1 else axis + num_axes
+    return tuple(bottom_shape[axis:end])
+
+
+def _broadcast_operand(ctx: LayerContext, x: jax.Array, operand: jax.Array, axis: int) -> jax.Array:
+    """Scale/Bias Reshape: the operand covers x.shape[axis : axis + operand.ndim]; a scalar forces axis 0."""
+    axis = 0 if operand.ndim == 0 else canonical_axis(ctx, axis, x.ndim)
+    span = x.shape[axis:axis + operand.ndim]
+    if x.ndim < axis + operand.ndim or tuple(span) != tuple(operand.shape):
+        raise ctx.error(f"operand of shape {tuple(operand.shape)} does not match bottom[0] {tuple(x.shape)} "
+                        f"from axis {axis} (its dims there: {tuple(span)})")
+    return operand.reshape((1,) * axis + tuple(operand.shape) + (1,) * (x.ndim - axis - operand.ndim))
+
+
+def _descending(values: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Sort the last axis like std::partial_sort with std::greater on (value, index) pairs.
+
+    Largest value first; among equal values the higher index first. Returns (values, indices).
+    """
+    values = jnp.where(values == 0, jnp.zeros_like(values), values)  # -0.0 == 0.0 in C++; lax.sort tells them apart
+    index = lax.broadcasted_iota(jnp.int32, values.shape, values.ndim - 1)
+    ascending, order = lax.sort((values, index), dimension=values.ndim - 1, num_keys=2)
+    return jnp.flip(ascending, -1), jnp.flip(order, -1)
+
+
+# ---- ArgMax, Accuracy -----------------------------------------------------------------------------------------
+
+@layer("ArgMax", bottoms=(1, 1), tops=(1, 1))
+def argmax(ctx: LayerContext, bottoms, params):
+    """The top_k largest entries per instance: their indices, or with out_max_val their values.
+
+    Without ``axis``: over the flattened count(1) entries, top (N, 1|2, top_k, 1...) holding the indices and
+    then (out_max_val) the values. With ``axis``: that axis becomes top_k, holding values if out_max_val else
+    indices. Ties: the higher index first. No gradient (Caffe's Backward is NOT_IMPLEMENTED).
+    """
+    (x,) = bottoms
+    p = ctx.layer.argmax_param
+    top_k = p.top_k
+    if top_k < 1:
+        raise ctx.error(f"top_k must not be less than 1, got {top_k}")
+    if x.ndim < 1:
+        raise ctx.error("bottom must have at least one axis")
+    x = lax.stop_gradient(x)
+    if p.HasField("axis"):
+        axis = canonical_axis(ctx, p.axis, x.ndim)
+        if top_k > x.shape[axis]:
+            raise ctx.error(f"top_k {top_k} must be <= the dimension of axis {axis} ({x.shape[axis]})")
+        values, indices = _descending(jnp.moveaxis(x, axis, -1))
+        picked = values if p.out_max_val else indices.astype(x.dtype)
+        return [jnp.moveaxis(picked[..., :top_k], -1, axis)]
+    dim = count(x.shape, 1)
+    if top_k > dim:
+        raise ctx.error(f"top_k {top_k} must be <= the flattened dimension per instance ({dim})")
+    values, indices = _descending(x.reshape(x.shape[0], dim))
+    rows = [indices[:, :top_k].astype(x.dtype)] + ([values[:, :top_k]] if p.out_max_val else [])
+    top = jnp.stack(rows, axis=1)
+    return [top.reshape(top.shape + (1,) * (max(x.ndim, 3) - 3))]
+
+
+@layer("Accuracy", bottoms=(2, 2), tops=(1, 2), allow_force_backward=lambda lp, i: i != 1)
+def accuracy(ctx: LayerContext, bottoms, params):
+    """Top-k accuracy: a prediction is correct iff #{classes scoring >= the true class} <= top_k.
+
+    Labels equal to ignore_label are skipped; the result is 0 when nothing is counted. The optional second
+    top holds per-class accuracy (0 for a class with no labels). No gradient.
+    """
+    x, label = (lax.stop_gradient(b) for b in bottoms)
+    p = ctx.layer.accuracy_param
+    if label.size == 0 or p.top_k > x.size // label.size:
+        raise ctx.error(f"top_k {p.top_k} must be <= the number of classes "
+                        f"(count {x.size} / label count {label.size})")
+    axis = canonical_axis(ctx, p.axis, x.ndim)
+    outer, classes, inner = count(x.shape, 0, axis), x.shape[axis], count(x.shape, axis + 1)
+    if outer * inner != label.size:
+        raise ctx.error(f"number of labels ({label.size}, shape {tuple(label.shape)}) must match the number "
+                        f"of predictions ({outer * inner}) of scores {tuple(x.shape)} with class axis {axis}")
+    scores = x.reshape(outer, classes, inner)
+    labels = label.reshape(outer, inner).astype(jnp.int32)  # static_cast<int>
+    counted = labels != p.ignore_label if p.HasField("ignore_label") else jnp.ones(labels.shape, bool)
+    true_score = jnp.take_along_axis(scores, jnp.clip(labels, 0, classes - 1)[:, None, :], axis=1)
+    # The loop in accuracy_layer.cpp counts the true class itself among the ">= true score" classes.
+    correct = counted & (jnp.sum(scores >= true_score, axis=1) <= p.top_k)
+    total = jnp.sum(counted).astype(x.dtype)
+    hits = jnp.sum(correct).astype(x.dtype)
+    tops = [jnp.where(total == 0, 0, hits / jnp.maximum(total, 1)).astype(x.dtype)]
+    if ctx.num_tops > 1:
+        one_hot = (labels[..., None] == jnp.arange(classes)) & counted[..., None]
+        per_label = jnp.sum(one_hot, axis=(0, 1)).astype(x.dtype)
+        per_hit = jnp.sum(one_hot & correct[..., None], axis=(0, 1)).astype(x.dtype)
+        tops.append(jnp.where(per_label == 0, 0, per_hit / jnp.maximum(per_label, 1)).astype(x.dtype))
+    return tops
+
+
+# ---- BatchNorm ------------------------------------------------------------------------------------------------
+
+def _batch_norm_param_shapes(layer_param, bottom_shapes):
+    """mean [C], variance [C], moving-average factor [1]; C = shape(1) (1 for a 1-D bottom)."""
+    params = layer_param.param
+    # LayerSetUp CHECKs explicitly configured lr_mults are 0 (UpgradeNetBatchNorm zeroes exactly-3 specs).
+    if len(params) != 3 and any(spec.lr_mult != 0 for spec in list(params)[:3]):
+        raise _fail(layer_param, "cannot configure batch normalization statistics as layer parameters "
+                                 "(their lr_mult must be 0)", SchemaError)
+    shape = bottom_shapes[0]
+    channels = 1 if len(shape) == 1 else shape[1]
+    return [(channels,), (channels,), (1,)]
+
+
+def _batch_norm_init(layer_param, shapes, key):
+    return [jnp.zeros(shape, jnp.float32) for shape in shapes]
+
+
+@layer("BatchNorm", param_shapes=_batch_norm_param_shapes, init_params=_batch_norm_init,
+       bottoms=(1, 1), tops=(1, 1), frozen_params=True)
+def batch_norm(ctx: LayerContext, bottoms, params):
+    """y = (x - mean) / sqrt(var + eps) per channel (axis 1), no affine part.
+
+    With global stats (default in TEST): mean = b0/b2, var = b1/b2 (0 if b2 == 0), no gradient to the blobs.
+    Otherwise the biased batch statistics over all axes but 1, and the blobs are updated as Caffe does:
+    b2 = maf·b2 + 1, b0 = maf·b0 + mean, b1 = maf·b1 + m/(m-1)·var with m = count/C.
+    """
+    (x,) = bottoms
+    p = ctx.layer.batch_norm_param
+    if x.ndim < 2:
+        raise ctx.error(f"bottom must have a channel axis (shape(1)); got shape {tuple(x.shape)}")
+    channels = x.shape[1]
+    if any(b.shape != s for b, s in zip(params, [(channels,), (channels,), (1,)])):
+        raise ctx.error(f"blobs {[tuple(b.shape) for b in params]} do not fit {channels} channels")
+    use_global_stats = p.use_global_stats if p.HasField("use_global_stats") else ctx.phase == TEST
+    per_channel = (1, channels) + (1,) * (x.ndim - 2)
+    axes = (0,) + tuple(range(2, x.ndim))
+    if use_global_stats:
+        mean_sum, var_sum, factor = (lax.stop_gradient(b.astype(x.dtype)) for b in params)
+        scale = jnp.where(factor[0] == 0, 0, 1 / jnp.where(factor[0] == 0, 1, factor[0]))
+        mean, var = scale * mean_sum, scale * var_sum
+    else:
+        mean = jnp.mean(x, axis=axes)
+        var = jnp.mean(jnp.square(x - mean.reshape(per_channel)), axis=axes)
+        _update_moving_stats(ctx, params, mean, var, x.size // channels)
+    return [(x - mean.reshape(per_channel)) / jnp.sqrt(var.reshape(per_channel) + p.eps)]
+
+
+def _update_moving_stats(ctx: LayerContext, params, mean, var, m: int) -> None:
+    """batch_norm_layer.cpp's running sums: caffe_cpu_axpby(Y = alpha·X + beta·Y) with beta = maf."""
+    maf = ctx.layer.batch_norm_param.moving_average_fraction
+    mean_sum, var_sum, factor = params
+    correction = jnp.asarray(m, var.dtype) / (m - 1) if m > 1 else 1
+    # State, not part of the differentiated function: Caffe never backpropagates into these sums.
+    ctx.update_param(0, lax.stop_gradient(maf * mean_sum + mean))
+    ctx.update_param(1, lax.stop_gradient(maf * var_sum + correction * var))
+    ctx.update_param(2, lax.stop_gradient(maf * factor + 1))
+
+
+# ---- BatchReindex, Filter, Embed ------------------------------------------------------------------------------
+
+@layer("BatchReindex", bottoms=(2, 2), tops=(1, 1), allow_force_backward=lambda lp, i: i != 1)
+def batch_reindex(ctx: LayerContext, bottoms, params):
+    """top[n] = x[int(index[n])]; the gradient scatter-adds into x, none reaches the index."""
+    x, index = bottoms
+    if index.ndim != 1:
+        raise ctx.error(f"index must be 1-D, got shape {tuple(index.shape)}")
+    if x.ndim < 1:
+        raise ctx.error("bottom[0] must have a batch axis")
+    return [_gather_rows(x, index)]
+
+
+@layer("Filter", bottoms=(2, None), tops=(1, None),
+       allow_force_backward=lambda lp, i: i != len(lp.bottom) - 1)
+def filter_(ctx: LayerContext, bottoms, params):
+    """top[i] = bottom[i] rows n where selector[n] != 0 (the selector is the last bottom, N x 1 x 1...).
+
+    The top's batch size depends on the selector's VALUES, so it is static only when the selector is a
+    concrete array (a constant of the program); a traced selector is an error. The gradient copies the top
+    diff back to the selected rows (zero elsewhere); none reaches the selector.
+    """
+    *data, selector = bottoms
+    if ctx.num_tops != len(data):
+        raise ctx.error(f"needs one top per filtered bottom: {len(data)} bottoms to filter, {ctx.num_tops} tops")
+    if selector.ndim < 1 or any(d != 1 for d in selector.shape[1:]):
+        raise ctx.error(f"selector dimensions must be singletons (1) except the first, got "
+                        f"{tuple(selector.shape)}")
+    for i, b in enumerate(data):
+        if b.ndim < 1 or b.shape[0] != selector.shape[0]:
+            raise ctx.error(f"bottom[{i}] {tuple(b.shape)} must have the selector's 0th dimension "
+                            f"({selector.shape[0]})")
+    try:
+        chosen = np.flatnonzero(np.asarray(selector).reshape(-1) != 0)
+    except jax.errors.TracerArrayConversionError:
+        raise ctx.error("the number of rows Filter outputs depends on the selector's values, so caffejax can "
+                        "only compile it when the selector (last bottom) is a concrete array, not a traced "
+                        "input of the program") from None
+    return [jnp.take(b, jnp.asarray(chosen, jnp.int32), axis=0) for b in data]
+
+
+def _embed_param_shapes(layer_param, bottom_shapes):
+    p = layer_param.embed_param
+    if p.num_output <= 0:
+        raise _fail(layer_param, "EmbedLayer num_output must be positive")
+    if p.input_dim <= 0:
+        raise _fail(layer_param, "EmbedLayer input_dim must be positive")
+    return [(p.input_dim, p.num_output)] + ([(p.num_output,)] if p.bias_term else [])
+
+
+def _embed_init(layer_param, shapes, key):
+    p = layer_param.embed_param
+    fillers = [p.weight_filler, p.bias_filler]
+    return [_fill(f, s, k) for f, s, k in zip(fillers, shapes, _keys(key, len(shapes)))]
+
+
+@layer("Embed", param_shapes=_embed_param_shapes, init_params=_embed_init, bottoms=(1, 1), tops=(1, 1))
+def embed(ctx: LayerContext, bottoms, params):
+    """top = W[int(x)] + b, shape bottom.shape + [num_output]; no gradient to the (index) input."""
+    (x,) = bottoms
+    y = _gather_rows(params[0], x)
+    if ctx.layer.embed_param.bias_term:
+        y = y + params[1]
+    return [y]
+
+
+# ---- Bias, Scale ----------------------------------------------------------------------------------------------
+
+def _bias_param_shapes(layer_param, bottom_shapes):
+    """One bottom: a learned bias over bottom.shape[axis : axis + num_axes]; two bottoms: none."""
+    p = layer_param.bias_param
+    if len(bottom_shapes) > 1:
+        return []
+    return [_param_span(layer_param, p.axis, p.num_axes, bottom_shapes[0])]
+
+
+def _bias_init(layer_param, shapes, key):
+    return [_fill(layer_param.bias_param.filler, s, key) for s in shapes]  # filler default: constant 0
+
+
+@layer("Bias", param_shapes=_bias_param_shapes, init_params=_bias_init, bottoms=(1, 2), tops=(1, 1))
+def bias(ctx: LayerContext, bottoms, params):
+    """top = x + b broadcast over x.shape[axis : axis + b.ndim]; b is bottom[1] or the learned blob."""
+    x = bottoms[0]
+    b = bottoms[1] if len(bottoms) > 1 else params[0]
+    return [x + _broadcast_operand(ctx, x, b, ctx.layer.bias_param.axis)]
+
+
+def _scale_param_shapes(layer_param, bottom_shapes):
+    """[scale (one bottom only)], [bias (bias_term)], as scale_layer.cpp's LayerSetUp allocates them."""
+    p = layer_param.scale_param
+    shapes = []
+    if len(bottom_shapes) == 1:
+        shapes.append(_param_span(layer_param, p.axis, p.num_axes, bottom_shapes[0]))
+    if p.bias_term:
+        # The internal Bias layer spans bottom[1]'s axes when the scale is a bottom, else num_axes.
+        num_axes = len(bottom_shapes[1]) if len(bottom_shapes) > 1 else p.num_axes
+        shapes.append(_param_span(layer_param, p.axis, num_axes, bottom_shapes[0]))
+    return shapes
+
+
+def _scale_init(layer_param, shapes, key):
+    p = layer_param.scale_param
+    scale_filler = p.filler if p.HasField("filler") else _constant_filler(1.0)  # identity by default
+    fillers = ([scale_filler] if len(shapes) > p.bias_term else []) + ([p.bias_filler] if p.bias_term else [])
+    return [_fill(f, s, k) for f, s, k in zip(fillers, shapes, _keys(key, len(shapes)))]
+
+
+@layer("Scale", param_shapes=_scale_param_shapes, init_params=_scale_init, bottoms=(1, 2), tops=(1, 1))
+def scale(ctx: LayerContext, bottoms, params):
+    """top = x * s (+ b with bias_term), s and b broadcast over x.shape[axis : axis + ndim]; s is bottom[1]
+    or the learned blob. A scalar operand applies from axis 0."""
+    x = bottoms[0]
+    p = ctx.layer.scale_param
+    if len(bottoms) > 1:
+        s, rest = bottoms[1], list(params)
+    else:
+        s, rest = params[0], list(params[1:])
+    y = x * _broadcast_operand(ctx, x, s, p.axis)
+    if p.bias_term:
+        y = y + _broadcast_operand(ctx, x, rest[0], p.axis)
+    return [y]
+
+
+# ---- Concat, Slice, Split, Silence, Tile ----------------------------------------------------------------------
+
+@layer("Concat", bottoms=(1, None), tops=(1, 1))
+def concat(ctx: LayerContext, bottoms, params):
+    """top = the bottoms joined along axis (or legacy concat_dim); all other dims must agree."""
+    first = bottoms[0]
+    axis = _legacy_axis(ctx, ctx.layer.concat_param, "concat_dim", first.ndim)
+    for i, b in enumerate(bottoms[1:], 1):
+        if b.ndim != first.ndim or any(b.shape[j] != first.shape[j] for j in range(b.ndim) if j != axis):
+            raise ctx.error(f"all inputs must have the same shape except at concat axis {axis}: bottom[0] "
+                            f"{tuple(first.shape)}, bottom[{i}] {tuple(b.shape)}")
+    return [jnp.concatenate(bottoms, axis=axis)]
+
+
+@layer("Slice", bottoms=(1, 1), tops=(1, None))
+def slice_(ctx: LayerContext, bottoms, params):
+    """The bottom cut along axis (or legacy slice_dim) at slice_point (tops-1 strictly increasing points),
+    or into equal parts when no slice_point is given."""
+    (x,) = bottoms
+    p = ctx.layer.slice_param
+    axis = _legacy_axis(ctx, p, "slice_dim", x.ndim)
+    size, tops = x.shape[axis], ctx.num_tops
+    points = list(p.slice_point)
+    if points:
+        if len(points) != tops - 1:
+            raise ctx.error(f"{len(points)} slice_points for {tops} tops (need tops - 1)")
+        if tops > size:
+            raise ctx.error(f"{tops} tops exceed the {size} entries of axis {axis}")
+        if any(b <= a for a, b in zip([0] + points, points)):
+            raise ctx.error(f"slice_point must be strictly increasing from 0, got {points}")
+        if points[-1] > size:
+            raise ctx.error(f"slice_point {points[-1]} is past axis {axis}'s size {size}")
+    else:
+        if size % tops:
+            raise ctx.error(f"number of top blobs ({tops}) should evenly divide input slice axis ({size})")
+        points = [size // tops * i for i in range(1, tops)]
+    return jnp.split(x, points, axis=axis)
+
+
+@layer("Split", bottoms=(1, 1), tops=(1, None), in_place=False)
+def split(ctx: LayerContext, bottoms, params):
+    """Every top is the bottom; the bottom's diff is the sum of the tops' diffs."""
+    return [bottoms[0]] * ctx.num_tops
+
+
+@layer("Silence", bottoms=(1, None), tops=(0, 0))
+def silence(ctx: LayerContext, bottoms, params):
+    """No tops; the bottoms get zero gradient."""
+    return []
+
+
+@layer("Tile", bottoms=(1, 1), tops=(1, 1))
+def tile(ctx: LayerContext, bottoms, params):
+    """Each block of count(axis:) entries repeated ``tiles`` times in a row (np.tile along axis)."""
+    (x,) = bottoms
+    p = ctx.layer.tile_param
+    axis = canonical_axis(ctx, p.axis, x.ndim)
+    if not p.HasField("tiles"):
+        raise ctx.error("number of tiles must be specified")
+    if p.tiles <= 0:
+        raise ctx.error(f"number of tiles must be positive, got {p.tiles}")
+    reps = [1] * x.ndim
+    reps[axis] = p.tiles
+    return [jnp.tile(x, reps)]
+
+
+# ---- Eltwise --------------------------------------------------------------------------------------------------
+
+@jax.custom_vjp
+def _product_by_quotient(xs: tuple) -> jax.Array:
+    """Π x_i whose gradient is Caffe's stable_prod_grad: false formula, top / x_i (inf/nan where x_i == 0)."""
+    return functools.reduce(jnp.multiply, xs)
+
+
+def _product_by_quotient_fwd(xs):
+    top = functools.reduce(jnp.multiply, xs)
+    return top, (top, xs)
+
+
+def _product_by_quotient_bwd(residual, g):
+    top, xs = residual
+    return (tuple(g * (top / x) for x in xs),)
+
+
+_product_by_quotient.defvjp(_product_by_quotient_fwd, _product_by_quotient_bwd)
+
+
+def _eltwise_max(bottoms: Sequence[jax.Array]) -> jax.Array:
+    """Element-wise max by Caffe's mask rule: bottom 1 wins ties with bottom 0, later bottoms need a strict >.
+    jnp.where's derivative sends the whole gradient to the bottom the mask records, as Caffe's backward."""
+    top = jnp.where(bottoms[0] > bottoms[1], bottoms[0], bottoms[1])
+    for b in bottoms[2:]:
+        top = jnp.where(b > top, b, top)
+    return top
+
+
+@layer("Eltwise", bottoms=(2, None), tops=(1, 1))
+def eltwise(ctx: LayerContext, bottoms, params):
+    """PROD: Π x_i; SUM: Σ coeff_i·x_i (coeff one per bottom, default 1); MAX: element-wise max.
+    PROD's gradient is the product of the other bottoms (stable_prod_grad) or top / x_i."""
+    p = ctx.layer.eltwise_param
+    op = p.operation
+    coeffs = list(p.coeff)
+    if coeffs and len(coeffs) != len(bottoms):
+        raise ctx.error(f"takes one coefficient per bottom blob: {len(coeffs)} coeffs, {len(bottoms)} bottoms")
+    if op == caffe_pb2.EltwiseParameter.PROD and coeffs:
+        raise ctx.error("only takes coefficients for summation (operation SUM)")
+    for i, b in enumerate(bottoms[1:], 1):
+        if b.shape != bottoms[0].shape:
+            raise ctx.error(f"bottom[0] {tuple(bottoms[0].shape)} and bottom[{i}] {tuple(b.shape)} differ")
+    if op == caffe_pb2.EltwiseParameter.PROD:
+        if p.stable_prod_grad:
+            return [functools.reduce(jnp.multiply, bottoms)]
+        return [_product_by_quotient(tuple(bottoms))]
+    if op == caffe_pb2.EltwiseParameter.SUM:
+        coeffs = coeffs or [1.0] * len(bottoms)
+        return [functools.reduce(jnp.add, [b if c == 1 else c * b for c, b in zip(coeffs, bottoms)])]
+    if op == caffe_pb2.EltwiseParameter.MAX:
+        return [_eltwise_max(bottoms)]
+    raise ctx.error(f"unknown elementwise operation {op}")
+
+
+# ---- Flatten, Reshape -----------------------------------------------------------------------------------------
+
+@layer("Flatten", bottoms=(1, 1), tops=(1, 1), in_place=False)
+def flatten(ctx: LayerContext, bottoms, params):
+    """Axes [axis, end_axis] collapsed into one (defaults 1 and -1)."""
+    (x,) = bottoms
+    p = ctx.layer.flatten_param
+    start = canonical_axis(ctx, p.axis, x.ndim)
+    end = canonical_axis(ctx, p.end_axis, x.ndim)
+    if end + 1 < start:
+        raise ctx.error(f"end_axis {p.end_axis} comes before axis {p.axis} for a {x.ndim}-D blob")
+    shape = tuple(x.shape[:start]) + (count(x.shape, start, end + 1),) + tuple(x.shape[end + 1:])
+    return [x.reshape(shape)]
+
+
+def _reshape_top_shape(ctx: LayerContext, bottom_shape: Shape) -> Shape:
+    """reshape_layer.cpp: dims [axis, axis + num_axes) replaced by shape; 0 copies, one -1 is inferred."""
+    p = ctx.layer.reshape_param
+    ndim = len(bottom_shape)
+    dims = list(p.shape.dim)
+    if dims.count(-1) > 1:
+        raise ctx.error(f"new shape {dims} contains multiple -1 dims; at most one may be inferred")
+    # A negative axis counts from the end with ndim + axis + 1 (so -1 means "after the last axis").
+    start = p.axis if p.axis >= 0 else ndim + p.axis + 1
+    if not 0 <= start <= ndim:
+        raise ctx.error(f"axis {p.axis} out of range for a {ndim}-D bottom")
+    if p.num_axes < -1:
+        raise ctx.error(f"num_axes must be >= 0, or -1 for all; got {p.num_axes}")
+    end = ndim if p.num_axes == -1 else start + p.num_axes
+    if end > ndim:
+        raise ctx.error(f"end axis = axis + num_axes = {end} is out of range for a {ndim}-D bottom")
+    top = list(bottom_shape[:start]) + dims + list(bottom_shape[end:])
+    for i, d in enumerate(dims):
+        if d == 0:
+            if start + i >= ndim:
+                raise ctx.error(f"new shape {dims} contains a 0, but there is no bottom axis {start + i} to copy")
+            top[start + i] = bottom_shape[start + i]
+    total = count(bottom_shape)
+    if -1 in dims:
+        known = count([d for j, d in enumerate(top) if j != start + dims.index(-1)])
+        if known == 0 or total % known:
+            raise ctx.error(f"bottom count ({total}) must be divisible by the product of the specified "
+                            f"dimensions ({known}) of {dims}")
+        top[start + dims.index(-1)] = total // known
+    if any(d < 0 for d in top) or count(top) != total:
+        raise ctx.error(f"output count must match input count: {tuple(bottom_shape)} -> {tuple(top)}")
+    return tuple(top)
+
+
+@layer("Reshape", bottoms=(1, 1), tops=(1, 1), in_place=False)
+def reshape(ctx: LayerContext, bottoms, params):
+    """The bottom's data under a new shape (see _reshape_top_shape)."""
+    (x,) = bottoms
+    return [x.reshape(_reshape_top_shape(ctx, tuple(x.shape)))]
+
+
+# ---- InnerProduct ---------------------------------------------------------------------------------------------
+
+def _inner_product_param_shapes(layer_param, bottom_shapes):
+    """W: N x K (K x N if transpose), K = count(axis:); b: N."""
+    p = layer_param.inner_product_param
+    shape = bottom_shapes[0]
+    k = count(shape, canonical_axis(layer_param.name, p.axis, len(shape)))
+    n = p.num_output
+    return [(k, n) if p.transpose else (n, k)] + ([(n,)] if p.bias_term else [])
+
+
+def _inner_product_init(layer_param, shapes, key):
+    p = layer_param.inner_product_param
+    fillers = [p.weight_filler, p.bias_filler]
+    return [_fill(f, s, k) for f, s, k in zip(fillers, shapes, _keys(key, len(shapes)))]
+
+
+@layer("InnerProduct", param_shapes=_inner_product_param_shapes, init_params=_inner_product_init,
+       bottoms=(1, 1), tops=(1, 1))
+def inner_product(ctx: LayerContext, bottoms, params):
+    """y = x Wᵀ + b (x W with transpose) over x viewed as count(:axis) x count(axis:); top shape[:axis]+[N]."""
+    (x,) = bottoms
+    p = ctx.layer.inner_product_param
+    axis = canonical_axis(ctx, p.axis, x.ndim)
+    weight = params[0]
+    k = count(x.shape, axis)
+    w_k = weight.shape[0] if p.transpose else weight.shape[1]
+    if k != w_k:
+        raise ctx.error(f"input size incompatible with inner product parameters: bottom {tuple(x.shape)} has "
+                        f"K = {k} from axis {axis}, weights {tuple(weight.shape)} expect {w_k}")
+    y = matmul(x.reshape(count(x.shape, 0, axis), k), weight if p.transpose else weight.T)
+    if p.bias_term:
+        y = y + params[1]
+    return [y.reshape(tuple(x.shape[:axis]) + (y.shape[1],))]
+
+
+# ---- MVN, Softmax, Reduction ----------------------------------------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _normalize_variance(centered: jax.Array, axes: tuple[int, ...], eps: float) -> jax.Array:
+    return centered / (jnp.sqrt(jnp.mean(jnp.square(centered), axis=axes, keepdims=True)) + eps)
+
+
+def _normalize_variance_fwd(centered, axes, eps):
+    std = jnp.sqrt(jnp.mean(jnp.square(centered), axis=axes, keepdims=True)) + eps
+    y = centered / std
+    return y, (y, std)
+
+
+def _normalize_variance_bwd(axes, eps, residual, dy):
+    """mvn_layer.cpp's Backward: (dy - mean(dy) - mean(dy·y)·y) / (sqrt(var) + eps), the derivative with
+    eps inside the square root; it stays finite for a constant input, where the true one does not."""
+    y, std = residual
+    mean = functools.partial(jnp.mean, axis=axes, keepdims=True)
+    return ((dy - mean(dy) - mean(dy * y) * y) / std,)
+
+
+_normalize_variance.defvjp(_normalize_variance_fwd, _normalize_variance_bwd)
+
+
+@layer("MVN", bottoms=(1, 1), tops=(1, 1))
+def mvn(ctx: LayerContext, bottoms, params):
+    """y = x - mean, and with normalize_variance y /= (sqrt(var) + eps) (eps after the root), per (n, c) or
+    per n when across_channels, over Caffe's legacy (num, channels, height, width) view."""
+    (x,) = bottoms
+    p = ctx.layer.mvn_param
+    if x.ndim > 4:
+        raise ctx.error(f"works on blobs of at most 4 axes (num, channels, height, width), got {tuple(x.shape)}")
+    legacy = tuple(x.shape) + (1,) * (4 - x.ndim)
+    axes = (1, 2, 3) if p.across_channels else (2, 3)
+    v = x.reshape(legacy)
+    centered = v - jnp.mean(v, axis=axes, keepdims=True)
+    y = _normalize_variance(centered, axes, p.eps) if p.normalize_variance else centered
+    return [y.reshape(x.shape)]
+
+
+@layer("Softmax", bottoms=(1, 1), tops=(1, 1))
+def softmax(ctx: LayerContext, bottoms, params):
+    """y = exp(x - max) / Σ exp(x - max) along axis."""
+    (x,) = bottoms
+    return [jax.nn.softmax(x, axis=canonical_axis(ctx, ctx.layer.softmax_param.axis, x.ndim))]
+
+
+@layer("Reduction", bottoms=(1, 1), tops=(1, 1))
+def reduction(ctx: LayerContext, bottoms, params):
+    """coeff · (SUM x | ASUM |x| | SUMSQ x² | MEAN x) over all axes >= axis; top shape = shape[:axis].
+    ASUM's gradient is sign(x) with sign(0) = 0 (caffe_cpu_sign)."""
+    (x,) = bottoms
+    p = ctx.layer.reduction_param
+    axis = canonical_axis(ctx, p.axis, x.ndim)
+    dim = count(x.shape, axis)
+    v = x.reshape(tuple(x.shape[:axis]) + (dim,))
+    op = p.operation
+    R = caffe_pb2.ReductionParameter
+    if op in (R.SUM, R.MEAN):
+        total = jnp.sum(v, axis=-1)
+    elif op == R.ASUM:
+        total = jnp.sum(v * lax.stop_gradient(jnp.sign(v)), axis=-1)
+    elif op == R.SUMSQ:
+        total = jnp.sum(v * v, axis=-1)
+    else:
+        raise ctx.error(f"unknown reduction operation {op}")
+    coeff = jnp.asarray(p.coeff, x.dtype)
+    if op == R.MEAN:
+        coeff = coeff / dim  # reduction_layer.cpp folds 1/dim into coeff
+    return [total * coeff]
+
+
+# ---- Parameter ------------------------------------------------------------------------------------------------
+
+def _parameter_param_shapes(layer_param, bottom_shapes):
+    return [tuple(int(d) for d in layer_param.parameter_param.shape.dim)]
+
+
+def _parameter_init(layer_param, shapes, key):
+    return [jnp.zeros(s, jnp.float32) for s in shapes]  # a fresh Blob is zero-filled; there is no filler
+
+
+@layer("Parameter", param_shapes=_parameter_param_shapes, init_params=_parameter_init,
+       bottoms=(0, 0), tops=(1, 1))
+def parameter(ctx: LayerContext, bottoms, params):
+    """top = the layer's one learnable blob; the top's diff is the blob's diff."""
+    return [params[0]]

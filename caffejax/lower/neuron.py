@@ -1,0 +1,244 @@
+"""Neuron layers: element-wise maps of one bottom onto one top of the same shape (Caffe's NeuronLayer).
+
+Each rule is Caffe's Forward_cpu as a JAX expression. Where Caffe's hand-written Backward_cpu differs from the
+true derivative of its forward (ReLU/PReLU/ELU at exactly 0, AbsVal's sign(0) = 0, Clip's closed interval,
+Threshold's missing gradient) the expression is written so that JAX's derivative is Caffe's: ``jnp.where``
+picks the branch Caffe's backward picks, and ``lax.stop_gradient`` cuts what Caffe does not differentiate.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from caffejax.errors import ShapeError, layer_error
+from caffejax.lower.registry import TRAIN, layer
+
+
+def neuron(type_name: str, **kwargs):
+    """Register a NeuronLayer: exactly one bottom and one top; in place allowed unless said otherwise."""
+    return layer(type_name, bottoms=(1, 1), tops=(1, 1), **kwargs)
+
+
+def sigmoid(x: jax.Array) -> jax.Array:
+    """Caffe's sigmoid, 0.5·tanh(0.5·x) + 0.5 (sigmoid_layer.cpp): overflow-free and what Caffe computes."""
+    return 0.5 * jnp.tanh(0.5 * x) + 0.5
+
+
+def leaky(x: jax.Array, slope) -> jax.Array:
+    """x > 0 ? x : slope·x. The derivative at x == 0 is ``slope``, as Caffe's (x > 0) + slope·(x <= 0)."""
+    return jnp.where(x > 0, x, slope * x)
+
+
+def ln_of_base(ctx, base: float, what: str) -> float:
+    """ln(base) for Exp/Log's ``base`` (-1 means e), with Caffe's checks (exp_layer.cpp, log_layer.cpp)."""
+    if base == -1:
+        return 1.0
+    if not base > 0:
+        raise ctx.error(f"{what}: base must be strictly positive, got {base}")
+    return math.log(base)
+
+
+# ---- stateless maps -------------------------------------------------------------------------------------------
+
+@neuron("AbsVal", in_place=False)
+def absval(ctx, bottoms, params):
+    """y = |x|; dy/dx = sign(x), 0 at x == 0 (caffe_cpu_sign). Caffe forbids in-place AbsVal."""
+    (x,) = bottoms
+    return [x * lax.stop_gradient(jnp.sign(x))]
+
+
+@neuron("BNLL")
+def bnll(ctx, bottoms, params):
+    """y = log(1 + e^x), computed as x + log(1 + e^-x) for x > 0 so that it cannot overflow (bnll_layer.cpp)."""
+    (x,) = bottoms
+    positive, negative = jnp.where(x > 0, x, 0), jnp.where(x > 0, 0, x)  # each branch stays finite
+    return [jnp.where(x > 0, x + jnp.log1p(jnp.exp(-positive)), jnp.log1p(jnp.exp(negative)))]
+
+
+@neuron("Clip")
+def clip(ctx, bottoms, params):
+    """y = max(min, min(x, max)); dy/dx = 1 on the closed interval [min, max], else 0 (clip_layer.cpp)."""
+    (x,) = bottoms
+    p = ctx.layer.clip_param
+    lo, hi = p.min, p.max
+    below_max = jnp.where(x > hi, hi, x)
+    return [jnp.where(below_max < lo, lo, below_max)]
+
+
+@neuron("ELU")
+def elu(ctx, bottoms, params):
+    """y = x > 0 ? x : α(e^x - 1); dy/dx at x <= 0 is α·e^x (= y + α as Caffe writes it), so α at x == 0."""
+    (x,) = bottoms
+    alpha = ctx.layer.elu_param.alpha
+    negative = jnp.where(x > 0, 0, x)  # keeps exp finite on the branch that where() discards
+    return [jnp.where(x > 0, x, alpha * (jnp.exp(negative) - 1))]
+
+
+@neuron("Exp")
+def exp(ctx, bottoms, params):
+    """y = base^(shift + scale·x) = outer · e^(inner·x), inner = ln(base)·scale, outer = base^shift."""
+    (x,) = bottoms
+    p = ctx.layer.exp_param
+    inner = ln_of_base(ctx, p.base, "exp_param") * p.scale
+    outer = 1.0 if p.shift == 0 else (math.exp(p.shift) if p.base == -1 else p.base ** p.shift)
+    return [jnp.exp(inner * x) * outer]
+
+
+@neuron("Log")
+def log(ctx, bottoms, params):
+    """y = log_base(shift + scale·x) = ln(shift + scale·x) / ln(base)."""
+    (x,) = bottoms
+    p = ctx.layer.log_param
+    ln_base = ln_of_base(ctx, p.base, "log_param")
+    if ln_base == 0:
+        raise ctx.error(f"log_param: base {p.base} gives log(base) = 0, an infinite output scale")
+    return [jnp.log(p.scale * x + p.shift) * (1.0 / ln_base)]
+
+
+@neuron("Power")
+def power(ctx, bottoms, params):
+    """y = (shift + scale·x)^power; if power·scale == 0 the top is the constant (1 if power == 0 else
+    shift^power) and carries no gradient, as Caffe's diff_scale_ == 0 case (power_layer.cpp)."""
+    (x,) = bottoms
+    p = ctx.layer.power_param
+    if p.power * p.scale == 0:
+        value = 1.0 if p.power == 0 else jnp.power(jnp.asarray(p.shift, x.dtype), p.power)
+        return [jnp.full(x.shape, value, x.dtype)]
+    z = p.scale * x + p.shift
+    # power 1 is the affine map itself; Caffe skips powx there, which also keeps dy/dx = scale at z == 0.
+    y = z if p.power == 1 else jnp.power(z, p.power)
+    if ctx.in_place and ctx.in_place[0]:
+        return [_in_place_power_gradient(x, y, p.power, p.scale, p.shift)]
+    return [y]
+
+
+def _in_place_power_gradient(x, y, power, scale, shift):
+    """Caffe's Power backward run in place: bottom and top share data and diff, so it reads y where it
+    means x, and its final ``bottom_diff *= top_diff`` multiplies the local derivative by itself (the top
+    diff was already overwritten). The gradient is that squared local term, whatever the upstream diff was;
+    the reference figures (net_phase_rules) show exactly this."""
+    diff_scale = power * scale
+    if power == 1:
+        local = jnp.full_like(y, diff_scale)
+    elif power == 2:
+        local = diff_scale * scale * y + diff_scale * shift
+    elif shift == 0:
+        local = jnp.full_like(y, power)  # (y / y) * power
+    else:
+        local = diff_scale * y / (scale * y + shift)
+    return _replace_gradient(x, y, jnp.square(local))
+
+
+@jax.custom_vjp
+def _replace_gradient(x, y, x_diff):
+    """y, whose backward ignores the upstream diff and gives x the fixed diff ``x_diff``."""
+    return y
+
+
+_replace_gradient.defvjp(
+    lambda x, y, x_diff: (y, (x_diff, y)),
+    lambda res, g: (res[0].astype(g.dtype), jnp.zeros_like(res[1]), jnp.zeros_like(res[0])))
+
+
+@neuron("ReLU")
+def relu(ctx, bottoms, params):
+    """y = x > 0 ? x : negative_slope·x; dy/dx = negative_slope at x == 0 (relu_layer.cpp)."""
+    (x,) = bottoms
+    return [leaky(x, ctx.layer.relu_param.negative_slope)]
+
+
+@neuron("Sigmoid")
+def sigmoid_layer(ctx, bottoms, params):
+    """y = 1 / (1 + e^-x)."""
+    (x,) = bottoms
+    return [sigmoid(x)]
+
+
+@neuron("Swish")
+def swish(ctx, bottoms, params):
+    """y = x · sigmoid(β·x)."""
+    (x,) = bottoms
+    return [x * sigmoid(ctx.layer.swish_param.beta * x)]
+
+
+@neuron("TanH")
+def tanh(ctx, bottoms, params):
+    """y = tanh(x)."""
+    (x,) = bottoms
+    return [jnp.tanh(x)]
+
+
+@neuron("Threshold")
+def threshold(ctx, bottoms, params):
+    """y = x > threshold ? 1 : 0. Caffe's Backward is NOT_IMPLEMENTED: no gradient flows."""
+    (x,) = bottoms
+    return [lax.stop_gradient((x > ctx.layer.threshold_param.threshold).astype(x.dtype))]
+
+
+# ---- Dropout ----------------------------------------------------------------------------------------------------
+
+@neuron("Dropout")
+def dropout(ctx, bottoms, params):
+    """TRAIN: y = x · mask / (1 - r), mask ~ Bernoulli(1 - r) per element; TEST: y = x (dropout_layer.cpp).
+
+    The gradient is top_diff · mask / (1 - r) in TRAIN, the identity in TEST, which is what JAX derives.
+    Forks of Caffe add ``dropout_param.scale_train`` (false: scale by 1 - r at TEST instead of 1/(1 - r) at
+    TRAIN); BVLC's caffe.proto has no such field, so it reads as true there.
+    """
+    (x,) = bottoms
+    p = ctx.layer.dropout_param
+    ratio = p.dropout_ratio
+    if not 0 <= ratio < 1:
+        raise ctx.error(f"dropout_ratio must be in [0, 1), got {ratio}")
+    scale_train = getattr(p, "scale_train", True)
+    if ctx.phase == TRAIN:
+        keep = jax.random.bernoulli(ctx.rng(), 1.0 - ratio, x.shape).astype(x.dtype)
+        return [x * keep * (1.0 / (1.0 - ratio))] if scale_train else [x * keep]
+    return [x] if scale_train else [x * (1.0 - ratio)]
+
+
+# ---- PReLU ------------------------------------------------------------------------------------------------------
+
+def _prelu_param_shapes(layer_param, bottom_shapes):
+    """One slope blob: shape () if channel_shared, else [C] with C = bottom.shape[1] (prelu_layer.cpp)."""
+    shape = tuple(bottom_shapes[0])
+    if len(shape) < 2:
+        raise layer_error(ShapeError, layer_param.name, layer_param.type,
+                          f"bottom must have at least 2 axes, got shape {shape}")
+    return [()] if layer_param.prelu_param.channel_shared else [(shape[1],)]
+
+
+def _prelu_init_params(layer_param, shapes, key):
+    """prelu_param.filler, or constant 0.25 when none is given."""
+    from caffejax.lower.fillers import fill
+    from caffejax.proto import caffe_pb2
+
+    p = layer_param.prelu_param
+    filler = p.filler if p.HasField("filler") else caffe_pb2.FillerParameter(type="constant", value=0.25)
+    return [fill(filler, shapes[0], key)]
+
+
+@neuron("PReLU", param_shapes=_prelu_param_shapes, init_params=_prelu_init_params)
+def prelu(ctx, bottoms, params):
+    """y = x > 0 ? x : a_c·x with c the channel (axis 1), or one a for all if channel_shared.
+
+    dy/dx = a_c at x == 0 and dy/da_c = Σ x·(x <= 0), both as Caffe's Backward_cpu.
+    """
+    (x,) = bottoms
+    (slope,) = params
+    if x.ndim < 2:
+        raise ctx.error(f"bottom must have at least 2 axes, got shape {tuple(x.shape)}")
+    channels = x.shape[1]
+    shared = ctx.layer.prelu_param.channel_shared
+    expected = 1 if shared else channels
+    if slope.size != expected:
+        raise ctx.error(f"negative slope blob has {slope.size} values, expected {expected} "
+                        f"({'channel_shared' if shared else f'one per channel of bottom {tuple(x.shape)}'})")
+    # Caffe indexes the blob flat, so any blob of the right count (shared PERMISSIVE params) works the same.
+    flat = slope.reshape(-1).astype(x.dtype)
+    a = flat[0] if shared else flat.reshape((channels,) + (1,) * (x.ndim - 2))
+    return [leaky(x, a)]

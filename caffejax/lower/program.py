@@ -1,0 +1,141 @@
+"""Composing the layer rules into one pure function per net, and its backward with Caffe's masks.
+
+``NetProgram(graph)`` is an interpreter over the IR, like torch.fx's: ``forward(params, inputs, key)`` runs
+every layer's rule in order on an environment of values and returns all values, plus the blobs layers
+rewrote (BatchNorm's running statistics in TRAIN). The runtime wraps it in ``jax.jit``; XLA sees the whole
+net as one program.
+
+Backward is ``jax.vjp`` of that same function, with Caffe's masks applied as ``stop_gradient``:
+a bottom with ``bottom_need_backward`` false (propagate_down: false, labels, layers not under a loss) and a
+param with ``param_need_backward`` false (lr_mult: 0 without force_backward) receive no gradient. The
+objective is Caffe's: every top with a loss weight is seeded with that weight, every other output with the
+diff the user put on it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from caffejax.frontend.ir import Graph, Layer
+from caffejax.lower.registry import LayerContext, get_rule
+
+Params = dict[str, list[jax.Array]]      # owner layer name -> its learnable blobs (owners only)
+Values = dict[str, jax.Array]            # value id -> array
+Updates = dict[str, dict[int, jax.Array]]  # owner layer name -> {blob index: new value} written in forward
+
+
+class NetProgram:
+    """The pure functions of one Graph. Stateless: all arrays come in as arguments."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.rules = [get_rule(layer.type) for layer in graph.layers]
+        self.position = {id(layer): i for i, layer in enumerate(graph.layers)}
+
+    # -- forward --------------------------------------------------------------------------------------------
+    def run_layers(self, layers: Sequence[Layer], params: Params, env: Values, key: jax.Array | None,
+                   masks: bool = False, perturb: Mapping[str, jax.Array] | None = None,
+                   blob_masks: Mapping[str, Any] | None = None) -> tuple[Values, Updates]:
+        """Run ``layers`` over ``env`` (value id -> array, holding at least their bottoms).
+
+        ``masks`` applies Caffe's backward masks as stop_gradient. ``perturb`` adds a zero-valued array to
+        values (its gradient is that value's diff). ``blob_masks`` multiplies the gradient flowing into a
+        value by a mask (0 stops it): a research hook, see caffejax.grad.
+        Returns the environment with every value computed, and the params layers rewrote.
+        """
+        env = dict(env)
+        updates: Updates = {}
+        for layer in layers:
+            index = self.position[id(layer)]
+            rule = self.rules[index]
+            if layer.is_input:
+                continue
+            bottoms = [env[v] for v in layer.bottom_values]
+            blobs = [params[slot.storage[0]][slot.storage[1]] for slot in layer.params]
+            if masks:
+                bottoms = [b if need and layer.need_backward else jax.lax.stop_gradient(b)
+                           for b, need in zip(bottoms, layer.bottom_need_backward)]
+                blobs = [p if need and layer.need_backward else jax.lax.stop_gradient(p)
+                         for p, need in zip(blobs, layer.param_need_backward)]
+            ctx = LayerContext(layer=layer.proto, phase=self.graph.phase,
+                               key=None if key is None else jax.random.fold_in(key, index),
+                               num_tops=len(layer.tops), in_place=tuple(layer.in_place))
+            tops = list(rule.forward(ctx, bottoms, blobs))
+            for value, top in zip(layer.top_values, tops):
+                if perturb is not None and value in perturb:
+                    top = top + perturb[value]
+                if blob_masks is not None and value in blob_masks:
+                    top = _scale_gradient(top, blob_masks[value])
+                env[value] = top
+            for i, new in ctx.param_updates.items():
+                owner, j = layer.params[i].storage
+                updates.setdefault(owner, {})[j] = new
+        return env, updates
+
+    def forward(self, params: Params, inputs: Values, key: jax.Array | None = None,
+                start: int = 0, end: int | None = None) -> tuple[Values, Updates]:
+        return self.run_layers(self.layers_between(start, end), params, inputs, key)
+
+    # -- loss and backward ----------------------------------------------------------------------------------
+    def loss_weighted_values(self, layers: Sequence[Layer]) -> dict[str, float]:
+        return {value: weight for layer in layers
+                for value, weight in zip(layer.top_values, layer.loss_weights) if weight}
+
+    def loss(self, env: Values, layers: Sequence[Layer] | None = None) -> jax.Array:
+        """Caffe's Net::Forward loss: sum over every top of loss_weight * sum(top)."""
+        weighted = self.loss_weighted_values(self.graph.layers if layers is None else layers)
+        terms = [weight * jnp.sum(env[value]) for value, weight in weighted.items() if value in env]
+        return sum(terms, jnp.zeros((), jnp.float32))
+
+    def forward_backward(self, params: Params, inputs: Values, seeds: Mapping[str, jax.Array],
+                         key: jax.Array | None = None, start: int = 0, end: int | None = None,
+                         diff_values: Sequence[str] = ()) -> tuple[Values, Updates, Params, Values]:
+        """Forward over layers [start, end], then Caffe's backward over the same range.
+
+        ``seeds`` (value id -> array) are the top diffs backward starts from: Caffe keeps a loss top's diff at
+        its loss weight, and other outputs' diffs are what the user placed on them. Returns (values, param
+        updates, param diffs shaped like ``params``, diffs of the values named in ``diff_values``).
+        """
+        layers = self.layers_between(start, end)
+        seed_ids = list(seeds)
+
+        def run(params, perturb):
+            env = {v: (x + perturb[v] if v in perturb else x) for v, x in inputs.items()}
+            computed = {v: p for v, p in perturb.items() if v not in inputs}
+            env, updates = self.run_layers(layers, params, env, key, masks=True, perturb=computed)
+            return {v: env[v] for v in seed_ids}, (env, updates)
+
+        dtype = _dtype_of(params, inputs)
+        perturb = {v: jnp.zeros(self.graph.value_shapes[v], dtype) for v in diff_values}
+        seeded, vjp, (env, updates) = jax.vjp(run, params, perturb, has_aux=True)
+        cotangent = {v: jnp.asarray(seeds[v], seeded[v].dtype).reshape(seeded[v].shape) for v in seed_ids}
+        grads, value_diffs = vjp(cotangent)
+        return env, updates, grads, value_diffs
+
+    def layers_between(self, start: int = 0, end: int | None = None) -> list[Layer]:
+        """Layers start..end inclusive, as Caffe's ForwardFromTo/BackwardFromTo count them."""
+        return self.graph.layers[start: len(self.graph.layers) if end is None else end + 1]
+
+
+def _dtype_of(params: Params, inputs: Values):
+    leaves = jax.tree.leaves((params, inputs))
+    return jnp.result_type(*leaves) if leaves else jnp.float32
+
+
+@jax.custom_vjp
+def _scale_gradient(x, mask):
+    return x
+
+
+def _scale_gradient_fwd(x, mask):
+    return x, mask
+
+
+def _scale_gradient_bwd(mask, g):
+    return g * mask, jnp.zeros_like(mask)
+
+
+_scale_gradient.defvjp(_scale_gradient_fwd, _scale_gradient_bwd)

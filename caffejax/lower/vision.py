@@ -1,0 +1,539 @@
+"""Vision layers: Convolution, Deconvolution, Pooling, LRN, SPP, Im2col, Crop.
+
+Geometry (kernel/stride/pad/dilation, output sizes) is read from the proto exactly as Caffe's LayerSetUp and
+Reshape do and is static; the math uses XLA's native convolution and window sums where they give Caffe's
+numbers, and an explicit array of every window's elements in Caffe's row-major scan order where the order
+matters: MAX pooling's first-maximum rule, STOCHASTIC pooling's sampling and Im2col's column layout. Written
+that way, JAX's derivative of the forward is Caffe's Backward (MAX routes each output's gradient to its first
+maximum, Im2col's transpose is col2im).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from caffejax.errors import ShapeError, layer_error
+from caffejax.lower.registry import TRAIN, LayerContext, canonical_axis, count, layer
+
+Shape = tuple[int, ...]
+
+# caffe.proto enum values used below.
+POOL_MAX, POOL_AVE, POOL_STOCHASTIC = 0, 1, 2
+ROUND_CEIL, ROUND_FLOOR = 0, 1
+LRN_ACROSS_CHANNELS, LRN_WITHIN_CHANNEL = 0, 1
+
+_FLT_MAX = float(np.finfo(np.float32).max)  # Caffe's -FLT_MAX starts every MAX window, in float and double
+
+
+def _fail(layer_param: Any, message: str) -> ShapeError:
+    return layer_error(ShapeError, layer_param.name, layer_param.type, message)
+
+
+# ---- shared window machinery ------------------------------------------------------------------------------
+
+def _pad(x: jax.Array, first_axis: int, pads: Sequence[tuple[int, int]], value) -> jax.Array:
+    """Pad (or, for negative amounts, crop) the spatial axes starting at ``first_axis``."""
+    config = [(0, 0, 0)] * first_axis + [(lo, hi, 0) for lo, hi in pads]
+    return lax.pad(x, np.asarray(value, x.dtype), config)
+
+
+def _windows(xpad: jax.Array, first_axis: int, kernel: Shape, stride: Shape, dilation: Shape,
+             out: Shape) -> jax.Array:
+    """All windows of a padded input as one array ``lead + (prod(kernel),) + out``:
+    ``w[..., t, o] = xpad[..., o*s + t*d]`` with the kernel offsets t in row-major order, the order in which
+    Caffe's loops (pooling, im2col) visit a window. ``xpad`` must span exactly ``(o-1)*s + (k-1)*d + 1``.
+    """
+    lead = xpad.shape[:first_axis]
+    nsp = len(kernel)
+    if all(d == 1 and (o == 1 or s == k) for k, s, d, o in zip(kernel, stride, dilation, out)):
+        # The windows tile the input: a reshape and a transpose, no copies per offset.
+        tiles = xpad.reshape(lead + tuple(itertools.chain.from_iterable(zip(out, kernel))))
+        order = (tuple(range(first_axis)) + tuple(first_axis + 2 * i + 1 for i in range(nsp))
+                 + tuple(first_axis + 2 * i for i in range(nsp)))
+        return tiles.transpose(order).reshape(lead + (-1,) + tuple(out))
+    taps = []
+    for offset in itertools.product(*(range(k) for k in kernel)):
+        start = [0] * first_axis + [t * d for t, d in zip(offset, dilation)]
+        limit = list(lead) + [b + (o - 1) * s + 1 for b, o, s in zip(start[first_axis:], out, stride)]
+        taps.append(lax.slice(xpad, start, limit, [1] * first_axis + list(stride)))
+    return jnp.stack(taps, axis=first_axis)
+
+
+# ---- Convolution / Deconvolution / Im2col: base_conv_layer.cpp ----------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ConvGeometry:
+    """BaseConvolutionLayer's kernel_shape_, stride_, pad_, dilation_ and channel_axis_."""
+
+    channel_axis: int
+    kernel: Shape
+    stride: Shape
+    pad: Shape
+    dilation: Shape
+
+    @property
+    def extent(self) -> Shape:
+        return tuple(d * (k - 1) + 1 for k, d in zip(self.kernel, self.dilation))
+
+
+def _per_axis(layer_param, what: str, values: Sequence[int], n: int, default: int | None) -> Shape:
+    """Caffe's rule for a repeated spatial field: given once (all axes) or once per axis (or never)."""
+    if len(values) == 0 and default is not None:
+        return (default,) * n
+    if len(values) not in (1, n):
+        raise _fail(layer_param, f"{what} must be specified once, or once per spatial dimension "
+                                 f"({what} specified {len(values)} times; {n} spatial dims)")
+    return tuple(int(values[0 if len(values) == 1 else i]) for i in range(n))
+
+
+def _per_axis_hw(layer_param, p, what: str, n: int, default: int | None) -> Shape:
+    """``what`` or its 2-D only ``what_h``/``what_w`` alternative (kernel_size is kernel_h/kernel_w)."""
+    field = "kernel_size" if what == "kernel" else what
+    if p.HasField(f"{what}_h") or p.HasField(f"{what}_w"):
+        if n != 2:
+            raise _fail(layer_param, f"{what}_h & {what}_w can only be used for 2D convolution "
+                                     f"(the bottom has {n} spatial dims)")
+        if len(getattr(p, field)):
+            raise _fail(layer_param, f"either {field} or {what}_h/w should be specified; not both")
+        return (getattr(p, f"{what}_h"), getattr(p, f"{what}_w"))
+    return _per_axis(layer_param, field, getattr(p, field), n, default)
+
+
+def _conv_geometry(layer_param, bottom_shape: Shape) -> ConvGeometry:
+    p = layer_param.convolution_param
+    channel_axis = canonical_axis(layer_param.name, p.axis, len(bottom_shape))
+    n = len(bottom_shape) - channel_axis - 1
+    kernel = _per_axis_hw(layer_param, p, "kernel", n, None)
+    stride = _per_axis_hw(layer_param, p, "stride", n, 1)
+    pad = _per_axis_hw(layer_param, p, "pad", n, 0)
+    dilation = _per_axis(layer_param, "dilation", p.dilation, n, 1)
+    if any(k <= 0 for k in kernel):
+        raise _fail(layer_param, f"filter dimensions must be nonzero, got kernel {kernel}")
+    if any(s <= 0 for s in stride):
+        raise _fail(layer_param, f"stride dimensions must be nonzero, got stride {stride}")
+    if any(d <= 0 for d in dilation):
+        # Caffe does not check this, but a zero dilation collapses the kernel onto one pixel: not supported.
+        raise _fail(layer_param, f"dilation must be positive, got {dilation}")
+    return ConvGeometry(channel_axis, kernel, stride, pad, dilation)
+
+
+def _conv_out_shape(layer_param, g: ConvGeometry, spatial: Shape) -> Shape:
+    """conv_layer.cpp: out = (in + 2p - extent) / s + 1, with C's truncating division."""
+    out = []
+    for size, e, s, p in zip(spatial, g.extent, g.stride, g.pad):
+        numerator = size + 2 * p - e
+        o = int(numerator / s) + 1
+        if o <= 0:
+            raise _fail(layer_param, f"kernel extent {g.extent} does not fit the input {spatial} padded by "
+                                     f"{g.pad} (output size {o})")
+        out.append(o)
+    return tuple(out)
+
+
+def _deconv_out_shape(layer_param, g: ConvGeometry, spatial: Shape) -> Shape:
+    """deconv_layer.cpp: out = s (in - 1) + extent - 2p."""
+    out = tuple(s * (size - 1) + e - 2 * p for size, e, s, p in zip(spatial, g.extent, g.stride, g.pad))
+    if any(o <= 0 for o in out):
+        raise _fail(layer_param, f"deconvolution output size {out} from input {spatial} is empty")
+    return out
+
+
+def _conv_channels(layer_param, bottom_shape: Shape, g: ConvGeometry) -> tuple[int, int, int]:
+    """(channels, num_output, group) with LayerSetUp's CHECKs."""
+    p = layer_param.convolution_param
+    channels, num_output, group = bottom_shape[g.channel_axis], p.num_output, p.group
+    if num_output <= 0:
+        raise _fail(layer_param, f"num_output must be > 0, got {num_output}")
+    if group <= 0 or channels % group:
+        raise _fail(layer_param, f"the bottom's {channels} channels are not divisible by group {group}")
+    if num_output % group:
+        raise _fail(layer_param, f"num_output {num_output} should be a multiple of group {group}")
+    return channels, num_output, group
+
+
+def _conv_param_shapes(layer_param, bottom_shapes: Sequence[Shape], reverse: bool) -> list[Shape]:
+    """W: conv_out x conv_in/group x kernel (conv_out = Cin for Deconvolution); b: num_output."""
+    g = _conv_geometry(layer_param, bottom_shapes[0])
+    channels, num_output, group = _conv_channels(layer_param, bottom_shapes[0], g)
+    conv_out, conv_in = (channels, num_output) if reverse else (num_output, channels)
+    shapes = [(conv_out, conv_in // group) + g.kernel]
+    if layer_param.convolution_param.bias_term:
+        shapes.append((num_output,))
+    return shapes
+
+
+def _conv_init_params(layer_param, shapes: Sequence[Shape], key: jax.Array) -> list[jax.Array]:
+    from caffejax.lower.fillers import fill
+
+    p = layer_param.convolution_param
+    fillers = [p.weight_filler, p.bias_filler][:len(shapes)]
+    keys = jax.random.split(key, len(shapes))
+    return [fill(f, s, k) for f, s, k in zip(fillers, shapes, keys)]
+
+
+def _as_batched(x: jax.Array, channel_axis: int) -> jax.Array:
+    """(outer..., C, spatial...) -> (num, C, spatial...) with num = count(0, channel_axis)."""
+    return x.reshape((count(x.shape, 0, channel_axis),) + x.shape[channel_axis:])
+
+
+def _check_same_bottoms(ctx: LayerContext, bottoms: Sequence[jax.Array]) -> None:
+    if len(bottoms) != ctx.num_tops:
+        raise ctx.error(f"needs one top per bottom, got {len(bottoms)} bottoms and {ctx.num_tops} tops")
+    for i, b in enumerate(bottoms[1:], 1):
+        if b.shape != bottoms[0].shape:
+            raise ctx.error(f"shape mismatch - bottom[0]: {bottoms[0].shape} vs. bottom[{i}]: {b.shape}")
+
+
+def _check_params(ctx: LayerContext, params: Sequence[jax.Array], expected: Sequence[Shape]) -> None:
+    got = [tuple(p.shape) for p in params]
+    if got != [tuple(s) for s in expected]:
+        raise ctx.error(f"expected learnable blobs of shapes {list(expected)}, got {got}")
+
+
+def _add_bias(y: jax.Array, params: Sequence[jax.Array], nspatial: int) -> jax.Array:
+    if len(params) < 2:
+        return y
+    return y + params[1].astype(y.dtype).reshape((1, -1) + (1,) * nspatial)
+
+
+@layer("Convolution", param_shapes=lambda lp, shapes: _conv_param_shapes(lp, shapes, reverse=False),
+       init_params=_conv_init_params, bottoms=(1, None), tops=(1, None))
+def convolution(ctx: LayerContext, bottoms, params):
+    """y = W * x + b per group (cross-correlation), W: Cout x Cin/g x k..., one top per bottom."""
+    _check_same_bottoms(ctx, bottoms)
+    shape = tuple(bottoms[0].shape)
+    g = _conv_geometry(ctx.layer, shape)
+    _, num_output, group = _conv_channels(ctx.layer, shape, g)
+    _check_params(ctx, params, _conv_param_shapes(ctx.layer, [shape], reverse=False))
+    spatial = shape[g.channel_axis + 1:]
+    out = _conv_out_shape(ctx.layer, g, spatial)
+    # A high pad beyond 2p only arises when Caffe's truncating division keeps a partly outside window.
+    padding = [(p, p + max(0, (o - 1) * s + e - n - 2 * p))
+               for p, o, s, e, n in zip(g.pad, out, g.stride, g.extent, spatial)]
+    tops = []
+    for x in bottoms:
+        y = lax.conv_general_dilated(
+            _as_batched(x, g.channel_axis), params[0].astype(x.dtype), window_strides=g.stride,
+            padding=padding, rhs_dilation=g.dilation, feature_group_count=group,
+            precision=lax.Precision.HIGHEST)
+        y = _add_bias(y, params, len(spatial))
+        tops.append(y.reshape(shape[:g.channel_axis] + (num_output,) + out))
+    return tops
+
+
+@layer("Deconvolution", param_shapes=lambda lp, shapes: _conv_param_shapes(lp, shapes, reverse=True),
+       init_params=_conv_init_params, bottoms=(1, None), tops=(1, None))
+def deconvolution(ctx: LayerContext, bottoms, params):
+    """y = W^T x + b: the transpose of Convolution (Caffe's col2im), W: Cin x Cout/g x k...
+
+    Computed as a convolution of the stride-dilated input with the spatially flipped kernel whose two channel
+    axes are swapped within each group, padded by extent - 1 - p on both sides.
+    """
+    _check_same_bottoms(ctx, bottoms)
+    shape = tuple(bottoms[0].shape)
+    g = _conv_geometry(ctx.layer, shape)
+    channels, num_output, group = _conv_channels(ctx.layer, shape, g)
+    _check_params(ctx, params, _conv_param_shapes(ctx.layer, [shape], reverse=True))
+    spatial = shape[g.channel_axis + 1:]
+    out = _deconv_out_shape(ctx.layer, g, spatial)
+    nsp = len(spatial)
+    w = params[0].reshape((group, channels // group, num_output // group) + g.kernel)
+    w = jnp.swapaxes(w, 1, 2).reshape((num_output, channels // group) + g.kernel)
+    w = jnp.flip(w, axis=tuple(range(2, 2 + nsp)))
+    padding = [(e - 1 - p, e - 1 - p) for e, p in zip(g.extent, g.pad)]
+    tops = []
+    for x in bottoms:
+        y = lax.conv_general_dilated(
+            _as_batched(x, g.channel_axis), w.astype(x.dtype), window_strides=(1,) * nsp, padding=padding,
+            lhs_dilation=g.stride, rhs_dilation=g.dilation, feature_group_count=group,
+            precision=lax.Precision.HIGHEST)
+        y = _add_bias(y, params, nsp)
+        tops.append(y.reshape(shape[:g.channel_axis] + (num_output,) + out))
+    return tops
+
+
+@layer("Im2col", bottoms=(1, 1), tops=(1, 1))
+def im2col(ctx: LayerContext, bottoms, params):
+    """Caffe's column buffer: top channel c*prod(k) + (kernel offset, row-major) holds that tap of channel c."""
+    (x,) = bottoms
+    g = _conv_geometry(ctx.layer, tuple(x.shape))
+    first = g.channel_axis + 1
+    spatial = tuple(x.shape[first:])
+    if not spatial:
+        raise ctx.error(f"needs at least one spatial axis after the channel axis, bottom shape {x.shape}")
+    out = _conv_out_shape(ctx.layer, g, spatial)
+    # Pad so every (partly outside) window Caffe's size formula admits reads zeros, and no more.
+    pads = [(p, (o - 1) * s + e - n - p) for p, o, s, e, n in zip(g.pad, out, g.stride, g.extent, spatial)]
+    cols = _windows(_pad(x, first, pads, 0), first, g.kernel, g.stride, g.dilation, out)  # (..., C, K, out...)
+    return [cols.reshape(x.shape[:g.channel_axis] + (-1,) + out)]
+
+
+# ---- Pooling: pooling_layer.cpp ---------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class PoolGeometry:
+    """One 2-D pooling window layout over an (H, W) input; ``out`` is Caffe's pooled size."""
+
+    method: int
+    kernel: tuple[int, int]
+    stride: tuple[int, int]
+    pad: tuple[int, int]
+    size: tuple[int, int]
+    out: tuple[int, int]
+
+    def padding(self) -> list[tuple[int, int]]:
+        """(low, high) per axis so the padded input holds exactly the ``out`` windows (high may crop)."""
+        return [(p, (o - 1) * s + k - n - p)
+                for p, o, s, k, n in zip(self.pad, self.out, self.stride, self.kernel, self.size)]
+
+
+def _pool_geometry(layer_param, method: int, kernel, stride, pad, size, round_mode: int,
+                   global_pooling: bool = False) -> PoolGeometry:
+    """PoolingLayer's LayerSetUp CHECKs and Reshape's output size (ceil/floor, then the pad clip)."""
+    if global_pooling and (any(pad) or any(s != 1 for s in stride)):
+        raise _fail(layer_param, f"with global_pooling: true only pad = 0 and stride = 1 (pad {pad}, "
+                                 f"stride {stride})")
+    if any(k <= 0 for k in kernel):
+        raise _fail(layer_param, f"filter dimensions cannot be zero, got kernel {kernel}")
+    if any(s <= 0 for s in stride):
+        raise _fail(layer_param, f"stride must be positive, got {stride}")
+    if any(pad):
+        if method not in (POOL_AVE, POOL_MAX):
+            raise _fail(layer_param, f"padding (pad {pad}) is implemented only for average and max pooling")
+        if any(p >= k for p, k in zip(pad, kernel)):
+            raise _fail(layer_param, f"pad {pad} must be smaller than kernel {kernel}")
+    if round_mode not in (ROUND_CEIL, ROUND_FLOOR):
+        raise _fail(layer_param, f"unknown rounding mode {round_mode}")
+    out = []
+    for n, k, s, p in zip(size, kernel, stride, pad):
+        span = n + 2 * p - k
+        o = (-(-span // s) if round_mode == ROUND_CEIL else span // s) + 1
+        # With any padding, the last window must start strictly inside the image (plus its low pad).
+        if any(pad) and (o - 1) * s >= n + p:
+            o -= 1
+        if any(pad) and (o - 1) * s >= n + p:
+            raise _fail(layer_param, f"the last pooling window starts in the padding (input {size}, kernel "
+                                     f"{kernel}, stride {stride}, pad {pad})")
+        if o <= 0:
+            raise _fail(layer_param, f"kernel {kernel} with pad {pad} does not fit the input {size}")
+        out.append(o)
+    return PoolGeometry(method, tuple(kernel), tuple(stride), tuple(pad), tuple(size), tuple(out))
+
+
+def _pooling_param_geometry(layer_param, shape: Shape) -> PoolGeometry:
+    p = layer_param.pooling_param
+    if len(shape) != 4:
+        raise _fail(layer_param, f"input must have 4 axes (num, channels, height, width), got {shape}")
+    if p.global_pooling:
+        if p.HasField("kernel_size") or p.HasField("kernel_h") or p.HasField("kernel_w"):
+            raise _fail(layer_param, "with global_pooling: true the filter size cannot be specified")
+        kernel = shape[2:]
+    else:
+        if p.HasField("kernel_size") == (p.HasField("kernel_h") and p.HasField("kernel_w")):
+            raise _fail(layer_param, "filter size is kernel_size OR kernel_h and kernel_w; not both")
+        kernel = (p.kernel_size,) * 2 if p.HasField("kernel_size") else (p.kernel_h, p.kernel_w)
+    if not ((not p.HasField("pad") and p.HasField("pad_h") and p.HasField("pad_w"))
+            or (not p.HasField("pad_h") and not p.HasField("pad_w"))):
+        raise _fail(layer_param, "pad is pad OR pad_h and pad_w are required")
+    if not ((not p.HasField("stride") and p.HasField("stride_h") and p.HasField("stride_w"))
+            or (not p.HasField("stride_h") and not p.HasField("stride_w"))):
+        raise _fail(layer_param, "stride is stride OR stride_h and stride_w are required")
+    pad = (p.pad_h, p.pad_w) if p.HasField("pad_h") else (p.pad,) * 2
+    stride = (p.stride_h, p.stride_w) if p.HasField("stride_h") else (p.stride,) * 2
+    return _pool_geometry(layer_param, p.pool, kernel, stride, pad, shape[2:], p.round_mode,
+                          p.global_pooling)
+
+
+def _pool_windows(x: jax.Array, g: PoolGeometry, fill) -> jax.Array:
+    """(N, C, kh*kw, oh, ow): every window of x, padding and overhang cells set to ``fill``."""
+    return _windows(_pad(x, 2, g.padding(), fill), 2, g.kernel, g.stride, (1, 1), g.out)
+
+
+def _window_index(g: PoolGeometry, t: jax.Array) -> jax.Array:
+    """Caffe's flat bottom index h * W + w of window element ``t`` (row-major in the kernel) per output."""
+    rows = (np.arange(g.out[0]) * g.stride[0] - g.pad[0])[:, None]
+    cols = (np.arange(g.out[1]) * g.stride[1] - g.pad[1])[None, :]
+    return (rows + t // g.kernel[1]) * g.size[1] + cols + t % g.kernel[1]
+
+
+def _select(windows: jax.Array, t: jax.Array) -> jax.Array:
+    """windows[:, :, t] per output: a gather, whose derivative sends each output's gradient to that element."""
+    return jnp.take_along_axis(windows, t[:, :, None], axis=2)[:, :, 0]
+
+
+def _max_pool(x: jax.Array, g: PoolGeometry) -> tuple[jax.Array, jax.Array]:
+    """(top, mask): Caffe's scan from -FLT_MAX keeping the first strictly greater value (padding skipped).
+
+    argmax takes the first of equal maxima, as Caffe's strict ``>`` does; NaNs never win a ``>`` in Caffe,
+    so they enter as -inf. A window with nothing above -FLT_MAX keeps Caffe's initial -FLT_MAX and mask -1.
+    The top selects one input per window, so its gradient goes to exactly that first maximum (overlapping
+    windows accumulate); the mask (flat index h * W + w) carries no gradient.
+    """
+    windows = _pool_windows(x, g, -jnp.inf)
+    first_max = jnp.argmax(jnp.where(jnp.isnan(windows), -jnp.inf, windows), axis=2)
+    value = _select(windows, first_max)
+    found = value > -_FLT_MAX
+    top = jnp.where(found, value, jnp.asarray(-_FLT_MAX, x.dtype))
+    mask = jnp.where(found, _window_index(g, first_max), -1).astype(x.dtype)
+    return top, mask
+
+
+def _window_sum(x: jax.Array, g: PoolGeometry) -> jax.Array:
+    """Sum of each window's inputs (padding and overhang count as zeros)."""
+    xpad = _pad(x, 2, g.padding(), 0)
+    return lax.reduce_window(xpad, np.zeros((), x.dtype), lax.add, (1, 1) + g.kernel, (1, 1) + g.stride,
+                             "VALID")
+
+
+def _ave_divisor(g: PoolGeometry) -> np.ndarray:
+    """Caffe's pool_size: window extent clipped to [start, size + pad) before clipping to the image."""
+    extents = []
+    for o, s, p, k, n in zip(g.out, g.stride, g.pad, g.kernel, g.size):
+        start = np.arange(o) * s - p
+        extents.append(np.minimum(start + k, n + p) - start)
+    return np.outer(extents[0], extents[1])
+
+
+def _ave_pool(x: jax.Array, g: PoolGeometry) -> jax.Array:
+    return _window_sum(x, g) / jnp.asarray(_ave_divisor(g), x.dtype)
+
+
+def _stochastic_pool_train(x: jax.Array, g: PoolGeometry, key: jax.Array) -> jax.Array:
+    """Pick the first window element whose running sum reaches u * (window sum), u ~ U[0, 1).
+
+    The top selects that element, so the gradient goes to it alone, as in Caffe's StoPoolBackward.
+    Overhanging cells read zeros, which never become the first hit (the window's first cell is inside).
+    """
+    windows = _pool_windows(x, g, 0)
+    running = lax.stop_gradient(jnp.cumsum(windows, axis=2))
+    threshold = jax.random.uniform(key, running.shape[:2] + running.shape[3:], x.dtype) * running[:, :, -1]
+    return _select(windows, jnp.argmax(running >= threshold[:, :, None], axis=2))
+
+
+def _stochastic_pool_test(x: jax.Array, g: PoolGeometry) -> jax.Array:
+    """sum(x^2) / sum(x) over the window, 0 where sum(x) <= 0 (StoPoolForwardTest)."""
+    s1, s2 = _window_sum(x, g), _window_sum(x * x, g)
+    positive = s1 > 0
+    return jnp.where(positive, s2 / jnp.where(positive, s1, 1), 0)
+
+
+def _pool(ctx: LayerContext, x: jax.Array, g: PoolGeometry, key_index: int = 0) -> tuple[jax.Array, Any]:
+    """(top, mask or None) of one pooling of x (N, C, H, W)."""
+    if g.method == POOL_MAX:
+        return _max_pool(x, g)
+    if g.method == POOL_AVE:
+        return _ave_pool(x, g), None
+    if g.method == POOL_STOCHASTIC:
+        if ctx.phase == TRAIN:
+            return _stochastic_pool_train(x, g, jax.random.fold_in(ctx.rng(), key_index)), None
+        return _stochastic_pool_test(x, g), None
+    raise ctx.error(f"unknown pooling method {g.method}")
+
+
+@layer("Pooling", bottoms=(1, 1), tops=(1, 2))
+def pooling(ctx: LayerContext, bottoms, params):
+    """MAX / AVE / STOCHASTIC pooling over k x k windows; MAX may emit a second top with the argmax index."""
+    (x,) = bottoms
+    g = _pooling_param_geometry(ctx.layer, tuple(x.shape))
+    if ctx.num_tops > 1 and g.method != POOL_MAX:
+        raise ctx.error(f"only MAX pooling has a second (mask) top; got {ctx.num_tops} tops")
+    top, mask = _pool(ctx, x, g)
+    return [top, mask][:ctx.num_tops]
+
+
+# ---- SPP: spp_layer.cpp -----------------------------------------------------------------------------------
+
+def _spp_level_geometry(layer_param, level: int, size: tuple[int, int]) -> PoolGeometry:
+    """GetPoolingParam: 2^level bins, kernel ceil(size/bins), pad (kernel*bins - size + 1)/2, stride kernel."""
+    bins = 2 ** level
+    kernel = tuple(math.ceil(n / bins) for n in size)
+    pad = tuple((k * bins - n + 1) // 2 for k, n in zip(kernel, size))
+    method = layer_param.spp_param.pool
+    return _pool_geometry(layer_param, method, kernel, kernel, pad, size, ROUND_CEIL)
+
+
+@layer("SPP", bottoms=(1, 1), tops=(1, 1))
+def spp(ctx: LayerContext, bottoms, params):
+    """Spatial pyramid pooling: pool at 1, 2, 4, ... bins per side, flatten each level, concat on axis 1."""
+    (x,) = bottoms
+    if x.ndim != 4:
+        raise ctx.error(f"input must have 4 axes (num, channels, height, width), got {x.shape}")
+    size = tuple(x.shape[2:])
+    if min(size) <= 0:
+        raise ctx.error(f"input dimensions cannot be zero, got {x.shape}")
+    height = ctx.layer.spp_param.pyramid_height
+    if height == 0:
+        raise ctx.error("pyramid_height must be at least 1 (the concat of zero levels is empty)")
+    if height == 1:  # Caffe then runs one bare Pooling layer: the top stays 4-D
+        return [_pool(ctx, x, _spp_level_geometry(ctx.layer, 0, size))[0]]
+    levels = [_pool(ctx, x, _spp_level_geometry(ctx.layer, i, size), key_index=i)[0] for i in range(height)]
+    return [jnp.concatenate([y.reshape(y.shape[0], -1) for y in levels], axis=1)]
+
+
+# ---- LRN: lrn_layer.cpp -----------------------------------------------------------------------------------
+
+@layer("LRN", bottoms=(1, 1), tops=(1, 1))
+def lrn(ctx: LayerContext, bottoms, params):
+    """ACROSS_CHANNELS: x (k + alpha/n sum_{n channels} x^2)^-beta (zero padded over channels).
+
+    WITHIN_CHANNEL: Caffe's x (1 + alpha AVEpool_{n x n, pad (n-1)/2}(x^2))^-beta; k is not used.
+    """
+    (x,) = bottoms
+    p = ctx.layer.lrn_param
+    n = p.local_size
+    if n % 2 != 1:
+        raise ctx.error(f"LRN only supports odd values for local_size, got {n}")
+    if x.ndim != 4:
+        raise ctx.error(f"input must have 4 axes (num, channels, height, width), got {x.shape}")
+    pre_pad = (n - 1) // 2
+    alpha = jnp.asarray(p.alpha, x.dtype)
+    beta = jnp.asarray(p.beta, x.dtype)
+    if p.norm_region == LRN_ACROSS_CHANNELS:
+        window = lax.reduce_window(x * x, np.zeros((), x.dtype), lax.add, (1, n, 1, 1), (1, 1, 1, 1),
+                                   [(0, 0), (pre_pad, pre_pad), (0, 0), (0, 0)])
+        scale = jnp.asarray(p.k, x.dtype) + alpha / n * window
+        return [x * scale ** -beta]
+    if p.norm_region == LRN_WITHIN_CHANNEL:
+        g = _pool_geometry(ctx.layer, POOL_AVE, (n, n), (1, 1), (pre_pad, pre_pad), tuple(x.shape[2:]),
+                           ROUND_CEIL)
+        return [x * (1 + alpha * _ave_pool(x * x, g)) ** -beta]
+    raise ctx.error(f"unknown norm_region {p.norm_region}")
+
+
+# ---- Crop: crop_layer.cpp ---------------------------------------------------------------------------------
+
+@layer("Crop", bottoms=(2, 2), tops=(1, 1))
+def crop(ctx: LayerContext, bottoms, params):
+    """top = bottom[0][..., o_i : o_i + bottom[1].shape[i], ...] for axes i >= axis; bottom[1] gives only its
+    shape (no gradient flows into it)."""
+    x, ref = bottoms
+    p = ctx.layer.crop_param
+    ndim = x.ndim
+    start_axis = canonical_axis(ctx, p.axis, ndim)
+    offsets = list(p.offset)
+    if len(offsets) > 1 and start_axis + len(offsets) != ndim:
+        raise ctx.error(f"number of offset values specified ({len(offsets)}) must be equal to the number of "
+                        f"dimensions following axis {start_axis} of the {ndim}-D bottom")
+    if ref.ndim < ndim:
+        raise ctx.error(f"bottom[1] of shape {ref.shape} has fewer axes than bottom[0] {x.shape}")
+    starts, sizes = [], []
+    for i in range(ndim):
+        offset, size = 0, x.shape[i]
+        if i >= start_axis:
+            size = ref.shape[i]
+            if offsets:
+                offset = offsets[0] if len(offsets) == 1 else offsets[i - start_axis]
+            if x.shape[i] - offset < size:
+                raise ctx.error(f"the crop for dimension {i} is out-of-bounds with size {size} and offset "
+                                f"{offset} (bottom[0] {x.shape}, bottom[1] {ref.shape})")
+        starts.append(offset)
+        sizes.append(size)
+    return [lax.slice(x, starts, [s + n for s, n in zip(starts, sizes)])]

@@ -1,0 +1,1 @@
+"""The stateful facade users touch: Net, solvers, data layers' readers."""

@@ -1,0 +1,130 @@
+"""pycaffe's Blob: a named array with ``data`` and ``diff``, backed by device arrays.
+
+Each of ``data``/``diff`` lives either on the device (a ``jax.Array`` the compiled program produced) or on
+the host (a writable NumPy array handed to the user). Reading ``.data`` materialises the host copy once; from
+then on the host copy is authoritative, so pycaffe idioms like ``net.blobs['data'].data[...] = x`` and net
+surgery through ``net.params[name][i].data`` take effect on the next pass. When a pass produces a new value
+for a blob whose host copy was handed out, the new value is copied into that same array, as pycaffe's views
+onto Caffe's memory would show it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class ArraySlot:
+    """One array that is either on the device, on the host, or both (host wins)."""
+
+    __slots__ = ("_device", "_host", "_shape", "_dtype")
+
+    def __init__(self, shape, dtype=np.float32):
+        self._device = None
+        self._host = None
+        self._shape = tuple(shape)
+        self._dtype = np.dtype(dtype)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._shape
+
+    def host(self) -> np.ndarray:
+        """The writable host array (materialised from the device value, or zeros)."""
+        if self._host is None:
+            if self._device is not None:
+                self._host = np.array(self._device, dtype=self._dtype, copy=True)
+            else:
+                self._host = np.zeros(self._shape, self._dtype)
+        return self._host
+
+    def value(self):
+        """What a compiled program should read: the host copy if one was handed out, else the device value."""
+        if self._host is not None:
+            return self._host
+        if self._device is None:
+            self._host = np.zeros(self._shape, self._dtype)
+            return self._host
+        return self._device
+
+    def set(self, value) -> None:
+        """Store a new value (device or host array) of this slot's shape."""
+        shape = tuple(value.shape)
+        if self._host is not None and self._host.shape == shape:
+            np.copyto(self._host, np.asarray(value))
+            self._device = None
+        else:
+            self._host = None
+            self._device = value
+            self._shape = shape
+
+    def reshape(self, shape) -> None:
+        shape = tuple(int(d) for d in shape)
+        if shape != self._shape:
+            self._shape = shape
+            self._device = None
+            self._host = None
+
+    def on_host(self) -> bool:
+        return self._host is not None
+
+
+class Blob:
+    """A Caffe blob as pycaffe shows it: ``data``, ``diff``, ``shape``, ``count``, ``reshape``."""
+
+    def __init__(self, shape, dtype=np.float32):
+        self._data = ArraySlot(shape, dtype)
+        self._diff = ArraySlot(shape, dtype)
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._data.host()
+
+    @data.setter
+    def data(self, value) -> None:
+        self.data[...] = value
+
+    @property
+    def diff(self) -> np.ndarray:
+        return self._diff.host()
+
+    @diff.setter
+    def diff(self, value) -> None:
+        self.diff[...] = value
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._data.shape
+
+    @property
+    def count(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def _legacy(self, i: int) -> int:
+        # pycaffe's num/channels/height/width: Caffe's LegacyShape, 1 beyond the blob's axes.
+        return self.shape[i] if i < len(self.shape) else 1
+
+    @property
+    def num(self) -> int:
+        return self._legacy(0)
+
+    @property
+    def channels(self) -> int:
+        return self._legacy(1)
+
+    @property
+    def height(self) -> int:
+        return self._legacy(2)
+
+    @property
+    def width(self) -> int:
+        return self._legacy(3)
+
+    def reshape(self, *shape) -> None:
+        """Change the shape (data and diff are reset); the net picks it up on the next forward/reshape."""
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        self._data.reshape(shape)
+        self._diff.reshape(shape)
+
+    def __repr__(self) -> str:
+        return f"Blob(shape={self.shape})"

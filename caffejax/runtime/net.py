@@ -1,0 +1,414 @@
+"""``caffejax.Net``: pycaffe's Net, running one XLA program per input-shape signature.
+
+The Net holds the state pycaffe users touch (blobs, params, names, Caffe's indices) and hands the pure
+functions of :class:`~caffejax.lower.program.NetProgram` their arrays. A forward is one call of one jitted
+program; so is a backward (a ``jax.vjp`` of the same forward). Programs are cached per input shapes and pass
+range, so repeated passes at one shape never recompile.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from typing import Any, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from caffejax.errors import CaffejaxError, ShapeError, WeightsError
+from caffejax.fileio import atomic_write
+from caffejax.frontend.build import build_graph, load_net_param
+from caffejax.frontend.caffemodel import encode_net, read_weights, write_hdf5
+from caffejax.frontend.ir import Graph
+from caffejax.lower.program import NetProgram
+from caffejax.lower.registry import TRAIN, TEST, get_rule
+from caffejax.runtime import mode
+from caffejax.runtime.blob import ArraySlot, Blob
+
+
+class LayerView:
+    """pycaffe's Layer: ``type``, ``name``, ``blobs`` (its learnable blobs)."""
+
+    def __init__(self, name: str, type: str, blobs: list[Blob]):
+        self.name, self.type, self.blobs = name, type, blobs
+
+    def __repr__(self) -> str:
+        return f"<Layer {self.name!r} ({self.type})>"
+
+
+class Net:
+    """A Caffe net.
+
+    ``Net(prototxt, phase)``, ``Net(prototxt, weights, phase)`` (pycaffe's order) or
+    ``Net(prototxt, phase, weights=..., level=0, stages=())``. ``prototxt`` is a path, prototxt text, or a
+    ``caffe_pb2.NetParameter``.
+    """
+
+    def __init__(self, network, *args, phase: int | None = None, weights: str | None = None, level: int = 0,
+                 stages: Sequence[str] = (), allow_python_layers: bool = False, dtype=np.float32):
+        for arg in args:
+            if isinstance(arg, (str, os.PathLike)):
+                weights = os.fspath(arg)
+            elif isinstance(arg, int):
+                phase = arg
+            else:
+                raise TypeError(f"Net(): unexpected argument {arg!r}; use Net(prototxt, phase) or "
+                                "Net(prototxt, weights, phase)")
+        if phase not in (TRAIN, TEST):
+            raise TypeError("Net() needs a phase: caffejax.TRAIN or caffejax.TEST")
+        is_path = isinstance(network, os.PathLike) or (isinstance(network, str) and os.path.exists(network))
+        self._net_param = load_net_param(network, is_path=is_path if isinstance(network, (str, os.PathLike))
+                                         else None)
+        self._base_dir = os.path.dirname(os.path.abspath(os.fspath(network))) if is_path else None
+        self._phase, self._level, self._stages = phase, level, tuple(stages)
+        self._allow_python = allow_python_layers
+        self._dtype = np.dtype(dtype)
+        self._programs: dict[Any, NetProgram] = {}
+        self._compiled: dict[Any, Any] = {}
+        self.compile_count = 0  # how many times a program was traced (each trace is one XLA compile)
+        self._pass_count = 0
+        self._last_key = None
+        self._set_graph(self._build({}))
+        # Fillers run only for layers the weights file does not cover (the file would overwrite them).
+        loaded = read_weights(weights) if weights is not None else None
+        self._init_params(skip=set(loaded.blobs) if loaded else set())
+        if loaded is not None:
+            self._copy_weights(loaded)
+
+    # -- structure ------------------------------------------------------------------------------------------
+    def _build(self, input_shapes) -> Graph:
+        return build_graph(self._net_param, self._phase, self._level, self._stages, input_shapes=input_shapes,
+                           base_dir=self._base_dir, allow_python_layers=self._allow_python)
+
+    def _set_graph(self, graph: Graph) -> None:
+        """Adopt a (re)built graph: blobs are kept by name and reshaped; new ones are created."""
+        self._graph = graph
+        self._program = self._programs.setdefault(self._signature(graph), NetProgram(graph))
+        old = getattr(self, "blobs", {})
+        self.blobs: collections.OrderedDict[str, Blob] = collections.OrderedDict()
+        for name in graph.blobs:
+            shape = graph.blob_shape(name) or ()
+            blob = old.get(name) or Blob(shape, self._dtype)
+            blob.reshape(shape)
+            self.blobs[name] = blob
+        # Caffe keeps a loss top's diff at its loss weight; backward starts from it.
+        for layer in graph.layers:
+            for top, weight in zip(layer.tops, layer.loss_weights):
+                if weight and top in self.blobs:
+                    self.blobs[top].diff[...] = weight
+
+    @staticmethod
+    def _signature(graph: Graph):
+        return tuple((layer.name, tuple(graph.value_shapes[v] or ()) if v in graph.value_shapes else None)
+                     for layer in graph.layers if layer.is_input for v in layer.top_values)
+
+    def _init_params(self, skip: set[str] = frozenset()) -> None:
+        key = jax.random.key(mode.random_seed())
+        self.params: collections.OrderedDict[str, list[Blob]] = collections.OrderedDict()
+        self._param_blobs: dict[tuple[str, int], Blob] = {}
+        for position, layer in enumerate(self._graph.layers):
+            rule = get_rule(layer.type)
+            shapes = [slot.shape for slot in layer.params]
+            initial = None
+            if layer.params and rule.init_params is not None and layer.name not in skip:
+                initial = rule.init_params(layer.proto, shapes, jax.random.fold_in(key, position))
+            blobs = []
+            for i, slot in enumerate(layer.params):
+                if slot.is_owner:
+                    blob = Blob(slot.shape, self._dtype)
+                    if initial is not None:
+                        blob._data.set(jnp.asarray(initial[i], self._dtype))
+                    self._param_blobs[slot.key] = blob
+                else:
+                    blob = self._param_blobs[slot.storage]
+                blobs.append(blob)
+            if blobs:
+                self.params[layer.name] = blobs
+        self.layers = [LayerView(layer.name, layer.type, self.params.get(layer.name, []))
+                       for layer in self._graph.layers]
+
+    # -- pycaffe's introspection ----------------------------------------------------------------------------
+    @property
+    def graph(self) -> Graph:
+        return self._graph
+
+    @property
+    def phase(self) -> int:
+        return self._phase
+
+    @property
+    def inputs(self) -> list[str]:
+        return list(self._graph.inputs)
+
+    @property
+    def outputs(self) -> list[str]:
+        return list(self._graph.outputs)
+
+    @property
+    def _layer_names(self) -> list[str]:
+        return [layer.name for layer in self._graph.layers]
+
+    @property
+    def _blob_names(self) -> list[str]:
+        return list(self._graph.blobs)
+
+    @property
+    def top_names(self) -> collections.OrderedDict:
+        return collections.OrderedDict((layer.name, list(layer.tops)) for layer in self._graph.layers)
+
+    @property
+    def bottom_names(self) -> collections.OrderedDict:
+        return collections.OrderedDict((layer.name, list(layer.bottoms)) for layer in self._graph.layers)
+
+    @property
+    def blob_loss_weights(self) -> collections.OrderedDict:
+        return collections.OrderedDict((b, self._graph.blob_loss_weights.get(b, 0.0)) for b in self._graph.blobs)
+
+    @property
+    def _blob_loss_weights(self) -> list[float]:
+        return list(self.blob_loss_weights.values())
+
+    @property
+    def layer_dict(self) -> collections.OrderedDict:
+        return collections.OrderedDict((layer.name, layer) for layer in self.layers)
+
+    def _layer_index(self, name: str) -> int:
+        try:
+            return self._layer_names.index(name)
+        except ValueError:
+            raise CaffejaxError(f"no layer named '{name}' in net '{self._graph.name}'") from None
+
+    # -- arrays for the programs ----------------------------------------------------------------------------
+    def param_arrays(self) -> dict[str, list[Any]]:
+        """The owners' learnable blobs as the program's ``params`` pytree (layer name -> list)."""
+        out: dict[str, list[Any]] = {}
+        for slot in self._graph.learnable_slots:
+            out.setdefault(slot.layer, [None] * len(self._graph.layer(slot.layer).params))
+        for slot in self._graph.param_slots:
+            if slot.is_owner:
+                out[slot.layer][slot.index] = self._param_blobs[slot.key]._data.value()
+        return out
+
+    def _feed(self, layers) -> dict[str, Any]:
+        """Values the layers read but do not produce: fed tops and earlier blobs, from the blobs' data."""
+        produced = set()
+        env = {}
+        for layer in layers:
+            for j, value in enumerate(layer.bottom_values):
+                if value not in produced and value not in env:
+                    env[value] = self.blobs[layer.bottoms[j]]._data.value()
+            if layer.is_input:
+                for top, value in zip(layer.tops, layer.top_values):
+                    env[value] = self.blobs[top]._data.value()
+            produced.update(layer.top_values)
+        return env
+
+    def _next_key(self) -> jax.Array:
+        self._pass_count += 1
+        return jax.random.fold_in(jax.random.key(mode.random_seed()), self._pass_count)
+
+    def _jitted(self, kind: str, start: int, end: int, build):
+        cache_key = (self._signature(self._graph), kind, start, end)
+        fn = self._compiled.get(cache_key)
+        if fn is None:
+            def counted(*args):
+                self.compile_count += 1
+                return build(*args)
+            fn = self._compiled[cache_key] = jax.jit(counted)
+        return fn
+
+    def _sync_shapes(self) -> None:
+        """Caffe reshapes every layer on each forward: rebuild if a fed blob's shape changed."""
+        wanted = {}
+        for layer in self._graph.layers:
+            if layer.is_input:
+                for top, value in zip(layer.tops, layer.top_values):
+                    if self.blobs[top].shape != self._graph.value_shapes[value]:
+                        wanted[top] = self.blobs[top].shape
+        if wanted:
+            self.reshape()
+
+    def reshape(self) -> None:
+        """Re-infer every shape from the fed blobs' current shapes (Caffe's Net::Reshape)."""
+        shapes = {top: self.blobs[top].shape for layer in self._graph.layers if layer.is_input
+                  for top in layer.tops}
+        self._set_graph(self._build(shapes))
+
+    # -- passes ---------------------------------------------------------------------------------------------
+    def _forward(self, start: int, end: int) -> float:
+        self._sync_shapes()
+        layers = self._program.layers_between(start, end)
+        program = self._program
+        fn = self._jitted("forward", start, end,
+                          lambda params, env, key: program.run_layers(layers, params, env, key))
+        key = self._next_key()
+        self._last_key = key
+        env, updates = fn(self.param_arrays(), self._feed(layers), key)
+        for layer in layers:
+            if not layer.is_input:
+                for top, value in zip(layer.tops, layer.top_values):
+                    if top in self.blobs:
+                        self.blobs[top]._data.set(env[value])
+        for owner, changed in updates.items():
+            for i, value in changed.items():
+                self._param_blobs[(owner, i)]._data.set(value)
+        loss = program.loss(env, layers)
+        return float(loss)
+
+    def forward(self, blobs: Iterable[str] | None = None, start: str | None = None, end: str | None = None,
+                **kwargs) -> dict[str, np.ndarray]:
+        """pycaffe's forward: optional input arrays by name; returns the outputs (and ``blobs``) by name."""
+        blobs = list(blobs or [])
+        start_ind = 0 if start is None else self._layer_index(start)
+        if end is not None:
+            end_ind = self._layer_index(end)
+            outputs = set(self.top_names[end] + blobs)
+        else:
+            end_ind = len(self._graph.layers) - 1
+            outputs = set(self.outputs + blobs)
+        if kwargs:
+            if set(kwargs) != set(self.inputs):
+                raise CaffejaxError(f"input blob arguments {sorted(kwargs)} do not match net inputs {self.inputs}")
+            for name, array in kwargs.items():
+                array = np.asarray(array)
+                if array.shape != self.blobs[name].shape:
+                    if array.ndim != len(self.blobs[name].shape) or array.shape[0] != self.blobs[name].shape[0]:
+                        raise ShapeError(f"input '{name}' has shape {array.shape}; the net expects "
+                                         f"{self.blobs[name].shape} (reshape the blob first)")
+                self.blobs[name].data[...] = array
+        self._last_loss = self._forward(start_ind, end_ind)
+        return {name: self.blobs[name].data for name in outputs}
+
+    def _backward(self, start: int, end: int) -> None:
+        """Caffe's BackwardFromTo(start, end): layers start down to end (indices, start >= end)."""
+        layers = self._program.layers_between(end, start)
+        consumed = {v for layer in layers for v in layer.bottom_values}
+        seeds = {value: self.blobs[top]._diff.value() for layer in layers if not layer.is_input
+                 for top, value in zip(layer.tops, layer.top_values)
+                 if value not in consumed and top in self.blobs}
+        writes = [(layer.bottoms[j], value) for layer in reversed(layers) if layer.need_backward
+                  for j, value in enumerate(layer.bottom_values) if layer.bottom_need_backward[j]]
+        diff_values = sorted({value for _, value in writes})
+        program = self._program
+        fn = self._jitted("backward", end, start,
+                          lambda params, env, seeds, key: program.forward_backward(
+                              params, env, seeds, key, start=end, end=start, diff_values=diff_values)[2:])
+        key = self._last_key if self._last_key is not None else self._next_key()
+        grads, value_diffs = fn(self.param_arrays(), self._feed(layers), seeds, key)
+        for blob, value in writes:
+            self.blobs[blob]._diff.set(value_diffs[value])
+        for layer in layers:
+            if not layer.need_backward:
+                continue
+            for slot, need in zip(layer.params, layer.param_need_backward):
+                if need and slot.is_owner:
+                    diff = self._param_blobs[slot.key]._diff
+                    diff.set(jnp.asarray(diff.value()) + grads[slot.layer][slot.index])
+
+    def backward(self, diffs: Iterable[str] | None = None, start: str | None = None, end: str | None = None,
+                 **kwargs) -> dict[str, np.ndarray]:
+        """pycaffe's backward: optional top diffs by output name; returns the inputs' (and ``diffs``) diffs."""
+        diffs = list(diffs or [])
+        start_ind = len(self._graph.layers) - 1 if start is None else self._layer_index(start)
+        if end is not None:
+            end_ind = self._layer_index(end)
+            outputs = set(self.bottom_names[end] + diffs)
+        else:
+            end_ind = 0
+            outputs = set(self.inputs + diffs)
+        if kwargs:
+            if set(kwargs) != set(self.outputs):
+                raise CaffejaxError(f"top diff arguments {sorted(kwargs)} do not match net outputs {self.outputs}")
+            for name, diff in kwargs.items():
+                diff = np.asarray(diff)
+                if diff.shape[:1] != self.blobs[name].shape[:1]:
+                    raise ShapeError(f"diff for '{name}' has shape {diff.shape}; the blob is {self.blobs[name].shape}")
+                self.blobs[name].diff[...] = diff
+        self._backward(start_ind, end_ind)
+        return {name: self.blobs[name].diff for name in outputs}
+
+    def clear_param_diffs(self) -> None:
+        """Caffe's ClearParamDiffs: zero every learnable blob's diff."""
+        for blob in self._param_blobs.values():
+            blob._diff.set(jnp.zeros(blob.shape, self._dtype))
+
+    # -- weights --------------------------------------------------------------------------------------------
+    def copy_from(self, path: str) -> None:
+        """Net::CopyTrainedLayersFrom: layers matched by name; unknown layers ignored; shapes must agree."""
+        self._copy_weights(read_weights(path))
+
+    def _copy_weights(self, weights) -> None:
+        path = weights.path
+        for layer in self._graph.layers:
+            if layer.name not in weights.blobs:
+                continue
+            source = weights.blobs[layer.name]
+            if len(source) != len(layer.params):
+                raise WeightsError(f"{path}: layer '{layer.name}' has {len(source)} blobs in the file but "
+                                   f"{len(layer.params)} in the net (incompatible number of blobs)")
+            for i, (slot, array) in enumerate(zip(layer.params, source)):
+                if not _shape_matches(slot.shape, array.shape):
+                    raise WeightsError(
+                        f"{path}: cannot copy param {i} weights from layer '{layer.name}'; shape mismatch: "
+                        f"the file's blob is {tuple(array.shape)}, the net's is {tuple(slot.shape)}. To learn "
+                        "this layer's parameters from scratch rather than copying them, rename the layer")
+                blob = self._param_blobs[slot.storage]
+                blob._data.set(jnp.asarray(np.asarray(array, self._dtype).reshape(slot.shape)))
+
+    copy_trained_layers_from = copy_from
+
+    def share_with(self, other: "Net") -> None:
+        """Net::ShareTrainedLayersWith: use ``other``'s param data (by layer name) instead of our own."""
+        for layer in self._graph.layers:
+            if layer.name not in other.params:
+                continue
+            theirs = other.params[layer.name]
+            if len(theirs) != len(layer.params):
+                raise WeightsError(f"cannot share layer '{layer.name}': {len(theirs)} blobs there, "
+                                   f"{len(layer.params)} here")
+            for slot, blob in zip(layer.params, theirs):
+                if tuple(blob.shape) != tuple(slot.shape):
+                    raise WeightsError(f"cannot share param {slot.index} of layer '{layer.name}': shape "
+                                       f"{blob.shape} there, {slot.shape} here")
+                self._param_blobs[slot.storage]._data = blob._data
+
+    def to_proto(self):
+        """Net::ToProto: the net's (filtered, split) layers with their current blobs, as a NetParameter."""
+        from caffejax.proto import caffe_pb2
+
+        return caffe_pb2.NetParameter.FromString(b"".join(encode_net(self._proto_for_save(), self._blob_arrays())))
+
+    def _proto_for_save(self):
+        net = self._graph.proto.__class__()
+        net.CopyFrom(self._graph.proto)
+        net.ClearField("state")
+        return net
+
+    def _blob_arrays(self) -> dict[str, list[np.ndarray]]:
+        return {name: [np.asarray(b._data.value(), np.float32) for b in blobs] for name, blobs in self.params.items()}
+
+    def save(self, path: str) -> None:
+        """Write a binary caffemodel (current V2 format) that BVLC Caffe reads; atomic."""
+        atomic_write(path, encode_net(self._proto_for_save(), self._blob_arrays()))
+
+    def save_hdf5(self, path: str) -> None:
+        """Caffe's HDF5 layout: ``data/<layer>/<i>`` for owners of learnable blobs."""
+        owners: dict[str, list[np.ndarray]] = {}
+        for slot in self._graph.param_slots:
+            if slot.is_owner:
+                owners.setdefault(slot.layer, []).append(np.asarray(self._param_blobs[slot.key]._data.value()))
+        write_hdf5(path, owners)
+
+    def load_hdf5(self, path: str) -> None:
+        self.copy_from(path)
+
+
+def _shape_matches(net_shape, file_shape) -> bool:
+    """Caffe's ShapeEquals; legacy 4-D file blobs compare right-aligned (a bias stored as 1x1x1xN)."""
+    net_shape, file_shape = tuple(net_shape), tuple(file_shape)
+    if net_shape == file_shape:
+        return True
+    if len(file_shape) == 4 and len(net_shape) <= 4:
+        return (1,) * (4 - len(net_shape)) + net_shape == file_shape
+    return False
