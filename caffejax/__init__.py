@@ -2,12 +2,20 @@
 
 from caffejax.errors import (CaffejaxError, DataError, GraphError, ParseError, SchemaError, ShapeError,
                              SolverError, UnsupportedError, WeightsError)
+from caffejax.grad import value_and_grad
 from caffejax.lower.registry import TEST, TRAIN
+from caffejax.net_spec import NetSpec, layers, params, to_proto
 from caffejax.runtime.mode import set_device, set_mode_cpu, set_mode_gpu, set_random_seed
 from caffejax.runtime.net import Net
+from caffejax.runtime.solver import (AdaDeltaSolver, AdaGradSolver, AdamSolver, NesterovSolver, RMSPropSolver,
+                                     SGDSolver, get_solver)
+from caffejax import io  # pycaffe's caffe.io
+from caffejax.classifier import Classifier, Detector
 
 __version__ = "0.1.0"
 
 __all__ = ["Net", "TRAIN", "TEST", "CaffejaxError", "ParseError", "SchemaError", "GraphError", "ShapeError",
            "WeightsError", "DataError", "SolverError", "UnsupportedError", "set_mode_cpu", "set_mode_gpu",
-           "set_device", "set_random_seed"]
+           "set_device", "set_random_seed", "value_and_grad", "get_solver", "SGDSolver", "NesterovSolver",
+           "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver", "AdamSolver", "NetSpec", "layers", "params",
+           "to_proto", "io", "Classifier", "Detector"]

@@ -27,57 +27,63 @@ WRITTEN_AFTER_FORWARD = {"batchnorm_train"}
 EXACT_LAYER_TYPES = {"ArgMax", "Accuracy"}
 
 
+class Run:
+    """One case run once: the net as loaded, then after Caffe's forward (and backward, if Caffe ran one)."""
+
+    def __init__(self, make, name):
+        self.case = case = make(name)
+        net = self.net = case.make_net()
+        case.feed(net)
+        net.reshape()
+        self.blob_order = list(net.blobs)
+        self.shapes = {b: net.blobs[b].shape for b in net.blobs}
+        self.loaded = {layer: [np.array(b.data) for b in blobs] for layer, blobs in net.params.items()}
+        net.forward()
+        self.forward = {b: np.array(net.blobs[b].data) for b in net.blobs}
+        self.loss = net._last_loss
+        if case.keys("diff/"):
+            for blob in case.keys("topdiff/"):
+                net.blobs[blob].diff[...] = case.figures["topdiff/" + blob]
+            net.backward()
+
+
 @pytest.fixture(scope="module")
 def ran():
-    """Each case's net after feed + forward (+ backward if Caffe ran one), built once per module."""
     cache = {}
 
-    def get(make, name):
+    def get(make, name) -> Run:
         if name not in cache:
-            case = make(name)
-            net = case.make_net()
-            case.feed(net)
-            net.forward()
-            forward = {b: np.array(net.blobs[b].data) for b in net.blobs}
-            loss = net._last_loss
-            if case.keys("diff/"):
-                for blob in case.keys("topdiff/"):
-                    net.blobs[blob].diff[...] = case.figures["topdiff/" + blob]
-                net.backward()
-            cache[name] = (case, net, forward, loss)
+            cache[name] = Run(make, name)
         return cache[name]
 
     return get
 
 
 @pytest.mark.parametrize("make,name", CASES)
-def test_blob_order_and_shapes(make, name):
-    case = make(name)
-    net = case.make_net()
-    case.feed(net)
-    net.reshape()
-    assert list(net.blobs) == case.keys("data/")
-    for blob in case.keys("data/"):
-        assert net.blobs[blob].shape == case.figures["data/" + blob].shape, blob
+def test_blob_order_and_shapes(make, name, ran):
+    run = ran(make, name)
+    assert run.blob_order == run.case.keys("data/")
+    for blob in run.case.keys("data/"):
+        assert run.shapes[blob] == run.case.figures["data/" + blob].shape, blob
 
 
 @pytest.mark.parametrize("make,name", CASES)
-def test_weights_load(make, name):
+def test_weights_load(make, name, ran):
     """The caffemodel's blobs load as protobuf itself decodes them, and equal Caffe's param/ figures."""
-    case = make(name)
-    net = case.make_net()
+    run = ran(make, name)
+    case = run.case
     decoded = caffe_pb2.NetParameter.FromString(case.weights.read_bytes())
     for layer in decoded.layer:
-        if layer.name not in net.layer_dict:
+        if layer.name not in run.loaded:
             continue  # Caffe ignores layers the net does not have (det2's file has an extra one)
         for i, blob in enumerate(layer.blobs):
-            np.testing.assert_array_equal(net.params[layer.name][i].data, blobproto_to_array(blob),
+            np.testing.assert_array_equal(run.loaded[layer.name][i], blobproto_to_array(blob),
                                           err_msg=f"{layer.name}/{i}")
+    if name in WRITTEN_AFTER_FORWARD:
+        return
     for key in case.keys("param/"):
         layer, i = key.rsplit("/", 1)
-        if name in WRITTEN_AFTER_FORWARD:
-            continue
-        np.testing.assert_array_equal(net.params[layer][int(i)].data, case.figures["param/" + key])
+        np.testing.assert_array_equal(run.loaded[layer][int(i)], case.figures["param/" + key])
 
 
 def test_batchnorm_train_updates_running_stats():
@@ -95,22 +101,23 @@ def test_batchnorm_train_updates_running_stats():
 
 @pytest.mark.parametrize("make,name", CASES)
 def test_forward(make, name, ran):
-    case, net, forward, loss = ran(make, name)
-    exact = {t for layer in net.graph.layers if layer.type in EXACT_LAYER_TYPES
+    run = ran(make, name)
+    exact = {t for layer in run.net.graph.layers if layer.type in EXACT_LAYER_TYPES
              and not (layer.type == "ArgMax" and layer.proto.argmax_param.out_max_val) for t in layer.tops}
-    for blob in case.keys("data/"):
-        ref = case.figures["data/" + blob]
+    for blob in run.case.keys("data/"):
+        ref = run.case.figures["data/" + blob]
         if blob in exact:
-            np.testing.assert_array_equal(forward[blob], ref, err_msg=f"data/{blob}")
+            np.testing.assert_array_equal(run.forward[blob], ref, err_msg=f"data/{blob}")
         else:
-            assert_close(forward[blob], ref, FORWARD_RTOL, FORWARD_ATOL, f"data/{blob}")
-    if "loss" in case.figures:
-        assert_close(np.float32(loss), case.figures["loss"], FORWARD_RTOL, FORWARD_ATOL, "loss")
+            assert_close(run.forward[blob], ref, FORWARD_RTOL, FORWARD_ATOL, f"data/{blob}")
+    if "loss" in run.case.figures:
+        assert_close(np.float32(run.loss), run.case.figures["loss"], FORWARD_RTOL, FORWARD_ATOL, "loss")
 
 
 @pytest.mark.parametrize("make,name", CASES)
 def test_backward(make, name, ran):
-    case, net, _, _ = ran(make, name)
+    run = ran(make, name)
+    case, net = run.case, run.net
     if not case.keys("diff/"):
         pytest.skip("Caffe ran forward only for this case")
     for blob in case.keys("diff/"):

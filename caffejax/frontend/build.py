@@ -40,11 +40,14 @@ def load_net_param(source, *, is_path: bool | None = None) -> caffe_pb2.NetParam
 
 def build_graph(net: caffe_pb2.NetParameter, phase: int, level: int = 0, stages: Sequence[str] = (),
                 input_shapes: Mapping[str, Shape] | None = None, base_dir: str | None = None,
-                allow_python_layers: bool = False) -> Graph:
+                allow_python_layers: bool = False, concrete_inputs: Mapping[str, np.ndarray] | None = None
+                ) -> Graph:
     """Filter, split, wire and shape-infer an (already upgraded) NetParameter.
 
     ``input_shapes`` overrides the shapes of Input tops (``net.reshape`` after a user resized an input).
-    ``base_dir`` resolves relative data-source paths.
+    ``base_dir`` resolves relative data-source paths. ``concrete_inputs`` (fed blob name -> data) gives the
+    values of blobs whose data decide shapes (Filter's selector); absent ones count as zeros, the data a
+    fresh Caffe blob holds.
     """
     param = caffe_pb2.NetParameter()
     param.CopyFrom(net)
@@ -52,15 +55,19 @@ def build_graph(net: caffe_pb2.NetParameter, phase: int, level: int = 0, stages:
     param.state.level = level
     param.state.stage.extend(stages)
     param = insert_splits(filter_net(param, param.state))
-    builder = _Builder(param, phase, dict(input_shapes or {}), base_dir, allow_python_layers)
+    builder = _Builder(param, phase, dict(input_shapes or {}), base_dir, allow_python_layers,
+                       dict(concrete_inputs or {}))
     for index, layer_param in enumerate(param.layer):
         builder.add_layer(index, layer_param)
     return builder.finish()
 
 
 class _Builder:
-    def __init__(self, param, phase, input_shapes, base_dir, allow_python_layers):
+    def __init__(self, param, phase, input_shapes, base_dir, allow_python_layers, concrete_inputs):
         self.param = param
+        self.concrete_inputs = concrete_inputs
+        self.concrete: dict[str, np.ndarray] = {}
+        self.fed_values: dict[str, str] = {}  # value id -> fed blob name
         self.phase = phase
         self.input_shapes = input_shapes
         self.base_dir = base_dir
@@ -76,7 +83,8 @@ class _Builder:
         self.named_params: dict[str, ParamSlot] = {}
         self.slots: dict[tuple[str, int], ParamSlot] = {}
         self.loss_weights: dict[str, float] = {}
-        self.rules: dict[str, LayerRule] = {}
+        self.top_shapes_by_config: dict[tuple, list[Shape]] = {}
+        self.rules: list[LayerRule] = []  # one per layer, in order (layer names need not be unique)
 
     # -- one layer ------------------------------------------------------------------------------------------
     def add_layer(self, index: int, lp) -> None:
@@ -125,7 +133,8 @@ class _Builder:
             top_values.append(value)
 
         bottom_shapes = [self.value_shapes[v] for v in bottom_values]
-        param_shapes, top_shapes, is_input = self._shapes(lp, rule, tops, bottom_shapes)
+        concrete = self._concrete_bottoms(lp, rule, bottom_values, bottom_shapes)
+        param_shapes, top_shapes, is_input = self._shapes(lp, rule, tops, bottom_shapes, concrete)
         if rule.frozen_params:
             while len(lp.param) < len(param_shapes):
                 lp.param.add(lr_mult=0)  # BatchNorm::LayerSetUp masks its statistics from the solver
@@ -133,7 +142,10 @@ class _Builder:
         if len(lp.param) > len(params) and all(s is not None for s in bottom_shapes):
             raise layer_error(SchemaError, lp.name, lp.type,
                               f"{len(lp.param)} param specs given but the layer has {len(params)} learnable blobs")
-        param_need = [slot.lr_mult != 0 for slot in params]
+        # Net::Init decides param_propagate_down from the layer's own ParamSpec (lr_mult defaults to 1), not
+        # from the shared owner's: a sharer without lr_mult still backpropagates into the shared diff.
+        own_specs = [lp.param[i] if i < len(lp.param) else caffe_pb2.ParamSpec() for i in range(len(params))]
+        param_need = [spec.lr_mult != 0 for spec in own_specs]
         need_backward |= any(param_need)
 
         for blob, value, shape in zip(tops, top_values, top_shapes):
@@ -143,6 +155,8 @@ class _Builder:
                 self.available.add(blob)
         if lp.type == "Input":
             self.inputs.extend(tops)
+        if is_input:
+            self.fed_values.update(zip(top_values, tops))
 
         loss_weights = self._loss_weights(lp, rule, len(tops))
         for blob, weight in zip(tops, loss_weights):
@@ -155,7 +169,7 @@ class _Builder:
             for blob in tops:
                 self.blob_need_backward[blob] = True
         self.layers.append(layer)
-        self.rules[lp.name] = rule
+        self.rules.append(rule)
 
     def _rule(self, lp) -> LayerRule:
         if lp.type == "Python" and not self.allow_python_layers:
@@ -178,7 +192,28 @@ class _Builder:
                 want = f"exactly {lo}" if lo == hi else (f"at least {lo}" if hi is None else f"{lo} to {hi}")
                 raise layer_error(SchemaError, lp.name, lp.type, f"takes {want} {what} blob(s), got {got}")
 
-    def _shapes(self, lp, rule: LayerRule, tops, bottom_shapes):
+    def _concrete_bottoms(self, lp, rule: LayerRule, bottom_values, bottom_shapes) -> dict[int, np.ndarray]:
+        """Bottoms whose data decide this layer's top shapes: their (fed) data, by bottom index."""
+        if rule.shape_from_values is None:
+            return {}
+        concrete = {}
+        for j in rule.shape_from_values(lp):
+            value = bottom_values[j]
+            if value not in self.fed_values:
+                raise layer_error(UnsupportedError, lp.name, lp.type,
+                                  f"bottom '{lp.bottom[j]}' decides the top shapes by its values, so it must be "
+                                  "a fed blob (an Input or data layer's top); here a layer computes it")
+            if bottom_shapes[j] is None:
+                continue
+            data = self.concrete_inputs.get(self.fed_values[value])
+            data = np.zeros(bottom_shapes[j], np.float32) if data is None else np.asarray(data, np.float32)
+            if data.shape != tuple(bottom_shapes[j]):
+                raise layer_error(ShapeError, lp.name, lp.type, f"data for '{lp.bottom[j]}' has shape "
+                                  f"{data.shape}, the blob is {tuple(bottom_shapes[j])}")
+            concrete[j] = self.concrete[value] = data
+        return concrete
+
+    def _shapes(self, lp, rule: LayerRule, tops, bottom_shapes, concrete):
         """(param shapes, top shapes, is_input) of one layer; shapes are None downstream of unknown data."""
         if rule.input_shapes is not None:
             try:
@@ -201,10 +236,27 @@ class _Builder:
                               f"cannot allocate learnable blobs for bottom shapes {bottom_shapes}: {e}") from None
         for s in param_shapes:
             _check_shape(lp, s)
-        top_shapes = infer_top_shapes(lp, rule, self.phase, bottom_shapes, param_shapes, len(tops))
+        top_shapes = self._infer_top_shapes(lp, rule, bottom_shapes, param_shapes, len(tops), concrete)
         for s in top_shapes:
             _check_shape(lp, s)
         return param_shapes, top_shapes, False
+
+    def _infer_top_shapes(self, lp, rule: LayerRule, bottom_shapes, param_shapes, num_tops: int, concrete):
+        """infer_top_shapes, traced once per distinct layer configuration: deep nets repeat a few blocks
+        (ResNet-152's 720 layers have 60 configurations), and each trace costs milliseconds."""
+        if concrete:
+            return infer_top_shapes(lp, rule, self.phase, bottom_shapes, param_shapes, num_tops, concrete=concrete)
+        config = caffe_pb2.LayerParameter()
+        config.CopyFrom(lp)
+        config.ClearField("name")  # names only label errors; the wiring enters through shapes and in_place
+        del config.bottom[:], config.top[:]
+        in_place = tuple(i < len(lp.bottom) and t == lp.bottom[i] for i, t in enumerate(lp.top))
+        key = (config.SerializeToString(deterministic=True), tuple(tuple(s) for s in bottom_shapes),
+               tuple(param_shapes), num_tops, in_place)
+        if key not in self.top_shapes_by_config:
+            self.top_shapes_by_config[key] = infer_top_shapes(lp, rule, self.phase, bottom_shapes, param_shapes,
+                                                              num_tops)
+        return list(self.top_shapes_by_config[key])
 
     def _append_param(self, lp, index: int, shape: Shape) -> ParamSlot:
         spec = lp.param[index] if index < len(lp.param) else caffe_pb2.ParamSpec()
@@ -263,8 +315,7 @@ class _Builder:
     def finish(self) -> Graph:
         self._sweep_backward()
         if self.param.force_backward:
-            for layer in self.layers:
-                rule = self.rules[layer.name]
+            for layer, rule in zip(self.layers, self.rules):
                 layer.need_backward = True
                 for j, blob in enumerate(layer.bottoms):
                     layer.bottom_need_backward[j] = (layer.bottom_need_backward[j]
@@ -276,7 +327,8 @@ class _Builder:
                      stages=tuple(self.param.state.stage), force_backward=self.param.force_backward,
                      layers=self.layers, blobs=self.blobs, value_shapes=self.value_shapes,
                      blob_value=self.blob_value, blob_first_value=self.blob_first_value, inputs=self.inputs,
-                     outputs=sorted(self.available), blob_loss_weights=self.loss_weights, proto=self.param)
+                     outputs=sorted(self.available), blob_loss_weights=self.loss_weights, proto=self.param,
+                     concrete=self.concrete)
 
     def _sweep_backward(self) -> None:
         """Net::Init's backward sweep: layers not under a loss, or whose tops all skip backprop, need none."""
@@ -320,14 +372,22 @@ def _check_shape(lp, shape: Shape) -> None:
 
 
 def infer_top_shapes(lp, rule: LayerRule, phase: int, bottom_shapes, param_shapes, num_tops: int,
-                     dtype=np.float32) -> list[Shape]:
-    """Caffe's Reshape for one layer: the shapes its forward produces, from abstract evaluation."""
+                     dtype=np.float32, concrete: Mapping[int, np.ndarray] | None = None) -> list[Shape]:
+    """Caffe's Reshape for one layer: the shapes its forward produces, from abstract evaluation.
+
+    ``concrete`` gives the data of bottoms whose values decide shapes; they enter as constants.
+    """
+    concrete = concrete or {}
     in_place = tuple(i < len(lp.bottom) and t == lp.bottom[i] for i, t in enumerate(lp.top))
     ctx = LayerContext(layer=lp, phase=phase, key=jax.random.key(0), num_tops=num_tops, in_place=in_place)
-    bottoms = [jax.ShapeDtypeStruct(tuple(s), dtype) for s in bottom_shapes]
+    bottoms = [None if j in concrete else jax.ShapeDtypeStruct(tuple(s), dtype) for j, s in enumerate(bottom_shapes)]
     params = [jax.ShapeDtypeStruct(tuple(s), dtype) for s in param_shapes]
+
+    def forward(b, p):
+        return list(rule.forward(ctx, [concrete[j] if j in concrete else x for j, x in enumerate(b)], p))
+
     try:
-        tops = jax.eval_shape(lambda b, p: list(rule.forward(ctx, b, p)), bottoms, params)
+        tops = jax.eval_shape(forward, bottoms, params)
     except CaffejaxError:
         raise
     except Exception as e:

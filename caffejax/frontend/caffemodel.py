@@ -11,6 +11,7 @@ same way; the caller upgrades them.
 from __future__ import annotations
 
 import dataclasses
+import math
 import mmap
 import os
 from typing import Iterator
@@ -182,9 +183,10 @@ def _read_binary(buf: memoryview, path: str) -> Weights:
     for number, wire, a, b, field_start in _fields(buf, 0, len(buf)):
         if wire == _LEN and number in (_NET_LAYER, _NET_LAYERS_V1):
             v1 = number == _NET_LAYERS_V1
-            layer_bytes, layer_blobs = _split_layer(buf, a, b, v1)
+            layer_bytes, blob_ranges = _split_layer(buf, a, b, v1)
             net_rest += _encode_len_field(number, layer_bytes)
             layer = (caffe_pb2.V1LayerParameter if v1 else caffe_pb2.LayerParameter).FromString(layer_bytes)
+            layer_blobs = _layer_blobs(buf, blob_ranges, path, layer.name)
             if layer.name in blobs and layer_blobs:
                 raise WeightsError(f"{path}: layer '{layer.name}' appears twice with weights")
             if layer_blobs or layer.name not in blobs:
@@ -195,17 +197,29 @@ def _read_binary(buf: memoryview, path: str) -> Weights:
     return Weights(net=net, blobs=blobs, path=path)
 
 
-def _split_layer(buf: memoryview, start: int, end: int, v1: bool) -> tuple[bytes, list[np.ndarray]]:
-    """A layer's bytes without its blobs, and the blobs as arrays (views into ``buf`` where possible)."""
+def _split_layer(buf: memoryview, start: int, end: int, v1: bool) -> tuple[bytes, list[tuple[int, int]]]:
+    """A layer's bytes without its blobs, and where each blob's BlobProto lies in ``buf``."""
     blobs_field = _V1_BLOBS if v1 else _LAYER_BLOBS
     rest = bytearray()
     blobs = []
     for number, wire, a, b, field_start in _fields(buf, start, end):
         if number == blobs_field and wire == _LEN:
-            blobs.append(_blob_array(buf, a, b))
+            blobs.append((a, b))
         else:
             rest += buf[field_start:b]
     return bytes(rest), blobs
+
+
+def _layer_blobs(buf: memoryview, ranges: list[tuple[int, int]], path: str, layer_name: str) -> list[np.ndarray]:
+    """The layer's blobs as arrays (views into ``buf`` where possible); errors name the file, layer and blob."""
+    arrays = []
+    for i, (a, b) in enumerate(ranges):
+        try:
+            arrays.append(_blob_array(buf, a, b))
+        except (IndexError, ValueError, message.DecodeError) as e:
+            raise WeightsError(f"{path}: layer '{layer_name}', blob {i}: {e} (corrupted or truncated caffemodel?)") \
+                from None
+    return arrays
 
 
 def _blob_array(buf: memoryview, start: int, end: int) -> np.ndarray:
@@ -215,7 +229,7 @@ def _blob_array(buf: memoryview, start: int, end: int) -> np.ndarray:
     double_chunks: list[np.ndarray] = []
     for number, wire, a, b, _ in _fields(buf, start, end):
         if number in (_BLOB_NUM, _BLOB_CHANNELS, _BLOB_HEIGHT, _BLOB_WIDTH) and wire == _VARINT:
-            legacy[number] = a
+            legacy[number] = _int32(a)
         elif number == _BLOB_SHAPE and wire == _LEN:
             shape = tuple(int(d) for d in caffe_pb2.BlobShape.FromString(bytes(buf[a:b])).dim)
         elif number == _BLOB_DATA:
@@ -223,10 +237,12 @@ def _blob_array(buf: memoryview, start: int, end: int) -> np.ndarray:
         elif number == _BLOB_DOUBLE_DATA:
             double_chunks.append(_floats(buf, a, b, wire, np.dtype("<f8")))
         # diff and double_diff are not weights: skipped.
-    if shape is None:
-        # Caffe's Blob::FromProto: legacy 4-D fields if any are set, else the (possibly absent, i.e. 0-axis) shape.
-        shape = tuple(legacy.get(k, 0) for k in (_BLOB_NUM, _BLOB_CHANNELS, _BLOB_HEIGHT, _BLOB_WIDTH)) \
-            if legacy else ()
+    # Caffe's Blob::FromProto: the legacy 4-D num/channels/height/width if any is set (they win over
+    # shape.dim), else shape.dim (absent: a 0-axis blob holding one value).
+    if legacy:
+        shape = tuple(legacy.get(k, 0) for k in (_BLOB_NUM, _BLOB_CHANNELS, _BLOB_HEIGHT, _BLOB_WIDTH))
+    elif shape is None:
+        shape = ()
     parts = double_chunks or chunks
     if not parts:
         arr = np.zeros(0, np.float32)
@@ -235,12 +251,19 @@ def _blob_array(buf: memoryview, start: int, end: int) -> np.ndarray:
     else:
         arr = np.concatenate(parts)
     if double_chunks:
-        arr = arr.astype(np.float32)
-    expected = int(np.prod(shape, dtype=np.int64))
-    if any(d < 0 for d in shape) or arr.size != expected:
-        raise WeightsError(f"a blob of shape {shape} should hold {expected} values but holds {arr.size} "
-                           "(corrupted or truncated caffemodel?)")
+        arr = arr.astype(np.float32)  # Blob<float>::FromProto reads double_data into floats
+    if any(d < 0 for d in shape):
+        raise ValueError(f"negative dimension in blob shape {shape}")
+    expected = math.prod(shape)  # exact: a corrupted dim must not wrap around to a plausible count
+    if arr.size != expected:
+        raise ValueError(f"a blob of shape {shape} should hold {expected} values but holds {arr.size}")
     return arr.reshape(shape)
+
+
+def _int32(varint: int) -> int:
+    """An int32 field's value from its varint (negative int32s are written as 64-bit two's complement)."""
+    value = varint & 0xFFFFFFFF
+    return value - (1 << 32) if value >= 1 << 31 else value
 
 
 def _floats(buf: memoryview, a: int, b: int, wire: int, dtype: np.dtype) -> np.ndarray:
@@ -271,17 +294,27 @@ def _encode_varint(value: int) -> bytes:
 
 def encode_blob(arr: np.ndarray) -> bytes:
     """A BlobProto's bytes: shape, then the data as one packed float field (written without a Python loop)."""
-    arr = np.ascontiguousarray(arr, dtype="<f4")
+    return b"".join(_blob_pieces(arr))
+
+
+def _blob_pieces(arr: np.ndarray) -> list:
+    """A BlobProto as [its shape and the data field's header, the float payload]; the payload is the array's own
+    buffer (a memoryview), so writing a large model copies nothing."""
+    arr = np.asarray(arr, dtype="<f4")  # not ascontiguousarray: it turns a 0-axis blob into shape (1,)
+    payload = memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
     dims = b"".join(_encode_varint(int(d)) for d in arr.shape)
-    shape = _encode_len_field(1, dims) if arr.ndim else b""  # BlobShape.dim is packed (field 1)
-    return _encode_len_field(_BLOB_SHAPE, shape) + _encode_len_field(_BLOB_DATA, arr.tobytes())
+    # BlobShape.dim is packed (field 1). Like Blob::ToProto, a 0-axis blob is written without a shape.
+    shape = _encode_len_field(_BLOB_SHAPE, _encode_len_field(1, dims)) if arr.ndim else b""
+    header = _encode_varint((_BLOB_DATA << 3) | _LEN) + _encode_varint(payload.nbytes)
+    return [shape + header, payload]
 
 
-def encode_net(net: caffe_pb2.NetParameter, blobs: dict[str, list[np.ndarray]]) -> Iterator[bytes]:
+def encode_net(net: caffe_pb2.NetParameter, blobs: dict[str, list[np.ndarray]]) -> Iterator[bytes | memoryview]:
     """A binary caffemodel in chunks: ``net``'s own fields, then each layer with ``blobs[layer.name]`` appended.
 
     Protobuf parsers accept fields in any order, so a layer is its serialized params followed by its blob
-    fields; BVLC Caffe reads the result like any caffemodel.
+    fields; BVLC Caffe reads the result like any caffemodel. The float payloads are yielded as views of the
+    arrays, not copies.
     """
     head = caffe_pb2.NetParameter()
     head.CopyFrom(net)
@@ -292,11 +325,15 @@ def encode_net(net: caffe_pb2.NetParameter, blobs: dict[str, list[np.ndarray]]) 
         stripped = caffe_pb2.LayerParameter()
         stripped.CopyFrom(layer)
         del stripped.blobs[:]
-        payload = [stripped.SerializeToString()]
-        payload += [_encode_len_field(_LAYER_BLOBS, encode_blob(a)) for a in blobs.get(layer.name, [])]
-        body = b"".join(payload)
-        yield _encode_varint((_NET_LAYER << 3) | _LEN) + _encode_varint(len(body))
-        yield body
+        params = stripped.SerializeToString()
+        pieces = []
+        for arr in blobs.get(layer.name, []):
+            blob = _blob_pieces(arr)
+            size = sum(map(len, blob))  # the payload is a 1-D byte view: len() is its size
+            pieces += [_encode_varint((_LAYER_BLOBS << 3) | _LEN) + _encode_varint(size), *blob]
+        body = len(params) + sum(map(len, pieces))
+        yield _encode_varint((_NET_LAYER << 3) | _LEN) + _encode_varint(body) + params
+        yield from pieces
 
 
 # ---- HDF5 -----------------------------------------------------------------------------------------------------
@@ -310,7 +347,11 @@ def _h5py():
 
 
 def _read_hdf5(path: str) -> Weights:
-    """Caffe's HDF5 layout: ``data/<layer>/<i>`` datasets (only owners of shared params are stored)."""
+    """Caffe's HDF5 layout: ``data/<layer>/<i>`` datasets (only owners of shared params are stored).
+
+    A layer name holding '/' (``inception_3a/1x1``) is a nested group path in HDF5, so layers are found by
+    walking the whole ``data`` tree: every group holding numbered datasets (or nothing at all) is a layer.
+    """
     h5py = _h5py()
     blobs: dict[str, list[np.ndarray]] = {}
     net = caffe_pb2.NetParameter()
@@ -318,10 +359,11 @@ def _read_hdf5(path: str) -> Weights:
         with h5py.File(path, "r") as f:
             if "data" not in f:
                 raise WeightsError(f"{path}: HDF5 file has no 'data' group (not a Caffe HDF5 caffemodel)")
-            for layer_name, group in f["data"].items():
-                n = len(group)
+            layer_groups: list[tuple[str, object]] = []
+            f["data"].visititems(lambda name, obj: _collect_layer_group(h5py, name, obj, layer_groups))
+            for layer_name, group in layer_groups:
                 arrays = []
-                for j in range(n):
+                for j in range(len(group)):
                     if str(j) not in group:
                         break  # a gap means the rest are shared params Caffe did not write
                     arrays.append(np.asarray(group[str(j)], dtype=np.float32))
@@ -330,6 +372,11 @@ def _read_hdf5(path: str) -> Weights:
     except OSError as e:
         raise WeightsError(f"{path}: cannot read HDF5 weights: {e}") from None
     return Weights(net=net, blobs=blobs, path=path)
+
+
+def _collect_layer_group(h5py, name: str, obj, layer_groups: list) -> None:
+    if isinstance(obj, h5py.Group) and (len(obj) == 0 or any(isinstance(v, h5py.Dataset) for v in obj.values())):
+        layer_groups.append((name, obj))
 
 
 def write_hdf5(path: str, params: dict[str, list[np.ndarray]], diffs: dict[str, list[np.ndarray]] | None = None):
@@ -341,7 +388,7 @@ def write_hdf5(path: str, params: dict[str, list[np.ndarray]], diffs: dict[str, 
                 continue
             group = f.create_group(group_name)
             for layer_name, arrays in content.items():
-                layer_group = group.create_group(layer_name)
+                layer_group = group.require_group(layer_name)  # "a/b" may already exist as a path prefix
                 for j, arr in enumerate(arrays):
                     if arr is not None:
                         layer_group.create_dataset(str(j), data=np.asarray(arr, np.float32))

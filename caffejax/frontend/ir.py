@@ -90,6 +90,8 @@ class Graph:
     outputs: list[str]
     blob_loss_weights: dict[str, float]
     proto: Any  # the NetParameter after upgrade, filter and splits
+    # Fed values whose data decide shapes (Filter selectors): value id -> the data the shapes were built for.
+    concrete: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def layer(self, name: str) -> Layer:
         for layer in self.layers:

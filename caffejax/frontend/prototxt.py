@@ -21,11 +21,15 @@ from caffejax.proto import caffe_pb2
 
 M = TypeVar("M", bound=message.Message)
 
+# A fork's bool field is read the way text_format reads a bool (its ParseBool spellings).
+_BOOL_SPELLINGS = {"true": True, "t": True, "1": True, "True": True,
+                   "false": False, "f": False, "0": False, "False": False}
+
 # (message full name, fork field) -> rewrite of "field: value" into BVLC text, or None if ambiguous.
 # `ceil_mode` comes from forks (e.g. the DenseNet / ResNeXt ports) that predate BVLC's `round_mode`.
 FORK_FIELDS: dict[tuple[str, str], Callable[[str], str | None]] = {
     ("caffe.PoolingParameter", "ceil_mode"): lambda value: {
-        "true": "round_mode: CEIL", "false": "round_mode: FLOOR"}.get(value.lower()),
+        True: "round_mode: CEIL", False: "round_mode: FLOOR"}.get(_BOOL_SPELLINGS.get(value)),
 }
 
 # protobuf's messages look like '12:5 : Message type "caffe.X" has no field named "y".'
@@ -111,12 +115,12 @@ def _rewrite_fork_field(text: str, line: int, column: int, reason: str) -> str |
     found = src.rfind(m.group(2), 0, start + len(m.group(2)))
     if found < 0:
         return None
-    field = re.compile(re.escape(m.group(2)) + r"\s*:\s*(\w+)")
-    fm = field.match(src, found)
+    # The value may follow on a later line ("ceil_mode:\n  false"), as text format allows.
+    offset = sum(len(previous) + 1 for previous in lines[: line - 1]) + found
+    fm = re.compile(re.escape(m.group(2)) + r"\s*:\s*(\w+)").match(text, offset)
     if not fm:
         return None
     replacement = rewrite(fm.group(1))
     if replacement is None:
         return None
-    lines[line - 1] = src[:found] + replacement + src[fm.end():]
-    return "\n".join(lines)
+    return text[:offset] + replacement + text[fm.end():]

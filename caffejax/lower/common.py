@@ -247,7 +247,8 @@ def batch_reindex(ctx: LayerContext, bottoms, params):
 
 
 @layer("Filter", bottoms=(2, None), tops=(1, None),
-       allow_force_backward=lambda lp, i: i != len(lp.bottom) - 1)
+       allow_force_backward=lambda lp, i: i != len(lp.bottom) - 1,
+       shape_from_values=lambda lp: [len(lp.bottom) - 1])
 def filter_(ctx: LayerContext, bottoms, params):
     """top[i] = bottom[i] rows n where selector[n] != 0 (the selector is the last bottom, N x 1 x 1...).
 

@@ -1,15 +1,20 @@
 """Data family: layers whose tops enter the net from outside (Input, MemoryData and the file-reading data
-layers) or are generated in it (DummyData).
+layers), are generated in it (DummyData), or leave it (HDF5Output).
 
 Fed layers carry ``input_shapes``: their tops are arguments of the compiled program, filled by the runtime
-(``net.blobs[...].data[...] = x``, ``net.set_input_arrays``, or a data-source reader prefetching batches).
+(``net.blobs[...].data[...] = x`` for Input; for the others, one batch per forward from the layer's
+DataSource, see :mod:`caffejax.data`).
 """
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 
-from caffejax.errors import DataSourceUnavailable, SchemaError, layer_error
+from caffejax.data import data_layer, hdf5_data, image_data, memory_data, window_data
+from caffejax.errors import SchemaError, layer_error
 from caffejax.lower.registry import LayerRule, register
 
 
@@ -29,29 +34,37 @@ def input_shapes(layer, phase, base_dir):
     return shapes * num_top if len(shapes) == 1 else shapes
 
 
-def memory_data_shapes(layer, phase, base_dir):
-    """MemoryData: data (batch, channels, height, width) and label (batch,)."""
-    p = layer.memory_data_param
-    dims = (p.batch_size, p.channels, p.height, p.width)
-    if any(d <= 0 for d in dims):
-        raise layer_error(SchemaError, layer.name, layer.type,
-                          f"batch_size, channels, height and width must be positive, got {dims}")
-    return [dims, (p.batch_size,)][: len(layer.top)]
+def hdf5_output(ctx, bottoms, params):
+    """HDF5Output: every forward writes bottom 0 as dataset ``data`` and bottom 1 as ``label`` of file_name.
 
+    Caffe creates the file at set-up and fails on its second forward (the datasets exist); caffejax rewrites
+    the file on each forward, so it holds the last batch. No tops, no gradient.
+    """
+    from jax.experimental import io_callback
 
-def unavailable_source(kind: str):
-    def shapes(layer, phase, base_dir):
-        raise DataSourceUnavailable(f"layer '{layer.name}' (type {layer.type}): reading {kind} sources is not "
-                                    "available yet, so its top shapes are unknown")
-    return shapes
+    from caffejax.data.hdf5_data import write_output
+
+    file_name = ctx.layer.hdf5_output_param.file_name
+    if not file_name:
+        raise ctx.error("hdf5_output_param.file_name is empty", SchemaError)
+    data, label = bottoms
+    for name, b in (("data", data), ("label", label)):
+        if b.ndim > 4:
+            raise ctx.error(f"the {name} bottom is {b.ndim}-D {b.shape}; HDF5Output writes at most 4-D blobs")
+    if data.shape[:1] != label.shape[:1]:
+        raise ctx.error(f"data and label must have the same num: {data.shape} vs {label.shape}")
+    io_callback(functools.partial(write_output, file_name), None, jax.lax.stop_gradient(data),
+                jax.lax.stop_gradient(label), ordered=True)
+    return []
 
 
 register(LayerRule("Input", forward=_fed, input_shapes=input_shapes, bottoms=(0, 0), tops=(1, None)))
-register(LayerRule("MemoryData", forward=_fed, input_shapes=memory_data_shapes, bottoms=(0, 0), tops=(2, 2)))
-for _type, _kind in (("Data", "LMDB/LevelDB"), ("ImageData", "image list"), ("HDF5Data", "HDF5 list"),
-                     ("WindowData", "window file")):
-    register(LayerRule(_type, forward=_fed, input_shapes=unavailable_source(_kind), bottoms=(0, 0),
-                       tops=(1, None)))
+for _type, _module, _tops in (("Data", data_layer, (1, 2)), ("ImageData", image_data, (2, 2)),
+                              ("HDF5Data", hdf5_data, (1, None)), ("MemoryData", memory_data, (2, 2)),
+                              ("WindowData", window_data, (2, 2))):
+    register(LayerRule(_type, forward=_fed, input_shapes=_module.top_shapes, data_source=_module.open_source,
+                       bottoms=(0, 0), tops=_tops))
+register(LayerRule("HDF5Output", forward=hdf5_output, bottoms=(2, 2), tops=(0, 0)))
 
 
 def _dummy_shapes(layer) -> list[tuple[int, ...]]:

@@ -18,6 +18,7 @@ from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from caffejax.frontend.ir import Graph, Layer
 from caffejax.lower.registry import LayerContext, get_rule
@@ -38,12 +39,14 @@ class NetProgram:
     # -- forward --------------------------------------------------------------------------------------------
     def run_layers(self, layers: Sequence[Layer], params: Params, env: Values, key: jax.Array | None,
                    masks: bool = False, perturb: Mapping[str, jax.Array] | None = None,
-                   blob_masks: Mapping[str, Any] | None = None) -> tuple[Values, Updates]:
+                   blob_masks: Mapping[str, Any] | None = None,
+                   param_masks: Mapping[tuple[str, int], Any] | None = None) -> tuple[Values, Updates]:
         """Run ``layers`` over ``env`` (value id -> array, holding at least their bottoms).
 
         ``masks`` applies Caffe's backward masks as stop_gradient. ``perturb`` adds a zero-valued array to
         values (its gradient is that value's diff). ``blob_masks`` multiplies the gradient flowing into a
-        value by a mask (0 stops it): a research hook, see caffejax.grad.
+        value by a mask (0 stops it); ``param_masks`` ((layer name, blob index) -> mask) multiplies the gradient
+        a layer sends to one of its learnable blobs: research hooks, see caffejax.grad.
         Returns the environment with every value computed, and the params layers rewrote.
         """
         env = dict(env)
@@ -56,10 +59,13 @@ class NetProgram:
             bottoms = [env[v] for v in layer.bottom_values]
             blobs = [params[slot.storage[0]][slot.storage[1]] for slot in layer.params]
             if masks:
-                bottoms = [b if need and layer.need_backward else jax.lax.stop_gradient(b)
+                bottoms = [b if need and layer.need_backward else _no_gradient(b)
                            for b, need in zip(bottoms, layer.bottom_need_backward)]
-                blobs = [p if need and layer.need_backward else jax.lax.stop_gradient(p)
+                blobs = [p if need and layer.need_backward else _no_gradient(p)
                          for p, need in zip(blobs, layer.param_need_backward)]
+            if param_masks:
+                blobs = [_scale_gradient(p, param_masks[(layer.name, i)]) if (layer.name, i) in param_masks else p
+                         for i, p in enumerate(blobs)]
             ctx = LayerContext(layer=layer.proto, phase=self.graph.phase,
                                key=None if key is None else jax.random.fold_in(key, index),
                                num_tops=len(layer.tops), in_place=tuple(layer.in_place))
@@ -115,9 +121,31 @@ class NetProgram:
         grads, value_diffs = vjp(cotangent)
         return env, updates, grads, value_diffs
 
+    def loss_and_grads(self, params: Params, inputs: Values, key: jax.Array | None = None,
+                       blob_masks: Mapping[str, Any] | None = None,
+                       param_masks: Mapping[tuple[str, int], Any] | None = None
+                       ) -> tuple[jax.Array, Params, tuple[Values, Updates]]:
+        """Caffe's training objective and its gradient with respect to ``params``.
+
+        The objective is Net::ForwardBackward's: loss tops seeded with their weights, other outputs with a
+        zero diff, Caffe's masks applied. Returns (loss, grads shaped like ``params``, (values, updates)).
+        """
+        def objective(params):
+            env, updates = self.run_layers(self.graph.layers, params, inputs, key, masks=True,
+                                           blob_masks=blob_masks, param_masks=param_masks)
+            return self.loss(env), (env, updates)
+
+        (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(params)
+        return loss, grads, aux
+
     def layers_between(self, start: int = 0, end: int | None = None) -> list[Layer]:
         """Layers start..end inclusive, as Caffe's ForwardFromTo/BackwardFromTo count them."""
         return self.graph.layers[start: len(self.graph.layers) if end is None else end + 1]
+
+
+def _no_gradient(x):
+    # NumPy constants (Filter's selector) carry no gradient already, and must stay concrete for their layer.
+    return x if isinstance(x, np.ndarray) else jax.lax.stop_gradient(x)
 
 
 def _dtype_of(params: Params, inputs: Values):
@@ -135,7 +163,7 @@ def _scale_gradient_fwd(x, mask):
 
 
 def _scale_gradient_bwd(mask, g):
-    return g * mask, jnp.zeros_like(mask)
+    return (g * mask).astype(g.dtype), jnp.zeros_like(mask)
 
 
 _scale_gradient.defvjp(_scale_gradient_fwd, _scale_gradient_bwd)

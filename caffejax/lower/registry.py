@@ -12,7 +12,7 @@ modules (``vision``, ``neuron``, ``common``, ``loss``, ``recurrent``, ``data``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import jax
 import numpy as np
@@ -74,6 +74,21 @@ InitParamsFn = Callable[[Any, Sequence[Shape], jax.Array], Sequence[np.ndarray]]
 InputShapesFn = Callable[[Any, int, str | None], Sequence[Shape]]
 
 
+class DataSource(Protocol):
+    """Where a data layer's batches come from (an LMDB, an image list, arrays set by the user...).
+
+    ``next_batch()`` returns one array per top, in Caffe's order, already transformed (transform_param);
+    implementations prefetch in the background so the compiled program never waits on I/O.
+    """
+
+    def next_batch(self) -> Sequence[np.ndarray]: ...
+
+    def close(self) -> None: ...
+
+
+DataSourceFactory = Callable[[Any, int, str | None], DataSource]
+
+
 def no_params(layer: Any, bottom_shapes: Sequence[Shape]) -> list[Shape]:
     return []
 
@@ -89,10 +104,15 @@ class LayerRule:
     - ``init_params(layer, shapes, key) -> arrays``: Caffe's fillers for those blobs.
     - ``input_shapes(layer, phase, base_dir) -> shapes``: set for layers whose tops are fed from outside the
       compiled program (Input, and the data layers that read files); ``forward`` is then unused.
+    - ``data_source(layer, phase, base_dir) -> DataSource``: for fed layers that produce their own batches
+      (Data, ImageData, HDF5Data, MemoryData, WindowData); the runtime pulls one batch per forward.
     - ``is_loss``: Caffe's LossLayer (top 0 gets loss_weight 1 unless the prototxt says otherwise).
     - ``allow_force_backward(layer, bottom_index)``: False for bottoms force_backward must not reach
       (labels of loss layers).
     - ``bottoms``/``tops``: (min, max) counts, max None for unbounded; checked at net build.
+    - ``shape_from_values(layer) -> bottom indices`` whose values (not just shapes) decide the top shapes
+      (Filter's selector). Those bottoms must be fed blobs; the runtime passes their data to the program as
+      constants and compiles once per distinct value.
     - ``in_place``: False where Caffe forbids top == bottom. ``frozen_params``: blobs without a ParamSpec get
       lr_mult 0, as BatchNorm's LayerSetUp adds them (its statistics are not learned by gradient).
     """
@@ -106,6 +126,8 @@ class LayerRule:
     allow_force_backward: Callable[[Any, int], bool] = lambda layer, i: True
     bottoms: tuple[int, int | None] = (0, None)
     tops: tuple[int, int | None] = (0, None)
+    data_source: "DataSourceFactory | None" = None
+    shape_from_values: Callable[[Any], Sequence[int]] | None = None
     in_place: bool = True
     frozen_params: bool = False  # learnable blobs default to lr_mult 0 (BatchNorm's statistics)
 

@@ -6,6 +6,11 @@ then on the host copy is authoritative, so pycaffe idioms like ``net.blobs['data
 surgery through ``net.params[name][i].data`` take effect on the next pass. When a pass produces a new value
 for a blob whose host copy was handed out, the new value is copied into that same array, as pycaffe's views
 onto Caffe's memory would show it.
+
+A forward computes only what it must return (the blobs nothing later in the pass consumes, and the losses);
+every other blob of the pass is *deferred*: its first read runs the pass again, from the same inputs,
+params and random key, in a program that keeps all blobs. Serving pays for outputs only; pycaffe code that
+inspects intermediate blobs still sees Caffe's values.
 """
 
 from __future__ import annotations
@@ -16,13 +21,23 @@ import numpy as np
 class ArraySlot:
     """One array that is either on the device, on the host, or both (host wins)."""
 
-    __slots__ = ("_device", "_host", "_shape", "_dtype")
+    __slots__ = ("_device", "_host", "_shape", "_dtype", "_pending")
 
     def __init__(self, shape, dtype=np.float32):
         self._device = None
         self._host = None
         self._shape = tuple(shape)
         self._dtype = np.dtype(dtype)
+        self._pending = None
+
+    def defer(self, loader) -> None:
+        """The value exists but was not computed yet: ``loader()`` will ``set`` it on first read."""
+        self._pending = loader
+
+    def _resolve(self) -> None:
+        if self._pending is not None:
+            self._pending()  # sets this slot (and its siblings deferred with it), which clears _pending
+            self._pending = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -30,6 +45,7 @@ class ArraySlot:
 
     def host(self) -> np.ndarray:
         """The writable host array (materialised from the device value, or zeros)."""
+        self._resolve()
         if self._host is None:
             if self._device is not None:
                 self._host = np.array(self._device, dtype=self._dtype, copy=True)
@@ -39,6 +55,7 @@ class ArraySlot:
 
     def value(self):
         """What a compiled program should read: the host copy if one was handed out, else the device value."""
+        self._resolve()
         if self._host is not None:
             return self._host
         if self._device is None:
@@ -48,6 +65,7 @@ class ArraySlot:
 
     def set(self, value) -> None:
         """Store a new value (device or host array) of this slot's shape."""
+        self._pending = None
         shape = tuple(value.shape)
         if self._host is not None and self._host.shape == shape:
             np.copyto(self._host, np.asarray(value))
@@ -63,6 +81,7 @@ class ArraySlot:
             self._shape = shape
             self._device = None
             self._host = None
+            self._pending = None
 
     def on_host(self) -> bool:
         return self._host is not None

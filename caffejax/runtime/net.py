@@ -68,6 +68,7 @@ class Net:
         self._compiled: dict[Any, Any] = {}
         self.compile_count = 0  # how many times a program was traced (each trace is one XLA compile)
         self._pass_count = 0
+        self._sources: dict[str, Any] = {}
         self._last_key = None
         self._set_graph(self._build({}))
         # Fillers run only for layers the weights file does not cover (the file would overwrite them).
@@ -79,7 +80,20 @@ class Net:
     # -- structure ------------------------------------------------------------------------------------------
     def _build(self, input_shapes) -> Graph:
         return build_graph(self._net_param, self._phase, self._level, self._stages, input_shapes=input_shapes,
-                           base_dir=self._base_dir, allow_python_layers=self._allow_python)
+                           base_dir=self._base_dir, allow_python_layers=self._allow_python,
+                           concrete_inputs=self._concrete_data())
+
+    def _concrete_blobs(self) -> dict[str, str]:
+        """The fed blobs whose values decide shapes (Filter selectors): value id -> blob name."""
+        graph = getattr(self, "_graph", None)
+        if graph is None or not graph.concrete:
+            return {}
+        fed = {value: top for layer in graph.layers if layer.is_input
+               for top, value in zip(layer.tops, layer.top_values)}
+        return {value: fed[value] for value in graph.concrete}
+
+    def _concrete_data(self) -> dict[str, np.ndarray]:
+        return {blob: np.array(self.blobs[blob].data) for blob in self._concrete_blobs().values()}
 
     def _set_graph(self, graph: Graph) -> None:
         """Adopt a (re)built graph: blobs are kept by name and reshaped; new ones are created."""
@@ -100,33 +114,40 @@ class Net:
 
     @staticmethod
     def _signature(graph: Graph):
-        return tuple((layer.name, tuple(graph.value_shapes[v] or ()) if v in graph.value_shapes else None)
-                     for layer in graph.layers if layer.is_input for v in layer.top_values)
+        """What a compiled program depends on: the fed shapes, and the data of shape-deciding blobs."""
+        shapes = tuple((layer.name, tuple(graph.value_shapes[v] or ()) if v in graph.value_shapes else None)
+                       for layer in graph.layers if layer.is_input for v in layer.top_values)
+        return shapes + tuple((value, data.tobytes()) for value, data in sorted(graph.concrete.items()))
 
     def _init_params(self, skip: set[str] = frozenset()) -> None:
-        key = jax.random.key(mode.random_seed())
+        """Allocate every learnable blob and run Caffe's fillers (one jitted program for all of them)."""
         self.params: collections.OrderedDict[str, list[Blob]] = collections.OrderedDict()
         self._param_blobs: dict[tuple[str, int], Blob] = {}
-        for position, layer in enumerate(self._graph.layers):
-            rule = get_rule(layer.type)
-            shapes = [slot.shape for slot in layer.params]
-            initial = None
-            if layer.params and rule.init_params is not None and layer.name not in skip:
-                initial = rule.init_params(layer.proto, shapes, jax.random.fold_in(key, position))
+        for layer in self._graph.layers:
             blobs = []
-            for i, slot in enumerate(layer.params):
+            for slot in layer.params:
                 if slot.is_owner:
-                    blob = Blob(slot.shape, self._dtype)
-                    if initial is not None:
-                        blob._data.set(jnp.asarray(initial[i], self._dtype))
-                    self._param_blobs[slot.key] = blob
-                else:
-                    blob = self._param_blobs[slot.storage]
-                blobs.append(blob)
+                    self._param_blobs[slot.key] = Blob(slot.shape, self._dtype)
+                blobs.append(self._param_blobs[slot.storage])
             if blobs:
                 self.params[layer.name] = blobs
         self.layers = [LayerView(layer.name, layer.type, self.params.get(layer.name, []))
                        for layer in self._graph.layers]
+        to_fill = [(position, layer) for position, layer in enumerate(self._graph.layers)
+                   if layer.params and layer.name not in skip and get_rule(layer.type).init_params is not None]
+        if not to_fill:
+            return
+
+        def fill_all(key):
+            return {layer.name: list(get_rule(layer.type).init_params(
+                        layer.proto, [slot.shape for slot in layer.params], jax.random.fold_in(key, position)))
+                    for position, layer in to_fill}
+
+        filled = jax.jit(fill_all)(jax.random.key(mode.random_seed()))
+        for _, layer in to_fill:
+            for slot, array in zip(layer.params, filled[layer.name]):
+                if slot.is_owner:
+                    self._param_blobs[slot.key]._data.set(jnp.asarray(array, self._dtype))
 
     # -- pycaffe's introspection ----------------------------------------------------------------------------
     @property
@@ -202,7 +223,17 @@ class Net:
                 for top, value in zip(layer.tops, layer.top_values):
                     env[value] = self.blobs[top]._data.value()
             produced.update(layer.top_values)
+        for value in self._graph.concrete:  # these enter the program as constants, see _with_concrete
+            env.pop(value, None)
         return env
+
+    def _with_concrete(self, fn):
+        """``fn(params, env, ...)`` with the shape-deciding values of the current graph added to ``env`` as
+        constants (the program is compiled for exactly those values)."""
+        concrete = dict(self._graph.concrete)
+        if not concrete:
+            return fn
+        return lambda params, env, *rest: fn(params, {**env, **concrete}, *rest)
 
     def _next_key(self) -> jax.Array:
         self._pass_count += 1
@@ -226,7 +257,9 @@ class Net:
                 for top, value in zip(layer.tops, layer.top_values):
                     if self.blobs[top].shape != self._graph.value_shapes[value]:
                         wanted[top] = self.blobs[top].shape
-        if wanted:
+        changed_values = any(not np.array_equal(self.blobs[blob].data, self._graph.concrete[value])
+                             for value, blob in self._concrete_blobs().items())
+        if wanted or changed_values:
             self.reshape()
 
     def reshape(self) -> None:
@@ -236,25 +269,76 @@ class Net:
         self._set_graph(self._build(shapes))
 
     # -- passes ---------------------------------------------------------------------------------------------
+    def _data_source(self, layer):
+        """The layer's DataSource, opened on first use and kept for the net's lifetime."""
+        source = self._sources.get(layer.name)
+        if source is None:
+            factory = get_rule(layer.type).data_source
+            source = self._sources[layer.name] = factory(layer.proto, self._phase, self._base_dir)
+        return source
+
+    def set_input_arrays(self, data: np.ndarray, labels: np.ndarray) -> None:
+        """pycaffe's set_input_arrays: the arrays the first layer, a MemoryData, serves batch by batch (float32,
+        C-contiguous, used in place; labels 1-D or N x 1 x 1 x 1)."""
+        first = self._graph.layers[0] if self._graph.layers else None
+        if first is None or first.type != "MemoryData":
+            raise CaffejaxError("set_input_arrays may only be called if the first layer is a MemoryDataLayer")
+        self._data_source(first).reset(data, labels)
+
+    def _pull_batches(self, layers) -> None:
+        """Caffe's data layers produce a new batch on every forward: write it into their top blobs."""
+        for layer in layers:
+            if layer.is_input and get_rule(layer.type).data_source is not None:
+                for top, array in zip(layer.tops, self._data_source(layer).next_batch()):
+                    blob = self.blobs[top]
+                    if blob.shape != tuple(array.shape):
+                        blob.reshape(*array.shape)
+                    blob._data.set(np.asarray(array, self._dtype))
+
     def _forward(self, start: int, end: int) -> float:
+        self._pull_batches(self._program.layers_between(start, end))
         self._sync_shapes()
         layers = self._program.layers_between(start, end)
         program = self._program
-        fn = self._jitted("forward", start, end,
-                          lambda params, env, key: program.run_layers(layers, params, env, key))
+        consumed = {v for layer in layers for v in layer.bottom_values}
+        returned = sorted({v for layer in layers if not layer.is_input for v in layer.top_values
+                           if v not in consumed} | set(program.loss_weighted_values(layers)))
+
+        def outputs_only(params, env, key):
+            values, updates = program.run_layers(layers, params, env, key)
+            return {v: values[v] for v in returned}, updates
+
+        fn = self._jitted("forward", start, end, self._with_concrete(outputs_only))
         key = self._next_key()
         self._last_key = key
-        env, updates = fn(self.param_arrays(), self._feed(layers), key)
+        # Device snapshots: a deferred blob recomputes from exactly what this pass saw.
+        params = jax.tree.map(jnp.asarray, self.param_arrays())
+        env = {v: jnp.asarray(x) for v, x in self._feed(layers).items()}
+        values, updates = fn(params, env, key)
+        final = {}  # blob -> the value it holds after this pass
         for layer in layers:
             if not layer.is_input:
-                for top, value in zip(layer.tops, layer.top_values):
-                    if top in self.blobs:
-                        self.blobs[top]._data.set(env[value])
+                final.update((top, value) for top, value in zip(layer.tops, layer.top_values) if top in self.blobs)
+        deferred = {top: value for top, value in final.items() if value not in values}
+        for top, value in final.items():
+            if value in values:
+                self.blobs[top]._data.set(values[value])
+        if deferred:
+            all_values = self._jitted("forward-all", start, end, self._with_concrete(
+                lambda params, env, key: program.run_layers(layers, params, env, key)[0]))
+
+            def materialize():
+                computed = all_values(params, env, key)
+                for top, value in deferred.items():
+                    if self.blobs[top]._data._pending is materialize:
+                        self.blobs[top]._data.set(computed[value])
+
+            for top in deferred:
+                self.blobs[top]._data.defer(materialize)
         for owner, changed in updates.items():
             for i, value in changed.items():
                 self._param_blobs[(owner, i)]._data.set(value)
-        loss = program.loss(env, layers)
-        return float(loss)
+        return float(program.loss(values, layers))
 
     def forward(self, blobs: Iterable[str] | None = None, start: str | None = None, end: str | None = None,
                 **kwargs) -> dict[str, np.ndarray]:
@@ -291,9 +375,9 @@ class Net:
                   for j, value in enumerate(layer.bottom_values) if layer.bottom_need_backward[j]]
         diff_values = sorted({value for _, value in writes})
         program = self._program
-        fn = self._jitted("backward", end, start,
-                          lambda params, env, seeds, key: program.forward_backward(
-                              params, env, seeds, key, start=end, end=start, diff_values=diff_values)[2:])
+        fn = self._jitted("backward", end, start, self._with_concrete(
+            lambda params, env, seeds, key: program.forward_backward(
+                params, env, seeds, key, start=end, end=start, diff_values=diff_values)[2:]))
         key = self._last_key if self._last_key is not None else self._next_key()
         grads, value_diffs = fn(self.param_arrays(), self._feed(layers), seeds, key)
         for blob, value in writes:

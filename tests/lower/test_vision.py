@@ -277,6 +277,12 @@ def test_max_pool_all_ties_route_to_first_element():
     np.testing.assert_array_equal(np.asarray(dx)[0, 0], expected)
 
 
+def test_max_pool_skips_nan_like_caffe_strict_greater():
+    x = np.array([[[[np.nan, 1.0], [3.0, np.nan]]]], np.float32)
+    y, mask = _forward(_pool_layer("MAX", (2, 2), (2, 2), (0, 0), "CEIL", tops=("y", "mask")), [x])
+    assert float(y[0, 0, 0, 0]) == 3.0 and float(mask[0, 0, 0, 0]) == 2
+
+
 def test_max_pool_window_below_minus_flt_max_keeps_caffe_initial_value():
     x = np.full((1, 1, 2, 2), -np.inf, np.float32)
     y, mask = _forward(_pool_layer("MAX", (2, 2), (2, 2), (0, 0), "CEIL", tops=("y", "mask")), [x])
@@ -517,6 +523,8 @@ def test_convolution_rejects_a_kernel_larger_than_the_padded_input_and_wrong_blo
     ((7, 7), (3, 3), (2, 2), (1, 1), (1, 1)),
     ((6, 5), (2, 3), (1, 2), (0, 1), (2, 1)),
     ((4, 5, 3), (2, 2, 2), (2, 1, 1), (1, 0, 1), (1, 2, 1)),
+    ((7, 8), (2, 3), (2, 3), (0, 0), (1, 1)),  # non-overlapping windows, the input's tail left out
+    ((6, 6), (2, 2), (2, 2), (1, 1), (1, 1)),  # non-overlapping windows over padding
 ])
 def test_im2col_layout_and_col2im_gradient(spatial, kernel, stride, pad, dilation):
     rng = np.random.default_rng(9)

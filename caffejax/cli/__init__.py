@@ -1,0 +1,112 @@
+"""The ``caffejax`` command line, mirroring BVLC Caffe's tools.
+
+``caffejax train|test|time|device-query`` are Caffe's ``caffe`` brew commands (tools/caffe.cpp) and take its
+flags (``-solver``, ``-model``, ``-weights``, ``-iterations``...; ``--solver`` works too). The rest are Caffe's
+other tools: ``draw`` (python/draw_net.py), ``upgrade`` (upgrade_net_proto_text/binary,
+upgrade_solver_proto_text), ``convert-imageset``, ``compute-image-mean``; and ``export`` takes a net out to
+StableHLO or Flax.
+
+The log goes to stderr through the ``caffejax`` logger, formatted like Caffe's glog lines. Bad input ends the
+command with one line, ``caffejax: error: <what is wrong>``, and exit code 1; ``--debug`` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import sys
+import warnings
+from typing import Sequence
+
+from caffejax.errors import CaffejaxError
+
+log = logging.getLogger("caffejax")
+
+PROG = "caffejax"
+
+
+class UsageError(Exception):
+    """The command line itself is wrong (argparse's complaints)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage problem as one line and exit code 1, like every other bad input."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from caffejax.cli import imagesets, nets
+
+    parser = _Parser(prog=PROG, description="Caffe's command-line tools on caffejax (Caffe nets compiled by XLA).")
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+    # Sub-commands accept --debug too; SUPPRESS keeps their default from overriding the top-level flag.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show the full traceback of an error")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    nets.add_commands(commands, [common])
+    imagesets.add_commands(commands, [common])
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; returns the exit status (0, or 1 for any error)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    with _logging_to_stderr():
+        try:
+            args = build_parser().parse_args(argv)
+            if getattr(args, "run", None) is None:
+                build_parser().print_help(sys.stderr)
+                return 1
+            return int(args.run(args) or 0)
+        except SystemExit as e:  # --help, or argparse's own exits
+            return int(e.code or 0) if isinstance(e.code, int) or e.code is None else 1
+        except KeyboardInterrupt:
+            print(f"{PROG}: interrupted", file=sys.stderr)
+            return 130
+        except Exception as e:  # noqa: BLE001 -- every failure becomes one line (or a traceback with --debug)
+            if debug:
+                raise
+            print(f"{PROG}: error: {error_line(e)}", file=sys.stderr)
+            return 1
+
+
+def error_line(error: BaseException) -> str:
+    """The error as one line: our messages as they are; anything else named as an internal error."""
+    if isinstance(error, (CaffejaxError, UsageError)):
+        text = str(error)
+    elif isinstance(error, OSError) and error.filename is not None:
+        text = f"{error.filename}: {error.strerror or error}"
+    else:
+        text = f"internal error: {type(error).__name__}: {error} (run with --debug for the traceback)"
+    return " ".join(part.strip() for part in text.splitlines() if part.strip())
+
+
+@contextlib.contextmanager
+def _logging_to_stderr():
+    """For one command: the caffejax logger at INFO on stderr, with Python warnings logged as warnings."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname).1s%(asctime)s.%(msecs)03d %(message)s",
+                                           datefmt="%m%d %H:%M:%S"))
+    level, propagate = log.level, log.propagate
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    try:
+        with warnings.catch_warnings():
+            warnings.showwarning = _log_warning
+            yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+        log.propagate = propagate
+
+
+def _log_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    log.warning("%s", message)
+
+

@@ -1,0 +1,391 @@
+"""The commands that read nets: ``train``, ``test``, ``time``, ``device-query`` (Caffe's ``caffe`` tool),
+``draw``, ``upgrade`` and ``export``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time as clock
+from typing import Callable
+
+import numpy as np
+
+from caffejax.errors import CaffejaxError, ParseError, UnsupportedError
+
+log = logging.getLogger("caffejax")
+
+PHASES = {"TRAIN": 0, "TEST": 1}
+
+
+def add_commands(commands, parents) -> None:
+    def command(name: str, run: Callable, help: str, description: str | None = None, **kwargs):
+        parser = commands.add_parser(name, parents=parents, help=help, description=description or help, **kwargs)
+        parser.set_defaults(run=run)
+        return parser
+
+    p = command("train", train, "train or finetune a model",
+                "Train a net with the solver's settings (Caffe's 'caffe train'). -weights finetunes from "
+                "caffemodels; -snapshot resumes from a .solverstate.")
+    _flag(p, "solver", required=True, help="the solver definition (prototxt)")
+    _flag(p, "weights", help="caffemodels to finetune from, separated by ','; cannot be used with -snapshot")
+    _flag(p, "snapshot", help="a .solverstate to resume training from")
+    _net_state_flags(p)
+    p.add_argument("--devices", type=int, default=1, metavar="N", help="number of devices to train on (default 1)")
+
+    p = command("test", test, "score a model",
+                "Run the TEST-phase net for -iterations batches and print every output averaged over them "
+                "(Caffe's 'caffe test').")
+    _flag(p, "model", required=True, help="the model definition (prototxt)")
+    _flag(p, "weights", required=True, help="the trained weights (caffemodel)")
+    _flag(p, "iterations", type=int, default=50, help="the number of batches to score (default 50)")
+    _flag(p, "phase", type=_phase, default=1, help="TRAIN or TEST (default TEST)")
+    _net_state_flags(p)
+
+    p = command("time", time, "benchmark model execution time",
+                "Time the net's forward and backward passes (Caffe's 'caffe time'): the whole compiled net, and "
+                "each layer compiled on its own.")
+    _flag(p, "model", required=True, help="the model definition (prototxt)")
+    _flag(p, "weights", help="optional trained weights (caffemodel); fillers are used otherwise")
+    _flag(p, "iterations", type=int, default=50, help="the number of timed passes (default 50)")
+    _flag(p, "phase", type=_phase, default=0, help="TRAIN or TEST (default TRAIN, as Caffe)")
+    _net_state_flags(p)
+
+    command("device-query", device_query, "show the devices JAX can use", aliases=["device_query"])
+
+    p = command("draw", draw, "draw a net's graph",
+                "Draw a net (python/draw_net.py): the image format is OUT's extension (.png, .svg, .pdf; .dot "
+                "writes Graphviz text and needs nothing installed).")
+    p.add_argument("prototxt", help="the net definition")
+    p.add_argument("output", help="the image file to write")
+    p.add_argument("--rankdir", default="LR", choices=("LR", "RL", "TB", "BT"),
+                   help="direction of the graph layout (default LR)")
+    p.add_argument("--phase", default="ALL", choices=("TRAIN", "TEST", "ALL"),
+                   help="draw only the layers of this phase (default ALL)")
+
+    p = command("upgrade", upgrade, "upgrade an old net, solver or caffemodel to the current format",
+                "Upgrade a V0/V1 net prototxt, a solver prototxt (solver_type), or a binary caffemodel (its "
+                "blobs kept) to the current format (Caffe's upgrade_net_proto_text, upgrade_net_proto_binary, "
+                "upgrade_solver_proto_text).")
+    p.add_argument("input", help="prototxt (net or solver) or binary caffemodel")
+    p.add_argument("output", help="where to write the upgraded file (same kind as the input)")
+
+    p = command("export", export, "export a net to StableHLO or Flax",
+                "Export a trained net. stablehlo: one file holding the forward with its weights, loadable with "
+                "jax.export.deserialize (caffejax.export.load_stablehlo). flax: the variables of "
+                "caffejax.export.to_flax's module, Flax msgpack (caffejax.export.load_flax_state).")
+    _flag(p, "model", required=True, help="the model definition (prototxt)")
+    _flag(p, "weights", required=True, help="the trained weights (caffemodel)")
+    _flag(p, "output", required=True, help="the file to write")
+    p.add_argument("--format", default="stablehlo", choices=("stablehlo", "flax"), help="default stablehlo")
+    p.add_argument("--batch", type=int, help="stablehlo: the batch size the program takes (default: the "
+                                             "prototxt's)")
+    _flag(p, "phase", type=_phase, default=1, help="TRAIN or TEST (default TEST)")
+    _net_state_flags(p)
+
+
+def _flag(parser, name: str, **kwargs) -> None:
+    """A flag spelled as Caffe's gflags (-model) and as GNU style (--model)."""
+    parser.add_argument(f"-{name}", f"--{name}", dest=name, metavar=name.upper(), **kwargs)
+
+
+def _net_state_flags(parser) -> None:
+    _flag(parser, "level", type=int, default=0, help="the net's level (default 0)")
+    _flag(parser, "stage", default="", help="the net's stages, separated by ','")
+
+
+def _phase(text: str) -> int:
+    try:
+        return PHASES[text.upper()]
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"phase must be TRAIN or TEST, got '{text}'") from None
+
+
+def _stages(args) -> list[str]:
+    return [s for s in args.stage.split(",") if s]
+
+
+def _model_file(path: str) -> str:
+    """A prototxt path given on the command line (caffejax.Net would read a missing path as prototxt text)."""
+    if not os.path.isfile(path):
+        raise CaffejaxError(f"{path}: no such model file")
+    return path
+
+
+def _make_net(args):
+    import caffejax
+
+    return caffejax.Net(_model_file(args.model), args.phase, weights=args.weights, level=args.level,
+                        stages=_stages(args))
+
+
+def _positive_iterations(args) -> int:
+    if args.iterations <= 0:
+        raise CaffejaxError(f"-iterations must be positive, got {args.iterations}")
+    return args.iterations
+
+
+def _g(value) -> str:
+    """A number as Caffe's log prints a float (6 significant digits)."""
+    return f"{float(value):g}"
+
+
+# ---- train ------------------------------------------------------------------------------------------------
+
+def train(args) -> int:
+    from caffejax.runtime.solver import get_solver, read_solver_param
+
+    if args.snapshot and args.weights:
+        raise CaffejaxError("give -snapshot to resume training or -weights to finetune, but not both")
+    if args.devices != 1:
+        raise UnsupportedError(f"--devices {args.devices}: training on more than one device is not supported yet")
+    stages = _stages(args)
+    if args.level or stages:
+        # Caffe's train sets the solver's train_state from -level and -stage.
+        param, _ = read_solver_param(args.solver)
+        param.train_state.level = args.level
+        param.train_state.stage.extend(stages)
+        solver = get_solver(param)
+    else:
+        solver = get_solver(args.solver)
+    if args.snapshot:
+        log.info("Resuming from %s", args.snapshot)
+        solver.restore(args.snapshot)
+    elif args.weights:
+        for weights in (w.strip() for w in args.weights.split(",") if w.strip()):
+            log.info("Finetuning from %s", weights)
+            solver.net.copy_from(weights)
+            for test_net in solver.test_nets:
+                test_net.copy_from(weights)
+    log.info("Starting Optimization")
+    solver.solve()  # logs "Optimization Done." as Caffe's train does
+    return 0
+
+
+# ---- test -------------------------------------------------------------------------------------------------
+
+def test(args) -> int:
+    """Caffe's test: forward -iterations times; log every output element per batch, then their means."""
+    iterations = _positive_iterations(args)
+    net = _make_net(args)
+    log.info("Running for %d iterations.", iterations)
+    weights = net.blob_loss_weights
+    totals: np.ndarray | None = None
+    loss = 0.0
+    for i in range(iterations):
+        outputs = net.forward()
+        loss += sum(w * float(np.sum(net.blobs[b].data)) for b, w in weights.items() if w)
+        names, scores = [], []
+        for name in net.outputs:
+            for score in np.asarray(outputs[name], np.float32).ravel():
+                names.append(name)
+                scores.append(score)
+                log.info("Batch %d, %s = %s", i, name, _g(score))
+        scores_arr = np.asarray(scores, np.float64)
+        if totals is None:
+            totals = scores_arr
+        elif scores_arr.shape != totals.shape:
+            raise CaffejaxError(f"batch {i}: the outputs changed size ({scores_arr.size} values, {totals.size} "
+                                "before); test needs a fixed batch shape")
+        else:
+            totals += scores_arr
+    log.info("Loss: %s", _g(loss / iterations))
+    for name, total in zip(names, totals if totals is not None else []):
+        mean = total / iterations
+        weight = weights.get(name, 0.0)
+        suffix = f" (* {_g(weight)} = {_g(weight * mean)} loss)" if weight else ""
+        log.info("%s = %s%s", name, _g(mean), suffix)
+    return 0
+
+
+# ---- time -------------------------------------------------------------------------------------------------
+
+def time(args) -> int:
+    """Caffe's time: average forward and backward time per layer and for the whole net."""
+    import jax
+
+    from caffejax.export import fed_values
+
+    iterations = _positive_iterations(args)
+    net = _make_net(args)
+    log.info("Performing Forward")
+    net.forward()
+    log.info("Initial loss: %s", _g(sum(w * float(np.sum(net.blobs[b].data))
+                                         for b, w in net.blob_loss_weights.items() if w)))
+    log.info("Performing Backward")
+    net.backward()
+
+    graph, program = net.graph, net._program
+    params = net.param_arrays()
+    fed = {value: net.blobs[name].data for name, value in fed_values(graph).items()}
+    key = jax.random.key(0)
+
+    forward = jax.jit(lambda p, env, k: program.run_layers(graph.layers, p, env, k)[0])
+    forward_backward = jax.jit(lambda p, env, k: program.loss_and_grads(p, env, k)[:2])
+    env = forward(params, fed, key)
+    whole_forward = _mean_seconds(forward, (params, fed, key), iterations)
+    whole_forward_backward = _mean_seconds(forward_backward, (params, fed, key), iterations)
+
+    log.info("*** Benchmark begins ***")
+    log.info("Testing for %d iterations.", iterations)
+    log.info("Average time per layer (each layer compiled on its own; inside the whole net XLA fuses layers, "
+             "so these do not add up to the whole-net figures):")
+    for layer in graph.layers:
+        if layer.is_input:
+            log.info("%10s\tforward: fed from outside the program", layer.name)
+            continue
+        fwd, bwd = _layer_times(program, layer, params, env, key, iterations)
+        log.info("%10s\tforward: %s ms.", layer.name, _g(fwd * 1e3))
+        log.info("%10s\tbackward: %s", layer.name, f"{_g(bwd * 1e3)} ms." if bwd is not None else "none needed")
+    log.info("Average Forward pass (whole net, one compiled program): %s ms.", _g(whole_forward * 1e3))
+    log.info("Average Forward-Backward (whole net, one compiled program): %s ms.", _g(whole_forward_backward * 1e3))
+    if not any(net.blob_loss_weights.values()):
+        log.info("The net has no loss, so its backward pass is empty.")
+    log.info("Total Time: %s ms.", _g((whole_forward + whole_forward_backward) * iterations * 1e3))
+    log.info("*** Benchmark ends ***")
+    return 0
+
+
+def _mean_seconds(fn, args, iterations: int) -> float:
+    """Mean wall time of ``fn(*args)`` over ``iterations`` calls, after one call that compiles it."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    start = clock.perf_counter()
+    for _ in range(iterations):
+        jax.block_until_ready(fn(*args))
+    return (clock.perf_counter() - start) / iterations
+
+
+def _layer_times(program, layer, params, env, key, iterations: int) -> tuple[float, float | None]:
+    """One layer's rule, jitted alone on its actual inputs: forward time, and backward time (a VJP with
+    respect to the bottoms and blobs Caffe would compute diffs for), or None when it needs no backward."""
+    import jax
+    import jax.numpy as jnp
+
+    owners = {slot.storage[0] for slot in layer.params}
+    layer_params = {owner: params[owner] for owner in owners}
+    bottoms = {value: env[value] for value in layer.bottom_values}
+
+    def run(p, b, k):
+        out, _ = program.run_layers([layer], p, b, k)
+        return [out[value] for value in layer.top_values]
+
+    forward = jax.jit(run)
+    seconds_forward = _mean_seconds(forward, (layer_params, bottoms, key), iterations)
+    wants_params = any(need and slot.is_owner for slot, need in zip(layer.params, layer.param_need_backward))
+    if not (wants_params or any(layer.bottom_need_backward)):
+        return seconds_forward, None
+    cotangents = [jnp.ones_like(top) for top in forward(layer_params, bottoms, key)]
+
+    def backward(p, b, k, cot):
+        _, vjp = jax.vjp(lambda p, b: run(p, b, k), p, b)
+        return vjp(cot)
+
+    seconds_backward = _mean_seconds(jax.jit(backward), (layer_params, bottoms, key, cotangents), iterations)
+    return seconds_forward, seconds_backward
+
+
+# ---- device-query -----------------------------------------------------------------------------------------
+
+def device_query(args) -> int:
+    import jax
+
+    for device in jax.devices():
+        log.info("Device %d: %s (%s)", device.id, device.device_kind, device.platform)
+    return 0
+
+
+# ---- draw -------------------------------------------------------------------------------------------------
+
+def draw(args) -> int:
+    from caffejax import draw as drawing
+
+    phase = None if args.phase == "ALL" else PHASES[args.phase]
+    log.info("Drawing net to %s", args.output)
+    drawing.draw_net_to_file(_read_net_file(args.prototxt), args.output, args.rankdir, phase)
+    return 0
+
+
+def _read_net_file(path: str):
+    from caffejax.frontend.prototxt import parse_net_text
+
+    return parse_net_text(_model_file(path), is_path=True)
+
+
+# ---- upgrade ----------------------------------------------------------------------------------------------
+
+def upgrade(args) -> int:
+    """Caffe's three upgrade tools in one: the input's kind (binary caffemodel, net or solver prototxt)
+    decides which."""
+    from google.protobuf import text_format
+
+    from caffejax.fileio import atomic_write
+    from caffejax.frontend.caffemodel import read_binary_net
+    from caffejax.frontend.prototxt import parse_net_text, parse_solver_text, read_text
+    from caffejax.frontend.upgrade import (net_needs_upgrade, solver_needs_type_upgrade, upgrade_net_as_needed,
+                                           upgrade_solver_as_needed, upgrade_solver_net_params)
+
+    if _is_binary(args.input):
+        net = read_binary_net(args.input)
+        if not net_needs_upgrade(net):
+            log.info("File already in latest proto format: %s", args.input)
+        upgraded = upgrade_net_as_needed(net, args.input)
+        atomic_write(args.output, upgraded.SerializeToString())
+        log.info("Wrote upgraded NetParameter binary proto to %s", args.output)
+        return 0
+    read_text(args.input)  # a missing or unreadable file is reported as such, not as a parse failure
+    try:
+        net = parse_net_text(args.input, is_path=True)
+    except ParseError as net_error:
+        try:
+            solver = parse_solver_text(args.input, is_path=True)
+        except ParseError as solver_error:
+            # Report the reading that got further: that is the kind of file this is meant to be.
+            raise max(net_error, solver_error, key=lambda e: (e.line or 0, e.column or 0)) from None
+        if not solver_needs_type_upgrade(solver):
+            log.info("File already in latest proto format: %s", args.input)
+        upgraded = upgrade_solver_net_params(upgrade_solver_as_needed(solver, args.input), args.input)
+        atomic_write(args.output, text_format.MessageToString(upgraded).encode())
+        log.info("Wrote upgraded SolverParameter text proto to %s", args.output)
+        return 0
+    if not net_needs_upgrade(net):
+        log.info("File already in latest proto format: %s", args.input)
+    upgraded = upgrade_net_as_needed(net, args.input)
+    atomic_write(args.output, text_format.MessageToString(upgraded).encode())
+    log.info("Wrote upgraded NetParameter text proto to %s", args.output)
+    return 0
+
+
+def _is_binary(path: str) -> bool:
+    """A binary protobuf rather than text: not UTF-8, or holding control bytes text never has."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError as e:
+        raise CaffejaxError(f"{path}: cannot read: {e.strerror}") from None
+    if b"\x00" in head:
+        return True
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if e.start < len(head) - 3:  # not just a character cut by the 4096-byte window
+            return True
+    return any(b < 32 and b not in b"\t\n\r\f\v" for b in head)
+
+
+# ---- export -----------------------------------------------------------------------------------------------
+
+def export(args) -> int:
+    from caffejax.export import export_stablehlo, save_flax_state, to_flax
+
+    net = _make_net(args)
+    if args.format == "stablehlo":
+        exported = export_stablehlo(net, args.output, batch=args.batch)
+        log.info("Wrote StableHLO for %s to %s", ", ".join(exported.platforms), args.output)
+    else:
+        if args.batch is not None:
+            raise CaffejaxError("--batch applies to --format stablehlo only (a Flax module takes any batch)")
+        save_flax_state(to_flax(net), args.output)
+        log.info("Wrote the Flax module's variables (msgpack) to %s", args.output)
+    return 0

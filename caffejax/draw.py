@@ -1,0 +1,161 @@
+"""Drawing a net's graph, as pycaffe's ``caffe.draw`` does (``draw_net``, ``draw_net_to_file``).
+
+Layers are records (convolutions red, pooling orange, inner products purple, in-place layers green, the
+rest blue), blobs octagons; an edge from a layer to its top is labelled with the layer's output count
+(num_output, or the batch size of a Data layer). ``phase`` keeps only the layers the net has in that phase
+(caffejax applies Caffe's whole NetState rule, as the net would be built).
+
+caffejax writes the Graphviz DOT text itself and renders it with Graphviz's ``dot`` program (as pydot
+would); ``.dot``/``.gv``/``.raw`` files get the DOT text and need nothing installed. :func:`get_pydot_graph`
+returns a ``pydot.Dot`` for code that wants one, and needs pydot.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+from caffejax.errors import CaffejaxError, UnsupportedError
+from caffejax.frontend.build import load_net_param
+from caffejax.frontend.filter_net import filter_net, make_state
+from caffejax.proto import caffe_pb2
+
+__all__ = ["get_dot_text", "get_pydot_graph", "draw_net", "draw_net_to_file", "DOT_TEXT_FORMATS"]
+
+LAYER_STYLE = {"shape": "record", "style": "filled"}
+NEURON_LAYER_COLOR = "#90EE90"  # an in-place layer (ReLU, Dropout...)
+LAYER_COLORS = {"Convolution": "#FF5050", "Deconvolution": "#FF5050", "Pooling": "#FF9900",
+                "InnerProduct": "#CC33FF"}
+DEFAULT_LAYER_COLOR = "#6495ED"
+BLOB_STYLE = {"shape": "octagon", "fillcolor": "#E0E0E0", "style": "filled"}
+
+RANKDIRS = ("LR", "RL", "TB", "BT")
+
+# Extensions written as DOT text rather than rendered (pycaffe suggests '.raw' for that).
+DOT_TEXT_FORMATS = ("dot", "gv", "raw")
+
+
+def _net_param(caffe_net) -> caffe_pb2.NetParameter:
+    """pycaffe takes a NetParameter; caffejax also takes a prototxt path or text (upgraded as Caffe would)."""
+    return load_net_param(caffe_net, is_path=None if not isinstance(caffe_net, os.PathLike) else True)
+
+
+def _phase_layers(net: caffe_pb2.NetParameter, phase: int | None) -> list:
+    if phase is None:
+        return list(net.layer)
+    return list(filter_net(net, make_state(phase)).layer)
+
+
+def _first(values, default: int) -> int:
+    return values[0] if len(values) else default
+
+
+def layer_label(layer, rankdir: str) -> str:
+    """The node text: name, type, and kernel/stride/pad for convolutions and pooling."""
+    # Vertical graphs have room across, horizontal ones down (pycaffe's choice of separator).
+    sep = " " if rankdir in ("TB", "BT") else "\n"
+    if layer.type in ("Convolution", "Deconvolution"):
+        p = layer.convolution_param
+        return (f"{layer.name}{sep}({layer.type}){sep}kernel size: {_first(p.kernel_size, 1)}{sep}"
+                f"stride: {_first(p.stride, 1)}{sep}pad: {_first(p.pad, 0)}")
+    if layer.type == "Pooling":
+        p = layer.pooling_param
+        method = caffe_pb2.PoolingParameter.PoolMethod.Name(p.pool)
+        return (f"{layer.name}{sep}({method} {layer.type}){sep}kernel size: {p.kernel_size}{sep}"
+                f"stride: {p.stride}{sep}pad: {p.pad}")
+    return f"{layer.name}{sep}({layer.type})"
+
+
+def edge_label(layer) -> str:
+    if layer.type == "Data":
+        return f"Batch {layer.data_param.batch_size}"
+    if layer.type in ("Convolution", "Deconvolution"):
+        return str(layer.convolution_param.num_output)
+    if layer.type == "InnerProduct":
+        return str(layer.inner_product_param.num_output)
+    return ""
+
+
+def _quote(text: str, record: bool = False) -> str:
+    """A DOT string; in a record shape's label, braces, bars and angle brackets are escaped too."""
+    escaped = text.replace("\\", "\\\\")
+    if record:
+        for special in "{}|<>":
+            escaped = escaped.replace(special, "\\" + special)
+    escaped = escaped.replace('"', '\\"').replace("\n", "\\n")
+    return f'"{escaped}"'
+
+
+def _attrs(attrs: dict) -> str:
+    record = attrs.get("shape") == "record"
+    return ", ".join(f"{key}={_quote(str(value), record and key == 'label')}" for key, value in attrs.items())
+
+
+def get_dot_text(caffe_net, rankdir: str = "LR", label_edges: bool = True, phase: int | None = None) -> str:
+    """The net as Graphviz DOT text: one node per layer and per blob, an edge per bottom and top."""
+    if rankdir not in RANKDIRS:
+        raise CaffejaxError(f"rankdir must be one of {', '.join(RANKDIRS)}, got {rankdir!r}")
+    net = _net_param(caffe_net)
+    nodes: dict[str, dict] = {}  # node id -> attributes; dict keeps first-seen order
+    edges: list[tuple[str, str, str]] = []
+    for layer in _phase_layers(net, phase):
+        node = f"layer {layer.name} ({layer.type})"
+        in_place = len(layer.bottom) == 1 and len(layer.top) == 1 and layer.bottom[0] == layer.top[0]
+        color = NEURON_LAYER_COLOR if in_place else LAYER_COLORS.get(layer.type, DEFAULT_LAYER_COLOR)
+        nodes[node] = {"label": layer_label(layer, rankdir), **LAYER_STYLE, "fillcolor": color}
+        for bottom in layer.bottom:
+            nodes.setdefault(f"blob {bottom}", {"label": bottom, **BLOB_STYLE})
+            edges.append((f"blob {bottom}", node, ""))
+        for top in layer.top:
+            nodes.setdefault(f"blob {top}", {"label": top, **BLOB_STYLE})
+            edges.append((node, f"blob {top}", edge_label(layer) if label_edges else ""))
+    lines = [f"digraph {_quote(net.name or 'Net')} {{", f"  rankdir={rankdir};"]
+    lines += [f"  {_quote(node)} [{_attrs(attrs)}];" for node, attrs in nodes.items()]
+    lines += [f"  {_quote(src)} -> {_quote(dst)}" + (f" [label={_quote(label)}]" if label else "") + ";"
+              for src, dst, label in edges]
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def get_pydot_graph(caffe_net, rankdir: str = "LR", label_edges: bool = True, phase: int | None = None):
+    """pycaffe's ``get_pydot_graph``: the same graph as a ``pydot.Dot`` (needs pydot)."""
+    try:
+        import pydot
+    except ImportError:
+        raise UnsupportedError("get_pydot_graph needs pydot: pip install 'caffejax[draw]' (draw_net and "
+                               "draw_net_to_file work without it)") from None
+    graphs = pydot.graph_from_dot_data(get_dot_text(caffe_net, rankdir, label_edges, phase))
+    return graphs[0]
+
+
+def render_dot(dot_text: str, ext: str) -> bytes:
+    """Render DOT text to an image format (png, svg, pdf...) with Graphviz's ``dot`` program."""
+    if ext in DOT_TEXT_FORMATS:
+        return dot_text.encode()
+    dot = shutil.which("dot")
+    if dot is None:
+        raise UnsupportedError(f"drawing to '.{ext}' needs Graphviz's 'dot' program: install graphviz "
+                               "(e.g. apt-get install graphviz, brew install graphviz); '.dot' output "
+                               "works without it")
+    done = subprocess.run([dot, f"-T{ext}"], input=dot_text.encode(), capture_output=True, check=False)
+    if done.returncode != 0:
+        message = done.stderr.decode(errors="replace").strip().splitlines()
+        raise CaffejaxError(f"graphviz 'dot -T{ext}' failed: {message[-1] if message else done.returncode}")
+    return done.stdout
+
+
+def draw_net(caffe_net, rankdir: str = "LR", ext: str = "png", phase: int | None = None) -> bytes:
+    """The drawn net, encoded as ``ext`` (``png``, ``svg``, ``pdf``, ... or ``dot`` for DOT text)."""
+    return render_dot(get_dot_text(caffe_net, rankdir, phase=phase), ext.lower().lstrip("."))
+
+
+def draw_net_to_file(caffe_net, filename: str, rankdir: str = "LR", phase: int | None = None) -> None:
+    """Draw the net into ``filename``; the format is the file's extension (``.dot`` for DOT text)."""
+    filename = os.fspath(filename)
+    ext = os.path.splitext(filename)[1].lstrip(".").lower()
+    if not ext:
+        raise CaffejaxError(f"{filename}: give the output file an extension (.png, .svg, .pdf, .dot...)")
+    data = draw_net(caffe_net, rankdir, ext, phase)
+    with open(filename, "wb") as f:
+        f.write(data)

@@ -1,0 +1,724 @@
+"""Caffe's solvers with pycaffe's API: ``caffejax.get_solver(path)``, ``SGDSolver(path)`` ... ``AdamSolver``.
+
+A solver trains its net (``solver.net``) and scores its test nets (``solver.test_nets``) as Caffe's
+Solver::Step does (solver.cpp, sgd_solver.cpp and the per-type ``*_solver.cpp``):
+
+1. ClearParamDiffs; run the test nets every ``test_interval`` iterations.
+2. ``iter_size`` forward/backward passes, accumulating the param diffs; the loss is their mean.
+3. ApplyUpdate: the learning rate (host side, caffejax.runtime.lr_policy), ClipGradients on the accumulated
+   diff, then per learnable blob Normalize (diff /= iter_size), Regularize (L2 or L1 weight decay times
+   decay_mult), ComputeUpdateValue (the solver type's rule and its history), and ``data -= diff``.
+4. ``++iter``; snapshot every ``snapshot`` iterations.
+
+Steps 1-3 of one iteration are ONE jitted XLA program, ``(params, history, fed blobs, pulled batches, key,
+rate scalars) -> (params, history, loss, update values, blob values)``, built on
+:meth:`NetProgram.loss_and_grads` (Caffe's objective with its backward masks). The rate enters as a scalar,
+so the program compiles once per input shape. Afterwards the params go back into the net's blobs: ``data``
+holds the new weights and ``diff`` the update value, as Caffe leaves them after Net::Update.
+
+Only learnable blobs (the owners of shared blobs, ``graph.learnable_slots``) are updated, with their effective
+lr_mult and decay_mult. A blob with lr_mult 0 gets no gradient, but its update rule still runs with a local
+rate of 0, as in Caffe (its history decays; its weights do not move).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+import os
+import sys
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from caffejax.errors import CaffejaxError, DataError, SolverError, UnsupportedError
+from caffejax.frontend.build import load_net_param
+from caffejax.frontend.ir import Graph
+from caffejax.frontend.prototxt import parse_solver_text
+from caffejax.frontend.upgrade import upgrade_solver_as_needed
+from caffejax.lower.registry import TEST, TRAIN, get_rule
+from caffejax.proto import caffe_pb2
+from caffejax.runtime import lr_policy, mode, snapshot as snapshots
+from caffejax.runtime.net import Net
+
+log = logging.getLogger("caffejax")
+
+History = tuple[jax.Array, ...]  # one learnable blob's history: 1 array, or 2 for AdaDelta and Adam
+
+
+@dataclasses.dataclass(frozen=True)
+class Learnable:
+    """One entry of Caffe's ``net.learnable_params_``: an owner blob with its effective multipliers."""
+
+    layer: str
+    index: int
+    shape: tuple[int, ...]
+    lr_mult: float
+    decay_mult: float
+
+
+def learnables_of(graph: Graph) -> list[Learnable]:
+    return [Learnable(s.layer, s.index, tuple(s.shape), s.lr_mult, s.decay_mult) for s in graph.learnable_slots]
+
+
+# ---- reading a solver ----------------------------------------------------------------------------------------
+
+def read_solver_param(source) -> tuple[caffe_pb2.SolverParameter, str | None]:
+    """A SolverParameter from a path (ReadSolverParamsFromTextFileOrDie) or a message; and the file's path."""
+    if isinstance(source, caffe_pb2.SolverParameter):
+        return upgrade_solver_as_needed(source, "<SolverParameter>"), None
+    if not isinstance(source, (str, os.PathLike)):
+        raise TypeError(f"a solver is a prototxt path or a caffe_pb2.SolverParameter, not {type(source).__name__}")
+    path = os.fspath(source)
+    param = upgrade_solver_as_needed(parse_solver_text(path, is_path=True), path)
+    prefix = snapshots.default_snapshot_prefix(path, param.snapshot_prefix if param.HasField("snapshot_prefix")
+                                               else None)
+    if prefix != param.snapshot_prefix:
+        log.info("snapshot_prefix is set to %s", prefix)
+        param.snapshot_prefix = prefix
+    return param, path
+
+
+def merged_state(phase: int, *states: caffe_pb2.NetState) -> caffe_pb2.NetState:
+    """Solver's NetState: its phase, then each given state merged over it (later ones take precedence)."""
+    state = caffe_pb2.NetState(phase=phase)
+    for s in states:
+        state.MergeFrom(s)
+    return state
+
+
+def get_solver(source) -> "Solver":
+    """pycaffe's ``caffe.get_solver``: the solver class the file's ``type`` names (SolverRegistry)."""
+    param, path = read_solver_param(source)
+    cls = SOLVER_TYPES.get(param.type)
+    if cls is None:
+        raise SolverError(f"Unknown solver type: '{param.type}' (known types: {', '.join(SOLVER_TYPES)})")
+    solver = cls.__new__(cls)
+    solver._init(param, path)
+    return solver
+
+
+# ---- the solvers -----------------------------------------------------------------------------------------------
+
+class Solver:
+    """What every Caffe solver shares: nets, the training loop, testing, snapshots. See the module docstring.
+
+    ``Solver(path_or_SolverParameter)``. Subclasses give the update rule (``compute_update_value``).
+    """
+
+    type = ""
+    history_per_param = 1  # history blobs per learnable blob
+
+    def __init__(self, source):
+        self._init(*read_solver_param(source))
+
+    def _init(self, param: caffe_pb2.SolverParameter, path: str | None) -> None:
+        self.param, self._path = param, path
+        self._dir = os.path.dirname(os.path.abspath(self._path)) if self._path else None
+        self._check_param()
+        _ensure_log_output()
+        if self.param.random_seed >= 0:
+            mode.set_random_seed(self.param.random_seed)
+        self.net = self._init_train_net()
+        self.test_nets = self._init_test_nets()
+        self.iter = 0
+        self.current_step = 0
+        self.mean_scores: list[list[float]] = [[] for _ in self.test_nets]
+        self.compile_count = 0  # traces of this solver's own programs (each trace is one XLA compile)
+        self._learnables = learnables_of(self.net.graph)
+        self._history: list[History] = [tuple(jnp.zeros(l.shape, jnp.float32) for _ in range(self.history_per_param))
+                                        for l in self._learnables]
+        self._programs: dict[Any, Any] = {}
+        self._losses: collections.deque = collections.deque(maxlen=self.param.average_loss)
+        self._progress: _Progress | None = None
+
+    # -- set-up (Solver::Init) -------------------------------------------------------------------------------
+    def _check_param(self) -> None:
+        p = self.param
+        if p.average_loss < 1:
+            raise SolverError(f"average_loss should be at least 1, got {p.average_loss}")
+        if p.iter_size < 1:
+            raise SolverError(f"iter_size should be at least 1, got {p.iter_size}")
+        if p.regularization_type not in ("L1", "L2"):
+            raise SolverError(f"Unknown regularization type: '{p.regularization_type}' (use L1 or L2)")
+        lr_policy.check_policy(p)
+        if p.snapshot > 0:
+            self._check_snapshot_write_permissions()
+
+    def _check_snapshot_write_permissions(self) -> None:
+        prefix = self.param.snapshot_prefix
+        if not self.param.HasField("snapshot_prefix"):
+            raise SolverError("In solver params, snapshot is specified but snapshot_prefix is not")
+        directory = os.path.dirname(os.path.abspath(prefix))
+        if not (os.path.isdir(directory) and os.access(directory, os.W_OK)):
+            raise SolverError(f"Cannot write to snapshot prefix '{prefix}'. Make sure that the directory exists "
+                              "and is writeable.")
+
+    def _resolve(self, path: str, what: str) -> str:
+        """A file named by the solver: relative to the CWD as in Caffe, else beside the solver file."""
+        if os.path.exists(path) or self._dir is None:
+            return path
+        beside = os.path.join(self._dir, path)
+        if os.path.exists(beside):
+            return beside
+        raise SolverError(f"{self._path}: {what} '{path}' not found (looked in the current directory and beside "
+                          "the solver file)")
+
+    def _net_param(self, field: str, value) -> caffe_pb2.NetParameter:
+        if isinstance(value, caffe_pb2.NetParameter):
+            copy = caffe_pb2.NetParameter()
+            copy.CopyFrom(value)
+            return copy
+        return load_net_param(self._resolve(value, field), is_path=True)
+
+    def _make_net(self, net_param: caffe_pb2.NetParameter, state: caffe_pb2.NetState) -> Net:
+        net_param.ClearField("state")  # the merged state is given explicitly
+        net = Net(net_param, state.phase, level=state.level, stages=list(state.stage))
+        for weights in self.param.weights:  # LoadNetWeights: a comma-separated list of caffemodels
+            for name in weights.split(","):
+                name = name.strip()
+                log.info("Finetuning from %s", name)
+                net.copy_from(self._resolve(name, "weights"))
+        return net
+
+    def _init_train_net(self) -> Net:
+        p = self.param
+        fields = [f for f in ("net", "net_param", "train_net", "train_net_param") if p.HasField(f)]
+        if len(fields) != 1:
+            raise SolverError("SolverParameter must specify exactly one train net using one of these fields: "
+                              f"net, net_param, train_net, train_net_param (found {fields or 'none'})")
+        net_param = self._net_param(fields[0], getattr(p, fields[0]))
+        log.info("Creating training net from %s", fields[0])
+        return self._make_net(net_param, merged_state(TRAIN, net_param.state, p.train_state))
+
+    def _init_test_nets(self) -> list[Net]:
+        p = self.param
+        sources = [("test_net_param", net) for net in p.test_net_param] + [("test_net", f) for f in p.test_net]
+        num_specific = len(sources)
+        generic = [f for f in ("net_param", "net") if p.HasField(f)]
+        if generic:
+            if len(p.test_iter) < num_specific:
+                raise SolverError("test_iter must be specified for each test network")
+            sources += [(generic[0], getattr(p, generic[0]))] * (len(p.test_iter) - num_specific)
+        elif len(p.test_iter) != num_specific:
+            raise SolverError(f"test_iter must be specified for each test network ({num_specific} test nets, "
+                              f"{len(p.test_iter)} test_iter values)")
+        if len(p.test_state) and len(p.test_state) != len(sources):
+            raise SolverError("test_state must be unspecified or specified once per test net")
+        if sources and p.test_interval <= 0:
+            raise SolverError("test_interval must be positive when the solver has test nets")
+        nets = []
+        for i, (field, value) in enumerate(sources):
+            net_param = self._net_param(field, value)
+            states = [net_param.state] + ([p.test_state[i]] if len(p.test_state) else [])
+            log.info("Creating test net (#%d) specified by %s", i, field)
+            nets.append(self._make_net(net_param, merged_state(TEST, *states)))
+        return nets
+
+    # -- the update rule (ComputeUpdateValue), overridden per solver type --------------------------------------
+    def compute_update_value(self, diff: jax.Array, history: History, local_rate: jax.Array,
+                             scalars: dict[str, jax.Array]) -> tuple[jax.Array, History]:
+        """(the value Net::Update subtracts from the weights, the new history). Traced inside the step."""
+        raise NotImplementedError
+
+    def step_scalars(self, rate: float) -> dict[str, np.float32]:
+        """The per-iteration scalars the update rule reads (the rate; Adam adds its bias correction)."""
+        return {"rate": np.float32(rate)}
+
+    # -- ApplyUpdate, as a pure function of arrays ------------------------------------------------------------
+    def _apply_update(self, params, diffs: Sequence[jax.Array], history: Sequence[History], scalars):
+        """ClipGradients, then per learnable blob Normalize, Regularize, ComputeUpdateValue and Update.
+
+        ``diffs`` are the accumulated param diffs in learnable order. Returns (new params, new history,
+        update values, the diffs' L2 norm before clipping).
+        """
+        p = self.param
+        norm = jnp.sqrt(sum((jnp.sum(d * d) for d in diffs), jnp.zeros((), jnp.float32)))
+        if p.clip_gradients >= 0:
+            clip = np.float32(p.clip_gradients)
+            scale = jnp.where(norm > clip, clip / norm, np.float32(1))
+            diffs = [d * scale for d in diffs]
+        new_params = {name: list(blobs) for name, blobs in params.items()}
+        new_history, updates = [], []
+        for learnable, diff, hist in zip(self._learnables, diffs, history):
+            weights = params[learnable.layer][learnable.index]
+            if p.iter_size != 1:
+                diff = diff * np.float32(1.0 / p.iter_size)
+            diff = self._regularize(diff, weights, learnable)
+            local_rate = scalars["rate"] * np.float32(learnable.lr_mult)
+            update, hist = self.compute_update_value(diff, hist, local_rate, scalars)
+            new_params[learnable.layer][learnable.index] = weights - update
+            new_history.append(tuple(hist))
+            updates.append(update)
+        return new_params, new_history, updates, norm
+
+    def _regularize(self, diff, weights, learnable: Learnable):
+        local_decay = np.float32(self.param.weight_decay) * np.float32(learnable.decay_mult)
+        if not local_decay:
+            return diff
+        if self.param.regularization_type == "L2":
+            return diff + local_decay * weights
+        return diff + local_decay * jnp.sign(weights)
+
+    # -- one training iteration as one program -----------------------------------------------------------------
+    def _step_program(self):
+        """The jitted iteration for the net's current graph (one per input-shape signature)."""
+        net = self.net
+        cache_key = ("step", net._signature(net.graph))
+        fn = self._programs.get(cache_key)
+        if fn is None:
+            build = _train_step_fn(net._program, self)
+
+            def counted(*args):
+                self.compile_count += 1
+                return build(*args)
+
+            fn = self._programs[cache_key] = jax.jit(counted)
+        return fn
+
+    def _pull_batches(self) -> dict[str, np.ndarray]:
+        """iter_size batches from the train net's data layers, stacked per top (Caffe pulls one per pass)."""
+        net = self.net
+        pulled = _pulled_layers(net.graph)
+        if not pulled:
+            return {}
+        batches = []
+        for _ in range(self.param.iter_size):
+            net._pull_batches(pulled)
+            batches.append({top: np.array(net.blobs[top].data) for layer in pulled for top in layer.tops})
+        stacked = {}
+        for top in batches[0]:
+            shapes = {b[top].shape for b in batches}
+            if len(shapes) > 1:
+                raise DataError(f"iter_size {self.param.iter_size}: the batches of '{top}' differ in shape "
+                                f"({sorted(shapes)}); one iteration needs equal shapes")
+            stacked[top] = np.stack([b[top] for b in batches])
+        return stacked
+
+    def _train_iteration(self, rate: float):
+        """Forward/backward iter_size times and apply the update; returns (loss, gradient norm) on device."""
+        net = self.net
+        stacked = self._pull_batches()
+        net._sync_shapes()
+        graph = net.graph
+        pulled_values = {top: value for layer in _pulled_layers(graph)
+                         for top, value in zip(layer.tops, layer.top_values)}
+        fed = {v: a for v, a in net._feed(graph.layers).items() if v not in pulled_values.values()}
+        pulled = {pulled_values[top]: array for top, array in stacked.items()}
+        fn = self._step_program()
+        params, history, loss, updates, blobs, norm = fn(net.param_arrays(), self._history, fed, pulled,
+                                                         net._next_key(), self.step_scalars(rate))
+        self._history = history
+        self._write_back(params, updates)
+        for name, value in blobs.items():
+            net.blobs[name]._data.set(value)
+        return loss, norm
+
+    def _write_back(self, params, updates) -> None:
+        """New weights into the blobs' data, the update values into their diffs (as after Net::Update)."""
+        for learnable, update in zip(self._learnables, updates):
+            blob = self.net.params[learnable.layer][learnable.index]
+            blob._data.set(params[learnable.layer][learnable.index])
+            blob._diff.set(update)
+
+    def apply_update(self) -> None:
+        """Caffe's ApplyUpdate on the diffs already in the net's param blobs (after net.backward())."""
+        rate, self.current_step = lr_policy.learning_rate(self.param, self.iter, self.current_step)
+        if self._displays(self.iter):
+            self._say("Iteration %d, lr = %s", self.iter, _g(rate))
+        cache_key = ("apply_update",)
+        fn = self._programs.get(cache_key)
+        if fn is None:
+            def counted(*args):
+                self.compile_count += 1
+                return self._apply_update(*args)
+
+            fn = self._programs[cache_key] = jax.jit(counted)
+        diffs = [self.net.params[l.layer][l.index]._diff.value() for l in self._learnables]
+        params, self._history, updates, norm = fn(self.net.param_arrays(), diffs, self._history,
+                                                  self.step_scalars(rate))
+        self._log_clipping(norm)
+        self._write_back(params, updates)
+
+    # -- the loop (Solver::Step / Solve) ------------------------------------------------------------------------
+    def step(self, iters: int) -> None:
+        """Run ``iters`` training iterations (testing, displaying and snapshotting on the way)."""
+        p = self.param
+        stop_iter = self.iter + int(iters)
+        self._losses = collections.deque(maxlen=p.average_loss)
+        timer, iterations_last = time.perf_counter(), self.iter
+        while self.iter < stop_iter:
+            if p.test_interval and self.iter % p.test_interval == 0 and (self.iter > 0 or p.test_initialization):
+                self.test_all()
+            rate, self.current_step = lr_policy.learning_rate(p, self.iter, self.current_step)
+            loss, norm = self._train_iteration(rate)
+            self._losses.append(loss)
+            if self._displays(self.iter):
+                lapse = time.perf_counter() - timer
+                per_s = (self.iter - iterations_last) / (lapse or 1)
+                self._say("Iteration %d (%s iter/s, %ss/%d iters), loss = %s", self.iter, _g(per_s), _g(lapse),
+                          p.display, _g(self.smoothed_loss))
+                timer, iterations_last = time.perf_counter(), self.iter
+                self._log_outputs(self.net, "Train", self._output_scores(self.net))
+                self._say("Iteration %d, lr = %s", self.iter, _g(rate))
+                self._log_clipping(norm)
+            self.iter += 1
+            if p.snapshot and self.iter % p.snapshot == 0:
+                self.snapshot()
+            if self._progress is not None:
+                self._progress.update(self.iter)
+
+    def solve(self, resume_file: str | None = None) -> None:
+        """Train to ``max_iter`` (after restoring ``resume_file``), then snapshot, display and test."""
+        p = self.param
+        self._say("Solving %s", self.net.graph.name)
+        self._say("Learning Rate Policy: %s", p.lr_policy)
+        if resume_file:
+            self._say("Restoring previous solver status from %s", resume_file)
+            self.restore(resume_file)
+        self._progress = _Progress.for_stderr(self.iter, p.max_iter)
+        try:
+            self.step(p.max_iter - self.iter)
+        finally:
+            if self._progress is not None:
+                self._progress.clear()
+            self._progress = None
+        if p.snapshot_after_train and (not p.snapshot or self.iter % p.snapshot != 0):
+            self.snapshot()
+        if self._displays(self.iter):
+            self.net.forward()  # only to display the loss of the final weights
+            self._losses.append(self.net._last_loss)
+            self._say("Iteration %d, loss = %s", self.iter, _g(self.smoothed_loss))
+        if p.test_interval and self.iter % p.test_interval == 0:
+            self.test_all()
+        self._say("Optimization Done.")
+
+    @property
+    def smoothed_loss(self) -> float:
+        """UpdateSmoothedLoss: the mean loss of the last ``average_loss`` iterations of this step() call."""
+        if not self._losses:
+            return 0.0
+        return float(np.mean(np.asarray([float(l) for l in self._losses], np.float32)))
+
+    def _displays(self, iter: int) -> bool:
+        return bool(self.param.display) and iter % self.param.display == 0
+
+    # -- testing (Solver::Test) ------------------------------------------------------------------------------------
+    def test_all(self) -> list[list[float]]:
+        return [self.test(i) for i in range(len(self.test_nets))]
+
+    def test(self, test_net_id: int = 0) -> list[float]:
+        """Score test net ``test_net_id`` over test_iter batches; returns the mean of every output element."""
+        p = self.param
+        self._say("Iteration %d, Testing net (#%d)", self.iter, test_net_id)
+        test_net = self.test_nets[test_net_id]
+        test_net.share_with(self.net)
+        iters = p.test_iter[test_net_id]
+        totals, loss = None, np.float32(0)
+        for _ in range(iters):
+            test_net.forward()
+            if p.test_compute_loss:
+                loss += np.float32(test_net._last_loss)
+            scores = self._output_scores(test_net)
+            values = np.asarray([value for _, _, value in scores], np.float32)
+            totals = values if totals is None else totals + values
+        if p.test_compute_loss:
+            self._say("Test loss: %s", _g(loss / iters))
+        names = [(name, weight) for name, weight, _ in self._output_scores(test_net)] if totals is not None else []
+        means = [] if totals is None else [float(v) for v in totals / np.float32(iters)]
+        self.mean_scores[test_net_id] = means
+        self._log_outputs(test_net, "Test", [(n, w, m) for (n, w), m in zip(names, means)])
+        return means
+
+    @staticmethod
+    def _output_scores(net: Net) -> list[tuple[str, float, float]]:
+        """Every element of every output blob, in Caffe's order, with the blob's loss weight."""
+        weights = net.blob_loss_weights
+        return [(name, weights.get(name, 0.0), float(value)) for name in net.outputs
+                for value in np.asarray(net.blobs[name].data).ravel()]
+
+    def _log_outputs(self, net: Net, kind: str, scores) -> None:
+        for i, (name, weight, value) in enumerate(scores):
+            suffix = f" (* {_g(weight)} = {_g(np.float32(weight) * np.float32(value))} loss)" if weight else ""
+            self._say("    %s net output #%d: %s = %s%s", kind, i, name, _g(value), suffix)
+
+    def _log_clipping(self, norm) -> None:
+        clip = self.param.clip_gradients
+        if clip >= 0 and self.param.display:
+            norm = float(norm)
+            if norm > clip:
+                self._say("Gradient clipping: scaling down gradients (L2 norm %s > %s) by scale factor %s",
+                          _g(norm), _g(clip), _g(clip / norm))
+
+    # -- snapshots ------------------------------------------------------------------------------------------------
+    def snapshot(self) -> str:
+        """Write ``<prefix>_iter_N.caffemodel`` and ``.solverstate`` (or the HDF5 pair); returns the state path."""
+        p = self.param
+        hdf5 = p.snapshot_format == caffe_pb2.SolverParameter.HDF5
+        model_ext, state_ext = ((snapshots.HDF5_MODEL, snapshots.HDF5_STATE) if hdf5
+                                else (snapshots.BINARY_MODEL, snapshots.BINARY_STATE))
+        model_file = snapshots.snapshot_filename(p.snapshot_prefix, self.iter, model_ext)
+        state_file = snapshots.snapshot_filename(p.snapshot_prefix, self.iter, state_ext)
+        kind = "HDF5 file" if hdf5 else "binary proto file"
+        self._say("Snapshotting to %s %s", kind, model_file)
+        (snapshots.write_model_hdf5 if hdf5 else snapshots.write_model_binary)(self.net, model_file,
+                                                                                 p.snapshot_diff)
+        self._say("Snapshotting solver state to %s %s", kind, state_file)
+        state = snapshots.SolverStateData(iter=self.iter, current_step=self.current_step,
+                                          history=self._flat_history(), learned_net=model_file)
+        (snapshots.write_state_hdf5 if hdf5 else snapshots.write_state_binary)(state_file, state)
+        return state_file
+
+    def _flat_history(self) -> list[np.ndarray]:
+        # Caffe's history_: the first blob of every param, then (AdaDelta, Adam) the second of every param.
+        return [np.asarray(hist[k]) for k in range(self.history_per_param) for hist in self._history]
+
+    def restore(self, state_file: str) -> None:
+        """Solver::Restore: the iteration, the lr schedule's step, the history and the learned weights."""
+        state_file = os.fspath(state_file)
+        state = snapshots.read_state(state_file)
+        n = len(self._learnables)
+        if len(state.history) != n * self.history_per_param:
+            raise SolverError(f"{state_file}: Incorrect length of history blobs: the file has {len(state.history)}, "
+                              f"a {self.type} solver of this net needs {n * self.history_per_param}")
+        history = []
+        for i, learnable in enumerate(self._learnables):
+            blobs = []
+            for k in range(self.history_per_param):
+                array = state.history[k * n + i]
+                if array.size != math.prod(learnable.shape):
+                    raise SolverError(f"{state_file}: history blob {k * n + i} has shape {array.shape}; param "
+                                      f"{learnable.index} of layer '{learnable.layer}' is {learnable.shape}")
+                blobs.append(jnp.asarray(array.reshape(learnable.shape), jnp.float32))
+            history.append(tuple(blobs))
+        if state.learned_net:
+            self.net.copy_from(snapshots.resolve_learned_net(state.learned_net, state_file))
+        self.iter, self.current_step, self._history = state.iter, state.current_step, history
+
+    # -- pycaffe odds and ends ----------------------------------------------------------------------------------
+    def share_weights(self, net: Net) -> None:
+        """pycaffe's ``solver.share_weights(net)``: ``net`` uses the train net's weights."""
+        net.share_with(self.net)
+
+    def add_callback(self, *callbacks) -> None:
+        raise UnsupportedError("solver.add_callback: caffejax fuses forward, backward and the update into one "
+                               "program, so there is no point between them to call back into Python; step(1) "
+                               "in a loop and act between steps instead")
+
+    def _say(self, fmt: str, *args) -> None:
+        if self._progress is not None:
+            self._progress.clear()
+        log.info(fmt, *args)
+
+
+class SGDSolver(Solver):
+    """Stochastic gradient descent with momentum: ``V = momentum V + lr g``; ``w -= V``."""
+
+    type = "SGD"
+
+    def compute_update_value(self, diff, history, local_rate, scalars):
+        momentum = np.float32(self.param.momentum)
+        velocity = local_rate * diff + momentum * history[0]
+        return velocity, (velocity,)
+
+
+class NesterovSolver(SGDSolver):
+    """Nesterov's accelerated gradient: ``V' = momentum V + lr g``; ``w -= (1 + momentum) V' - momentum V``."""
+
+    type = "Nesterov"
+
+    def compute_update_value(self, diff, history, local_rate, scalars):
+        momentum = np.float32(self.param.momentum)
+        velocity = local_rate * diff + momentum * history[0]
+        return (momentum + np.float32(1)) * velocity - momentum * history[0], (velocity,)
+
+
+class AdaGradSolver(SGDSolver):
+    """AdaGrad: ``H += g^2``; ``w -= lr g / (sqrt(H) + delta)``."""
+
+    type = "AdaGrad"
+
+    def _check_param(self) -> None:
+        super()._check_param()
+        if self.param.momentum != 0:
+            raise SolverError("Momentum cannot be used with AdaGrad.")
+
+    def compute_update_value(self, diff, history, local_rate, scalars):
+        squares = history[0] + diff * diff
+        return _rms_scaled(diff, squares, local_rate, self.param.delta), (squares,)
+
+
+class RMSPropSolver(SGDSolver):
+    """RMSProp: ``H = rms_decay H + (1 - rms_decay) g^2``; ``w -= lr g / (sqrt(H) + delta)``."""
+
+    type = "RMSProp"
+
+    def _check_param(self) -> None:
+        super()._check_param()
+        if self.param.momentum != 0:
+            raise SolverError("Momentum cannot be used with RMSProp.")
+        if not 0 <= self.param.rms_decay < 1:
+            raise SolverError(f"rms_decay should lie between 0 and 1, got {self.param.rms_decay}")
+
+    def compute_update_value(self, diff, history, local_rate, scalars):
+        decay = np.float32(self.param.rms_decay)
+        squares = (np.float32(1) - decay) * (diff * diff) + decay * history[0]
+        return _rms_scaled(diff, squares, local_rate, self.param.delta), (squares,)
+
+
+def _rms_scaled(diff, squares, local_rate, delta):
+    """AdaGrad's and RMSProp's step: ``lr g / (sqrt(H) + delta)``."""
+    return local_rate * (diff / (jnp.sqrt(squares) + np.float32(delta)))
+
+
+class AdaDeltaSolver(SGDSolver):
+    """AdaDelta: history of squared gradients and of squared updates, both decaying by ``momentum``."""
+
+    type = "AdaDelta"
+    history_per_param = 2
+
+    def compute_update_value(self, diff, history, local_rate, scalars):
+        momentum, delta = np.float32(self.param.momentum), np.float32(self.param.delta)
+        one = np.float32(1)
+        gradient_squares = (one - momentum) * (diff * diff) + momentum * history[0]
+        step = diff * jnp.sqrt((delta + history[1]) / (delta + gradient_squares))
+        update_squares = (one - momentum) * (step * step) + momentum * history[1]
+        return local_rate * step, (gradient_squares, update_squares)
+
+
+class AdamSolver(SGDSolver):
+    """Adam: ``m``, ``v`` with beta1 = momentum, beta2 = momentum2; bias correction with t = iter + 1."""
+
+    type = "Adam"
+    history_per_param = 2
+
+    def step_scalars(self, rate: float) -> dict[str, np.float32]:
+        # Caffe computes the correction in double from float betas, then keeps it as a float.
+        t = self.iter + 1
+        beta1, beta2 = self.param.momentum, self.param.momentum2
+        correction = math.sqrt(1.0 - beta2 ** t) / (1.0 - beta1 ** t)
+        return {"rate": np.float32(rate), "correction": np.float32(correction)}
+
+    def compute_update_value(self, diff, history, local_rate, scalars):
+        one = np.float32(1)
+        beta1, beta2 = np.float32(self.param.momentum), np.float32(self.param.momentum2)
+        m = (one - beta1) * diff + beta1 * history[0]
+        v = (one - beta2) * (diff * diff) + beta2 * history[1]
+        update = (local_rate * scalars["correction"]) * (m / (jnp.sqrt(v) + np.float32(self.param.delta)))
+        return update, (m, v)
+
+
+SOLVER_TYPES: dict[str, type[Solver]] = {cls.type: cls for cls in (SGDSolver, NesterovSolver, AdaGradSolver,
+                                                                   RMSPropSolver, AdaDeltaSolver, AdamSolver)}
+
+
+# ---- the traced iteration ----------------------------------------------------------------------------------------
+
+def _pulled_layers(graph: Graph):
+    """Data layers whose batches come from a DataSource (not written by the user)."""
+    return [layer for layer in graph.layers if layer.is_input and get_rule(layer.type).data_source is not None]
+
+
+def _train_step_fn(program, solver: Solver):
+    """``(params, history, fed, pulled, key, scalars) -> (params, history, loss, updates, blobs, norm)``.
+
+    ``fed`` holds the blobs the user wrote (every pass reads the same ones); ``pulled`` holds one batch per
+    pass, stacked along a leading axis of length iter_size. ``blobs`` are the values the last pass left in
+    the net's blobs.
+    """
+    iter_size = solver.param.iter_size
+    graph = program.graph
+    fed_values = {v for layer in graph.layers if layer.is_input for v in layer.top_values}
+    produced = {blob: value for blob, value in graph.blob_value.items() if value not in fed_values}
+    concrete = dict(graph.concrete)  # shape-deciding values (Filter's selector): constants of this program
+
+    def one_pass(params, inputs, key):
+        """Net::ForwardBackward: the loss and param diffs, with the params forward rewrote (BatchNorm)."""
+        loss, grads, (env, rewritten) = program.loss_and_grads(params, inputs, key)
+        params = {name: list(blobs) for name, blobs in params.items()}
+        for owner, changed in rewritten.items():
+            for index, value in changed.items():
+                params[owner][index] = value
+        return params, grads, loss, {blob: env[value] for blob, value in produced.items()}
+
+    def train_step(params, history, fed, pulled, key, scalars):
+        fed = {**fed, **concrete}
+        if iter_size == 1:
+            inputs = {**fed, **{v: a[0] for v, a in pulled.items()}}
+            params, grads, loss, blobs = one_pass(params, inputs, jax.random.fold_in(key, 0))
+        else:
+            def accumulate(carry, xs):
+                params, grads, loss, _ = carry
+                i, batch = xs
+                params, pass_grads, pass_loss, blobs = one_pass(params, {**fed, **batch},
+                                                                jax.random.fold_in(key, i))
+                return (params, jax.tree.map(jnp.add, grads, pass_grads), loss + pass_loss, blobs), None
+
+            first = {**fed, **{v: a[0] for v, a in pulled.items()}}
+            shapes = jax.eval_shape(one_pass, params, first, key)[3]
+            init = (params, jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32),
+                    jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+            (params, grads, loss, blobs), _ = jax.lax.scan(accumulate, init, (jnp.arange(iter_size), pulled),
+                                                           length=iter_size)
+        diffs = [grads[l.layer][l.index] for l in solver._learnables]
+        params, history, updates, norm = solver._apply_update(params, diffs, history, scalars)
+        return params, history, loss / np.float32(iter_size), updates, blobs, norm
+
+    return train_step
+
+
+# ---- output ---------------------------------------------------------------------------------------------------
+
+def _g(value) -> str:
+    """A number as C++'s ostream prints a float (6 significant digits)."""
+    return f"{float(value):g}"
+
+
+def _ensure_log_output() -> None:
+    """Show the training log on stdout, as Caffe does, unless the application configured logging itself."""
+    if log.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("I%(asctime)s.%(msecs)03d %(message)s", datefmt="%m%d %H:%M:%S"))
+    log.addHandler(handler)
+    if log.level == logging.NOTSET:
+        log.setLevel(logging.INFO)
+
+
+class _Progress:
+    """A one-line progress bar on a terminal's stderr for long solve() runs (cleared before log lines)."""
+
+    WIDTH, INTERVAL_S = 30, 0.25
+
+    def __init__(self, start: int, stop: int, stream):
+        self.start, self.stop, self.stream = start, stop, stream
+        self.began = self.shown = time.perf_counter()
+        self.visible = False
+
+    @classmethod
+    def for_stderr(cls, start: int, stop: int) -> "_Progress | None":
+        isatty = getattr(sys.stderr, "isatty", None)
+        return cls(start, stop, sys.stderr) if stop > start and isatty is not None and isatty() else None
+
+    def update(self, iter: int) -> None:
+        now = time.perf_counter()
+        if now - self.shown < self.INTERVAL_S and iter < self.stop:
+            return
+        self.shown = now
+        done = (iter - self.start) / max(self.stop - self.start, 1)
+        bar = "#" * int(done * self.WIDTH)
+        rate = (iter - self.start) / max(now - self.began, 1e-9)
+        self.stream.write(f"\r[{bar:<{self.WIDTH}}] {iter}/{self.stop} iters {rate:.1f} iter/s")
+        self.stream.flush()
+        self.visible = True
+
+    def clear(self) -> None:
+        if self.visible:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+            self.visible = False

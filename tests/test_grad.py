@@ -1,0 +1,117 @@
+"""caffejax.value_and_grad: Caffe's objective as a pure function, with per-layer/param/blob gradient masks."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import caffejax
+
+NET = """
+name: "mlp"
+layer { name: "data" type: "Input" top: "x" top: "label"
+        input_param { shape { dim: 6 dim: 5 } shape { dim: 6 } } }
+layer { name: "ip1" type: "InnerProduct" bottom: "x" top: "h"
+        inner_product_param { num_output: 8 weight_filler { type: "gaussian" std: 0.5 }
+                              bias_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "act" type: "TanH" bottom: "h" top: "h" }
+layer { name: "ip2" type: "InnerProduct" bottom: "h" top: "score"
+        inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "score" bottom: "label" top: "loss"
+        loss_param { normalization: NONE } }
+"""
+
+
+@pytest.fixture(scope="module")
+def setup():
+    net = caffejax.Net(NET, caffejax.TRAIN)
+    rng = np.random.default_rng(0)
+    inputs = {"x": rng.standard_normal((6, 5)).astype(np.float32),
+              "label": rng.integers(0, 3, 6).astype(np.float32)}
+    return net, net.param_arrays(), inputs
+
+
+def test_matches_net_forward_backward(setup):
+    net, params, inputs = setup
+    loss, grads = jax.jit(caffejax.value_and_grad(net))(params, inputs)
+    net.clear_param_diffs()
+    net.forward(**inputs)
+    net.backward()
+    np.testing.assert_allclose(loss, net._last_loss, rtol=1e-6)
+    for layer, blobs in net.params.items():
+        for i, blob in enumerate(blobs):
+            np.testing.assert_allclose(grads[layer][i], blob.diff, rtol=1e-5, atol=1e-6)
+
+
+def test_param_mask_changes_exactly_the_masked_elements(setup):
+    net, params, inputs = setup
+    _, full = caffejax.value_and_grad(net)(params, inputs)
+    mask = (np.random.default_rng(1).random((8, 5)) > 0.5).astype(np.float32)
+    _, masked = caffejax.value_and_grad(net, masks={"params": {("ip1", 0): mask}})(params, inputs)
+    np.testing.assert_allclose(masked["ip1"][0], full["ip1"][0] * mask, rtol=1e-6)
+    assert np.any(full["ip1"][0][mask == 0] != 0)  # the mask really removed something
+    for layer, i in (("ip1", 1), ("ip2", 0)):
+        np.testing.assert_array_equal(masked[layer][i], full[layer][i])
+
+
+def test_layer_mask_freezes_only_that_layer(setup):
+    net, params, inputs = setup
+    loss0, full = caffejax.value_and_grad(net)(params, inputs)
+    loss1, masked = caffejax.value_and_grad(net, masks={"layers": {"ip2": 0.0}})(params, inputs)
+    assert loss0 == loss1
+    assert not np.any(masked["ip2"][0])
+    np.testing.assert_array_equal(masked["ip1"][0], full["ip1"][0])
+
+
+def test_blob_mask_stops_gradient_at_the_blob(setup):
+    net, params, inputs = setup
+    _, full = caffejax.value_and_grad(net)(params, inputs)
+    _, stopped = caffejax.value_and_grad(net, masks={"blobs": {"h": 0.0}})(params, inputs)
+    assert not np.any(stopped["ip1"][0]) and not np.any(stopped["ip1"][1])  # upstream of h: nothing
+    np.testing.assert_array_equal(stopped["ip2"][0], full["ip2"][0])       # downstream: untouched
+    half = np.full((6, 8), 0.5, np.float32)
+    _, halved = caffejax.value_and_grad(net, masks={"blobs": {"h": half}})(params, inputs)
+    np.testing.assert_allclose(halved["ip1"][0], 0.5 * full["ip1"][0], rtol=1e-6)
+
+
+def test_per_example_gradients_by_vmap_sum_to_batch_gradient(setup):
+    net, params, inputs = setup
+    fn = caffejax.value_and_grad(net)
+    _, batch = fn(params, inputs)
+
+    def one(x, label):
+        return fn(params, {"x": x[None], "label": label[None]})[1]
+
+    per_example = jax.vmap(one)(inputs["x"], inputs["label"])
+    summed = jax.tree.map(lambda g: g.sum(axis=0), per_example)
+    for layer in batch:
+        for a, b in zip(summed[layer], batch[layer]):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_hessian_vector_product_by_jvp(setup):
+    net, params, inputs = setup
+    fn = caffejax.value_and_grad(net)
+
+    def grad_of(p):
+        return fn(p, inputs)[1]
+
+    tangent = jax.tree.map(lambda p: jnp.asarray(np.random.default_rng(2).standard_normal(p.shape),
+                                                 jnp.float32), params)
+    _, hvp = jax.jvp(grad_of, (params,), (tangent,))
+    eps = 1e-3
+    plus = grad_of(jax.tree.map(lambda p, t: p + eps * t, params, tangent))
+    minus = grad_of(jax.tree.map(lambda p, t: p - eps * t, params, tangent))
+    finite = jax.tree.map(lambda a, b: (a - b) / (2 * eps), plus, minus)
+    for a, b in zip(jax.tree.leaves(hvp), jax.tree.leaves(finite)):
+        np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-3)
+
+
+def test_bad_masks_are_reported(setup):
+    net, _, _ = setup
+    with pytest.raises(caffejax.CaffejaxError, match="nope"):
+        caffejax.value_and_grad(net, masks={"blobs": {"nope": 0.0}})
+    with pytest.raises(caffejax.CaffejaxError, match="shape"):
+        caffejax.value_and_grad(net, masks={"params": {("ip1", 0): np.ones((2, 2))}})

@@ -1,0 +1,172 @@
+"""caffejax.Net's pycaffe contract: compile once per shape, reshape, from/to passes, surgery, weights I/O."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import caffejax
+from caffejax.proto import caffe_pb2
+from conftest import BUNDLED, layer_case
+
+LENET = BUNDLED / "lenet" / "lenet.prototxt"
+LENET_WEIGHTS = BUNDLED / "lenet" / "lenet_iter_10000.caffemodel"
+
+
+@pytest.fixture(scope="module")
+def lenet():
+    return caffejax.Net(str(LENET), str(LENET_WEIGHTS), caffejax.TEST)
+
+
+def digits(n, seed=0):
+    return np.random.default_rng(seed).random((n, 1, 28, 28), dtype=np.float32)
+
+
+def test_pycaffe_constructor_orders():
+    a = caffejax.Net(str(LENET), str(LENET_WEIGHTS), caffejax.TEST)
+    b = caffejax.Net(str(LENET), caffejax.TEST, weights=str(LENET_WEIGHTS))
+    np.testing.assert_array_equal(a.params["conv1"][0].data, b.params["conv1"][0].data)
+    with pytest.raises(TypeError):
+        caffejax.Net(str(LENET))
+
+
+def test_compiles_once_per_shape(lenet):
+    lenet.blobs["data"].reshape(3, 1, 28, 28)
+    before = lenet.compile_count
+    lenet.forward(data=digits(3))
+    lenet.forward(data=digits(3, seed=1))
+    assert lenet.compile_count == before + 1
+    lenet.blobs["data"].reshape(5, 1, 28, 28)
+    out = lenet.forward(data=digits(5))
+    assert out["prob"].shape == (5, 10)
+    assert lenet.compile_count == before + 2
+    lenet.blobs["data"].reshape(3, 1, 28, 28)  # back to a shape seen before: cached program
+    lenet.forward(data=digits(3))
+    assert lenet.compile_count == before + 2
+
+
+def test_blob_data_and_forward_kwargs_agree(lenet):
+    lenet.blobs["data"].reshape(2, 1, 28, 28)
+    x = digits(2, seed=3)
+    out = lenet.forward(data=x)["prob"].copy()
+    lenet.blobs["data"].data[...] = x
+    lenet.forward()
+    np.testing.assert_array_equal(lenet.blobs["prob"].data, out)
+    np.testing.assert_allclose(out.sum(axis=1), 1.0, rtol=1e-5)
+    with pytest.raises(caffejax.CaffejaxError):
+        lenet.forward(wrong=x)
+
+
+def test_forward_from_to_equals_full_pass(lenet):
+    lenet.blobs["data"].reshape(2, 1, 28, 28)
+    lenet.forward(data=digits(2, seed=4))
+    full = {name: blob.data.copy() for name, blob in lenet.blobs.items()}
+    lenet.blobs["ip1"].data[...] = 0
+    lenet.forward(start="relu1")  # Caffe's ForwardFromTo: relu1..end, reading ip1 as it is now
+    assert np.all(lenet.blobs["prob"].data == lenet.blobs["prob"].data[0:1])  # constant input -> same rows
+    lenet.forward(end="pool2")
+    lenet.forward(start="ip1")
+    for name in ("pool2", "ip1", "ip2", "prob"):
+        np.testing.assert_allclose(lenet.blobs[name].data, full[name], rtol=1e-6, atol=1e-7)
+    out = lenet.forward(end="conv2", blobs=["pool1"])
+    assert set(out) == {"conv2", "pool1"}
+
+
+def test_param_surgery_takes_effect(lenet):
+    lenet.blobs["data"].reshape(1, 1, 28, 28)
+    x = digits(1, seed=5)
+    before = lenet.forward(data=x)["prob"].copy()
+    w = lenet.params["ip2"][0].data
+    saved = w.copy()
+    w[...] = 0
+    lenet.params["ip2"][1].data[...] = np.arange(10, dtype=np.float32)
+    after = lenet.forward(data=x)["prob"]
+    expected = np.exp(np.arange(10)) / np.exp(np.arange(10)).sum()
+    np.testing.assert_allclose(after[0], expected, rtol=1e-5)
+    w[...] = saved
+    lenet.copy_from(str(LENET_WEIGHTS))
+    np.testing.assert_allclose(lenet.forward(data=x)["prob"], before, rtol=1e-6)
+
+
+def test_save_round_trip_is_exact(lenet, tmp_path):
+    path = tmp_path / "lenet.caffemodel"
+    lenet.save(str(path))
+    again = caffejax.Net(str(LENET), str(path), caffejax.TEST)
+    for name, blobs in lenet.params.items():
+        for a, b in zip(blobs, again.params[name]):
+            np.testing.assert_array_equal(a.data, b.data)
+    # The file is an ordinary V2 NetParameter with blobs, as BVLC Caffe writes and reads them.
+    proto = caffe_pb2.NetParameter.FromString(path.read_bytes())
+    assert [layer.name for layer in proto.layer if layer.blobs] == list(lenet.params)
+    assert not proto.layers
+    assert list(proto.layer[1].blobs[0].shape.dim) == list(lenet.params["conv1"][0].shape)
+
+
+def test_hdf5_round_trip(lenet, tmp_path):
+    pytest.importorskip("h5py")
+    path = tmp_path / "lenet.caffemodel.h5"
+    lenet.save_hdf5(str(path))
+    again = caffejax.Net(str(LENET), caffejax.TEST)
+    again.load_hdf5(str(path))
+    for name, blobs in lenet.params.items():
+        for a, b in zip(blobs, again.params[name]):
+            np.testing.assert_array_equal(a.data, b.data)
+
+
+def test_copy_from_shape_mismatch_names_layer_and_shapes(tmp_path):
+    text = LENET.read_text().replace("num_output: 500", "num_output: 400")
+    net = caffejax.Net(text, caffejax.TEST)
+    with pytest.raises(caffejax.WeightsError) as err:
+        net.copy_from(str(LENET_WEIGHTS))
+    message = str(err.value)
+    assert "'ip1'" in message and "(500, 800)" in message and "(400, 800)" in message
+
+
+def test_share_with_uses_the_other_nets_weights():
+    a = caffejax.Net(str(LENET), str(LENET_WEIGHTS), caffejax.TEST)
+    b = caffejax.Net(str(LENET), caffejax.TEST)
+    b.share_with(a)
+    a.params["ip2"][1].data[...] = 7.0
+    np.testing.assert_array_equal(b.params["ip2"][1].data, 7.0)
+    x = digits(64, seed=6)
+    np.testing.assert_array_equal(a.forward(data=x)["prob"], b.forward(data=x)["prob"])
+
+
+def test_outputs_are_finite_at_batch_1_and_4_for_bundled_models():
+    for name in ("det1", "det2", "det3", "det4"):
+        net = caffejax.Net(str(BUNDLED / "mtcnn" / f"{name}.prototxt"),
+                           str(BUNDLED / "mtcnn" / f"{name}.caffemodel"), caffejax.TEST)
+        for batch in (1, 4):
+            shape = (batch,) + net.blobs["data"].shape[1:]
+            net.blobs["data"].reshape(*shape)
+            out = net.forward(data=np.random.default_rng(batch).standard_normal(shape).astype(np.float32))
+            for top, value in out.items():
+                assert value.shape[0] == batch and np.isfinite(value).all(), (name, top)
+
+
+def test_dropout_train_is_random_per_pass_and_test_is_identity():
+    text = """
+    layer { name: "in" type: "Input" top: "x" input_param { shape { dim: 4 dim: 100 } } }
+    layer { name: "drop" type: "Dropout" bottom: "x" top: "y" dropout_param { dropout_ratio: 0.5 } }
+    """
+    x = np.ones((4, 100), np.float32)
+    train = caffejax.Net(text, caffejax.TRAIN)
+    a = train.forward(x=x)["y"].copy()
+    b = train.forward(x=x)["y"].copy()
+    assert set(np.unique(a)) <= {0.0, 2.0} and not np.array_equal(a, b)
+    np.testing.assert_array_equal(caffejax.Net(text, caffejax.TEST).forward(x=x)["y"], x)
+
+
+def test_backward_seeds_loss_weight_and_accumulates_param_diffs():
+    case = layer_case("inner_product")
+    net = case.make_net()
+    case.feed(net)
+    net.forward()
+    top = [b for b in case.keys("topdiff/")][0]
+    net.blobs[top].diff[...] = case.figures["topdiff/" + top]
+    net.backward()
+    first = net.params["l"][0].diff.copy()
+    net.backward()
+    np.testing.assert_allclose(net.params["l"][0].diff, 2 * first, rtol=1e-6)  # Caffe accumulates
+    net.clear_param_diffs()
+    assert not net.params["l"][0].diff.any()

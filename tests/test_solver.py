@@ -1,0 +1,312 @@
+"""Caffe's solvers: training steps against BVLC Caffe's figures, Caffe's snapshots, test nets, lr policies."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+import pytest
+
+import caffejax
+from caffejax.frontend.prototxt import parse_net_text
+from caffejax.lower.registry import LayerRule, register, registered_types
+from caffejax.proto import caffe_pb2
+from caffejax.runtime.lr_policy import learning_rate
+from conftest import REFERENCE
+
+SOLVERS = REFERENCE / "solvers"
+CASES = sorted(p.name[: -len("_solver.prototxt")] for p in SOLVERS.glob("*_solver.prototxt"))
+LOSS_RTOL, WEIGHT_RTOL, WEIGHT_ATOL = 1e-4, 1e-3, 1e-5
+
+
+def _figures(case: str) -> dict[str, np.ndarray]:
+    return dict(np.load(SOLVERS / f"{case}.npz"))
+
+
+def _set_params(net, figures, prefix: str) -> None:
+    for key, array in figures.items():
+        if key.startswith(prefix):
+            layer, index = key[len(prefix):].split("/")
+            net.params[layer][int(index)].data[...] = array
+
+
+def _feed_and_step(solver, figures, k: int) -> None:
+    solver.net.blobs["data"].data[...] = figures[f"batch/{k}/data"]
+    solver.net.blobs["label"].data[...] = figures[f"batch/{k}/label"]
+    solver.step(1)
+
+
+def _check_step(solver, figures, k: int, case: str) -> None:
+    np.testing.assert_allclose(solver.net.blobs["loss"].data, figures[f"loss/{k}"], rtol=LOSS_RTOL,
+                               err_msg=f"{case} loss/{k}")
+    prefix = f"step/{k}/"
+    keys = [key for key in figures if key.startswith(prefix)]
+    assert keys, f"{case}: no step/{k} figures"
+    for key in keys:
+        layer, index = key[len(prefix):].split("/")
+        # An absolute atol (README): weights that cancel to ~0 (AdaGrad's first bias step) are rounding noise.
+        np.testing.assert_allclose(solver.net.params[layer][int(index)].data, figures[key], rtol=WEIGHT_RTOL,
+                                   atol=WEIGHT_ATOL, err_msg=f"{case} {key}")
+
+
+# ---- Caffe's figures -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", CASES)
+def test_steps_and_caffe_snapshot_match_caffe(case):
+    figures = _figures(case)
+    solver = caffejax.get_solver(str(SOLVERS / f"{case}_solver.prototxt"))
+    assert solver.type == solver.param.type  # get_solver picks the class the file names
+    _set_params(solver.net, figures, "init/")
+    for k in range(6):
+        _feed_and_step(solver, figures, k)
+        _check_step(solver, figures, k, case)
+    assert solver.iter == 6
+
+    # Caffe's own snapshot after step 3 (its learned_net names the sibling caffemodel).
+    solver.restore(str(SOLVERS / f"{case}_iter_3.solverstate"))
+    assert solver.iter == 3
+    for k in range(3, 6):
+        _feed_and_step(solver, figures, k)
+        _check_step(solver, figures, k, case)
+    # Every iteration, iter_size passes included, was one program, compiled once; no Net program ran.
+    assert solver.compile_count == 1
+    assert solver.net.compile_count == 0
+
+
+# ---- our snapshots -------------------------------------------------------------------------------------------
+
+def test_snapshot_restore_continues_identically(tmp_path):
+    figures = _figures("adam_poly")
+    param = caffe_pb2.SolverParameter(
+        type="Adam", base_lr=0.01, momentum=0.9, lr_policy="multistep", gamma=0.5, stepvalue=[1, 3], max_iter=10,
+        net=str(SOLVERS / "adam_poly_net.prototxt"), snapshot_prefix=str(tmp_path / "snap"), random_seed=3)
+    solver = caffejax.get_solver(param)
+    assert isinstance(solver, caffejax.AdamSolver)
+    for k in range(2):
+        _feed_and_step(solver, figures, k)
+    states = {}
+    for fmt in (caffe_pb2.SolverParameter.BINARYPROTO, caffe_pb2.SolverParameter.HDF5):
+        solver.param.snapshot_format = fmt
+        states[fmt] = solver.snapshot()
+    for name in ("snap_iter_2.caffemodel", "snap_iter_2.solverstate", "snap_iter_2.caffemodel.h5",
+                 "snap_iter_2.solverstate.h5"):
+        assert (tmp_path / name).is_file(), name
+    assert not list(tmp_path.glob("*.tmp"))  # written atomically
+
+    state = caffe_pb2.SolverState.FromString((tmp_path / "snap_iter_2.solverstate").read_bytes())
+    assert (state.iter, state.current_step) == (2, 1)
+    assert state.learned_net == str(tmp_path / "snap_iter_2.caffemodel")
+    assert len(state.history) == 2 * 4  # Adam: m for every learnable blob, then v for every one
+    assert tuple(state.history[4].shape.dim) == solver.net.params["conv1"][0].data.shape
+
+    expected = []
+    for k in range(2, 4):
+        _feed_and_step(solver, figures, k)
+        expected.append({name: [b.data.copy() for b in blobs] for name, blobs in solver.net.params.items()})
+    for fmt, path in states.items():
+        solver.restore(path)
+        assert (solver.iter, solver.current_step) == (2, 1)
+        for k, weights in zip(range(2, 4), expected):
+            _feed_and_step(solver, figures, k)
+            for name, blobs in weights.items():
+                for i, array in enumerate(blobs):
+                    np.testing.assert_allclose(solver.net.params[name][i].data, array, rtol=1e-6, atol=1e-8,
+                                               err_msg=f"format {fmt}: {name}/{i} after step {k}")
+    assert solver.compile_count == 1
+
+
+# ---- data layers, iter_size and apply_update ---------------------------------------------------------------
+
+class _Batches:
+    """A DataSource handing out fixed (data, target) batches in order."""
+
+    def __init__(self, layer, phase, base_dir):
+        rng = np.random.default_rng(5)
+        self.batches = [(rng.standard_normal((4, 3)).astype(np.float32),
+                         rng.standard_normal((4, 2)).astype(np.float32)) for _ in range(3)]
+        self.pulled = 0
+
+    def next_batch(self):
+        batch = self.batches[self.pulled % len(self.batches)]
+        self.pulled += 1
+        return batch
+
+    def close(self):
+        pass
+
+
+SOURCE_TYPE = "CaffejaxTestBatches"
+if SOURCE_TYPE not in registered_types():
+    register(LayerRule(SOURCE_TYPE, forward=lambda ctx, bottoms, params: [],
+                       input_shapes=lambda layer, phase, base_dir: [(4, 3), (4, 2)], data_source=_Batches,
+                       bottoms=(0, 0), tops=(2, 2)))
+
+REGRESSION_NET = f"""
+name: "regression"
+layer {{ name: "data" type: "{SOURCE_TYPE}" top: "data" top: "target" }}
+layer {{ name: "ip" type: "InnerProduct" bottom: "data" top: "ip"
+  inner_product_param {{ num_output: 2 weight_filler {{ type: "gaussian" std: 0.5 }} }} }}
+layer {{ name: "loss" type: "EuclideanLoss" bottom: "ip" bottom: "target" top: "loss" }}
+"""
+
+
+def _euclidean_grads(w, b, x, y):
+    diff = x @ w.T + b - y
+    n = x.shape[0]
+    return diff.T @ x / n, diff.sum(0) / n, float((diff ** 2).sum() / (2 * n))
+
+
+def test_iter_size_pulls_one_batch_per_pass_and_apply_update():
+    param = caffe_pb2.SolverParameter(type="SGD", base_lr=0.1, lr_policy="fixed", iter_size=2, max_iter=5)
+    param.net_param.CopyFrom(parse_net_text(REGRESSION_NET))
+    solver = caffejax.SGDSolver(param)
+    w0, b0 = (solver.net.params["ip"][i].data.copy() for i in range(2))
+    batches = _Batches(None, None, None).batches
+
+    solver.step(1)
+    grads = [_euclidean_grads(w0, b0, x, y) for x, y in batches[:2]]
+    update_w = np.float32(0.1) * (grads[0][0] + grads[1][0]) / 2
+    update_b = np.float32(0.1) * (grads[0][1] + grads[1][1]) / 2
+    np.testing.assert_allclose(solver.net.params["ip"][0].data, w0 - update_w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(solver.net.params["ip"][1].data, b0 - update_b, rtol=1e-5, atol=1e-6)
+    # As Caffe leaves them: diff holds the update, the blobs hold the last pass (second batch).
+    np.testing.assert_allclose(solver.net.params["ip"][0].diff, update_w, rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(solver.net.blobs["data"].data, batches[1][0])
+    assert math.isclose(float(solver.net.blobs["loss"].data), grads[1][2], rel_tol=1e-5)
+
+    # pycaffe's manual loop: clear, forward (pulls batch 3), backward, apply_update (Normalize by iter_size).
+    w1, b1 = (solver.net.params["ip"][i].data.copy() for i in range(2))
+    solver.net.clear_param_diffs()
+    solver.net.forward()
+    solver.net.backward()
+    solver.apply_update()
+    gw, gb, _ = _euclidean_grads(w1, b1, *batches[2])
+    np.testing.assert_allclose(solver.net.params["ip"][0].data, w1 - np.float32(0.1) * gw / 2, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(solver.net.params["ip"][1].data, b1 - np.float32(0.1) * gb / 2, rtol=1e-5, atol=1e-6)
+    assert solver.iter == 1  # ApplyUpdate alone does not count an iteration
+
+
+# ---- test nets -------------------------------------------------------------------------------------------------
+
+CLASSIFIER_NET = """
+name: "classifier"
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 4 dim: 3 } } }
+layer { name: "label" type: "Input" top: "label" input_param { shape { dim: 4 } } }
+layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip"
+  inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 1 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+layer { name: "accuracy" type: "Accuracy" bottom: "ip" bottom: "label" top: "accuracy"
+  include { phase: TEST stage: "val" } }
+"""
+
+
+def _softmax_scores(w, b, x, label):
+    logits = x @ w.T + b
+    logits = logits - logits.max(1, keepdims=True)
+    log_prob = logits - np.log(np.exp(logits).sum(1, keepdims=True))
+    loss = -log_prob[np.arange(len(label)), label.astype(int)].mean()
+    return float((logits.argmax(1) == label).mean()), float(loss)
+
+
+def test_test_nets_score_shared_weights_like_caffe(caplog):
+    param = caffe_pb2.SolverParameter(type="Nesterov", base_lr=0.1, momentum=0.9, lr_policy="fixed", display=1,
+                                      test_iter=[3], test_interval=2, test_compute_loss=True, max_iter=10)
+    param.net_param.CopyFrom(parse_net_text(CLASSIFIER_NET))
+    param.test_state.add(stage=["val"])  # merged over TEST: only then is the accuracy layer in
+    solver = caffejax.get_solver(param)
+    assert solver.net.outputs == ["loss"] and solver.test_nets[0].outputs == ["accuracy", "loss"]
+
+    rng = np.random.default_rng(0)
+    batches = [(rng.standard_normal((4, 3)).astype(np.float32), rng.integers(0, 3, 4).astype(np.float32))
+               for _ in range(3)]
+    solver.net.blobs["data"].data[...], solver.net.blobs["label"].data[...] = batches[0]
+    test_net = solver.test_nets[0]
+    forward, calls = test_net.forward, []
+
+    def forward_next_batch(*args, **kwargs):  # a data layer would hand out the next batch on every forward
+        test_net.blobs["data"].data[...], test_net.blobs["label"].data[...] = batches[len(calls) % 3]
+        calls.append(1)
+        return forward(*args, **kwargs)
+
+    test_net.forward = forward_next_batch
+    caplog.set_level(logging.INFO, logger="caffejax")
+    solver.step(3)
+    assert sum("Testing net (#0)" in r.getMessage() for r in caplog.records) == 2  # at iter 0 and 2
+    assert len(calls) == 2 * 3
+
+    caplog.clear()
+    means = solver.test(0)
+    w, b = (solver.net.params["ip"][i].data for i in range(2))
+    expected = np.mean([_softmax_scores(w, b, x, y) for x, y in batches], axis=0)
+    np.testing.assert_allclose(means, expected, rtol=1e-5)
+    np.testing.assert_array_equal(test_net.params["ip"][0].data, w)  # shares the train net's weights
+    lines = [r.getMessage() for r in caplog.records]
+    assert f"    Test net output #0: accuracy = {means[0]:g}" in lines
+    assert f"    Test net output #1: loss = {means[1]:g} (* 1 = {means[1]:g} loss)" in lines
+    assert f"Test loss: {means[1]:g}" in lines
+
+
+def test_training_log_lines(caplog):
+    param = caffe_pb2.SolverParameter(type="SGD", base_lr=0.05, lr_policy="step", gamma=0.5, stepsize=1,
+                                      display=2, average_loss=2, max_iter=4)
+    param.net_param.CopyFrom(parse_net_text(REGRESSION_NET))
+    solver = caffejax.get_solver(param)
+    caplog.set_level(logging.INFO, logger="caffejax")
+    solver.step(3)
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("Iteration 0 (") and "iter/s" in line and "s/2 iters), loss = " in line
+               for line in lines)
+    assert any(line.startswith("    Train net output #0: loss = ") and line.endswith(" loss)") for line in lines)
+    assert "Iteration 0, lr = 0.05" in lines and "Iteration 2, lr = 0.0125" in lines
+    assert not any(line.startswith("Iteration 1") for line in lines)
+
+
+# ---- learning-rate policies --------------------------------------------------------------------------------
+
+def _solver_param(**fields) -> caffe_pb2.SolverParameter:
+    return caffe_pb2.SolverParameter(base_lr=0.1, **fields)
+
+
+@pytest.mark.parametrize("fields, formula", [
+    (dict(lr_policy="fixed"), lambda it: 0.1),
+    (dict(lr_policy="step", gamma=0.5, stepsize=3), lambda it: 0.1 * 0.5 ** (it // 3)),
+    (dict(lr_policy="exp", gamma=0.9), lambda it: 0.1 * 0.9 ** it),
+    (dict(lr_policy="inv", gamma=0.1, power=0.75), lambda it: 0.1 * (1 + 0.1 * it) ** -0.75),
+    (dict(lr_policy="poly", power=1.5, max_iter=10), lambda it: 0.1 * (1 - it / 10) ** 1.5),
+    (dict(lr_policy="sigmoid", gamma=0.5, stepsize=3), lambda it: 0.1 / (1 + math.exp(-0.5 * (it - 3)))),
+])
+def test_lr_policies_follow_caffes_formulas(fields, formula):
+    param = _solver_param(**fields)
+    for it in (0, 1, 2, 3, 7, 10):
+        rate, _ = learning_rate(param, it, 0)
+        assert math.isclose(rate, formula(it), rel_tol=1e-6), (fields, it)
+    # step keeps current_step = iter // stepsize (saved in the solverstate)
+    if fields["lr_policy"] == "step":
+        assert learning_rate(param, 7, 0)[1] == 2
+
+
+def test_multistep_advances_at_most_once_per_call():
+    param = _solver_param(lr_policy="multistep", gamma=0.1, stepvalue=[2, 3, 10])
+    assert learning_rate(param, 1, 0) == (pytest.approx(0.1), 0)
+    # Jumping past two stepvalues (e.g. after restoring at iter 5 with current_step 0): one step per call.
+    rate, step = learning_rate(param, 5, 0)
+    assert step == 1 and math.isclose(rate, 0.01, rel_tol=1e-6)
+    rate, step = learning_rate(param, 6, step)
+    assert step == 2 and math.isclose(rate, 0.001, rel_tol=1e-6)
+    assert learning_rate(param, 7, step)[1] == 2  # 7 < 10
+
+
+# ---- refusals -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(type="Adagrad"), "Unknown solver type"),
+    (dict(type="AdaGrad", lr_policy="fixed", momentum=0.9), "Momentum cannot be used with AdaGrad"),
+    (dict(type="RMSProp", lr_policy="fixed", momentum=0.9), "Momentum cannot be used with RMSProp"),
+    (dict(type="SGD", lr_policy="cosine"), "Unknown learning rate policy"),
+    (dict(type="SGD", lr_policy="fixed", regularization_type="L3"), "Unknown regularization type"),
+    (dict(type="SGD", lr_policy="fixed"), "exactly one train net"),
+])
+def test_bad_solvers_are_refused_clearly(fields, message):
+    with pytest.raises(caffejax.SolverError, match=message):
+        caffejax.get_solver(caffe_pb2.SolverParameter(**fields))
