@@ -29,26 +29,6 @@ def _transformer(net: Net, mean, input_scale, raw_scale, channel_swap) -> caffe_
     return transformer
 
 
-def _forward_all(net: Net, **inputs) -> dict[str, np.ndarray]:
-    """pycaffe's Net.forward_all: run ``inputs`` (name -> N x ...) through the net in batches of the net's batch
-    size, zero-padding the last one, and return every output for the N items.
-
-    (Kept here until caffejax.Net has forward_all; then the classes below should call that.)
-    """
-    num = len(next(iter(inputs.values())))
-    batch_size = next(iter(net.blobs.values())).shape[0]
-    outputs: dict[str, list[np.ndarray]] = {name: [] for name in net.outputs}
-    for start in range(0, num, batch_size):
-        batch = {}
-        for name, array in inputs.items():
-            chunk = np.asarray(array[start:start + batch_size])
-            padding = np.zeros((batch_size - len(chunk),) + chunk.shape[1:], chunk.dtype)
-            batch[name] = np.concatenate([chunk, padding])
-        for name, value in net.forward(**batch).items():
-            outputs.setdefault(name, []).extend(np.array(value, copy=True))
-    return {name: np.asarray(values[:num]) for name, values in outputs.items()}
-
-
 class Classifier(Net):
     """Classify images: resize to ``image_dims``, take the centre crop (or the 10 oversampled crops) of the
     net's input size, preprocess, and average the predictions over the crops.
@@ -81,7 +61,7 @@ class Classifier(Net):
         caffe_in = np.zeros(np.array(input_.shape)[[0, 3, 1, 2]], dtype=np.float32)
         for ix, in_ in enumerate(input_):
             caffe_in[ix] = self.transformer.preprocess(self.inputs[0], in_)
-        out = _forward_all(self, **{self.inputs[0]: caffe_in})
+        out = self.forward_all(**{self.inputs[0]: caffe_in})
         predictions = out[self.outputs[0]]
         if oversample:
             predictions = predictions.reshape((len(predictions) // 10, 10, -1)).mean(1)
@@ -112,7 +92,7 @@ class Detector(Net):
                             dtype=np.float32)
         for ix, window_in in enumerate(window_inputs):
             caffe_in[ix] = self.transformer.preprocess(in_, window_in)
-        out = _forward_all(self, **{in_: caffe_in})
+        out = self.forward_all(**{in_: caffe_in})
         predictions = out[self.outputs[0]]
         detections = []
         ix = 0

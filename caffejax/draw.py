@@ -17,6 +17,7 @@ import shutil
 import subprocess
 
 from caffejax.errors import CaffejaxError, UnsupportedError
+from caffejax.fileio import atomic_write
 from caffejax.frontend.build import load_net_param
 from caffejax.frontend.filter_net import filter_net, make_state
 from caffejax.proto import caffe_pb2
@@ -38,7 +39,7 @@ DOT_TEXT_FORMATS = ("dot", "gv", "raw")
 
 def _net_param(caffe_net) -> caffe_pb2.NetParameter:
     """pycaffe takes a NetParameter; caffejax also takes a prototxt path or text (upgraded as Caffe would)."""
-    return load_net_param(caffe_net, is_path=None if not isinstance(caffe_net, os.PathLike) else True)
+    return load_net_param(caffe_net, is_path=True if isinstance(caffe_net, os.PathLike) else None)
 
 
 def _phase_layers(net: caffe_pb2.NetParameter, phase: int | None) -> list:
@@ -156,6 +157,4 @@ def draw_net_to_file(caffe_net, filename: str, rankdir: str = "LR", phase: int |
     ext = os.path.splitext(filename)[1].lstrip(".").lower()
     if not ext:
         raise CaffejaxError(f"{filename}: give the output file an extension (.png, .svg, .pdf, .dot...)")
-    data = draw_net(caffe_net, rankdir, ext, phase)
-    with open(filename, "wb") as f:
-        f.write(data)
+    atomic_write(filename, draw_net(caffe_net, rankdir, ext, phase))

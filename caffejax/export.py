@@ -17,7 +17,7 @@ Caffe ``lr_mult``/``decay_mult`` as metadata. Calling it runs the same lowered p
 
 from __future__ import annotations
 
-import os
+import functools
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -27,8 +27,8 @@ import numpy as np
 from caffejax.errors import CaffejaxError, ShapeError, UnsupportedError
 from caffejax.fileio import atomic_write
 
-__all__ = ["export_stablehlo", "load_stablehlo", "StableHLOModel", "to_flax", "CaffeModule",
-           "save_flax_state", "load_flax_state", "fed_values"]
+__all__ = ["export_stablehlo", "load_stablehlo", "StableHLOModel", "to_flax", "save_flax_state", "load_flax_state",
+           "fed_values"]
 
 
 def fed_values(graph) -> dict[str, str]:
@@ -100,8 +100,11 @@ class StableHLOModel:
 
     def __init__(self, exported: jax.export.Exported):
         self.exported = exported
-        (args, _kwargs) = jax.tree.unflatten(exported.in_tree, exported.in_avals)
-        self.input_shapes = {name: tuple(aval.shape) for name, aval in args[0].items()}
+        args, kwargs = jax.tree.unflatten(exported.in_tree, exported.in_avals)
+        if kwargs or len(args) != 1 or not isinstance(args[0], dict):
+            raise CaffejaxError("not a caffejax StableHLO export: it does not take one dict of input blobs")
+        self._avals = args[0]
+        self.input_shapes = {name: tuple(aval.shape) for name, aval in self._avals.items()}
 
     @property
     def input_names(self) -> list[str]:
@@ -114,7 +117,8 @@ class StableHLOModel:
             if tuple(np.shape(array)) != self.input_shapes[name]:
                 raise ShapeError(f"input '{name}' has shape {tuple(np.shape(array))}; the exported net takes "
                                  f"{self.input_shapes[name]}")
-        return self.exported.call({name: jnp.asarray(array, jnp.float32) for name, array in inputs.items()})
+        return self.exported.call({name: jnp.asarray(array, self._avals[name].dtype)
+                                   for name, array in inputs.items()})
 
 
 def load_stablehlo(path: str) -> StableHLOModel:
@@ -131,7 +135,10 @@ def load_stablehlo(path: str) -> StableHLOModel:
                                "pip install 'caffejax[export]'") from None
     except Exception as e:  # flatbuffers raises assorted errors on a file that is not an export
         raise CaffejaxError(f"{path}: not a caffejax StableHLO export ({type(e).__name__}: {e})") from None
-    return StableHLOModel(exported)
+    try:
+        return StableHLOModel(exported)
+    except CaffejaxError as e:
+        raise CaffejaxError(f"{path}: {e}") from None
 
 
 # ---- Flax NNX ---------------------------------------------------------------------------------------------
@@ -156,19 +163,12 @@ def to_flax(net):
     return _module_class()(net)
 
 
-_MODULE_CLASS = None
-
-
+@functools.cache
 def _module_class():
-    """CaffeModule is defined on first use, so importing caffejax does not import Flax."""
-    global _MODULE_CLASS
-    if _MODULE_CLASS is None:
-        _MODULE_CLASS = _define_module(_nnx())
-    return _MODULE_CLASS
-
-
-def _define_module(nnx):
+    """CaffeModule, defined on first use so that importing this module does not import Flax."""
     from caffejax.lower.registry import get_rule
+
+    nnx = _nnx()
 
     class CaffeModule(nnx.Module):
         """A Caffe net as a Flax NNX module (see :func:`to_flax`)."""
@@ -180,20 +180,21 @@ def _define_module(nnx):
             self.output_names = tuple(graph.outputs)
             self._forward = _forward_fn(graph, net._program)
             self._loss = net._program.loss
-            arrays = net.param_arrays()
             blobs = {}
-            for name, layer_arrays in arrays.items():
+            for name, layer_arrays in net.param_arrays().items():
                 layer = graph.layer(name)
-                stats = get_rule(layer.type).frozen_params  # statistics written by forward, not learned
-                variables = []
-                for slot, array in zip(layer.params, layer_arrays):
-                    kind = nnx.BatchStat if stats else nnx.Param
-                    variables.append(kind(jnp.asarray(array), lr_mult=slot.lr_mult, decay_mult=slot.decay_mult))
-                blobs[name] = nnx.List(variables)
+                # BatchNorm's statistics are written by forward, not learned: BatchStat, not Param.
+                kind = nnx.BatchStat if get_rule(layer.type).frozen_params else nnx.Param
+                # A blob this layer shares from an earlier one stays None here: it lives with its owner.
+                blobs[name] = nnx.List([
+                    None if array is None else kind(jnp.asarray(array), lr_mult=slot.lr_mult,
+                                                    decay_mult=slot.decay_mult)
+                    for slot, array in zip(layer.params, layer_arrays)])
             self.params = nnx.Dict(blobs)
 
         def _arrays(self):
-            return {name: [v[...] for v in variables] for name, variables in self.params.items()}
+            return {name: [None if v is None else v[...] for v in variables]
+                    for name, variables in self.params.items()}
 
         def _run(self, key, inputs, masks):
             outputs, env, updates = self._forward(self._arrays(), inputs, key, masks)

@@ -297,6 +297,7 @@ def test_large_caffemodel_is_memory_mapped(tmp_path, record_property):
             assert not got.flags.owndata and not got.flags.writeable  # a read-only view...
             assert any(isinstance(obj, mmap.mmap) for obj in _base_chain(got))  # ...of the file mapping
             assert got.shape == want.shape and np.array_equal(got, want)
+    path.unlink()  # pytest keeps the last runs' tmp dirs; 200 MB each is not worth keeping
 
 
 def test_encode_net_yields_the_arrays_own_buffers():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -274,6 +275,21 @@ def test_datum_with_too_few_bytes_is_a_data_error(tmp_path):
     db = write_lmdb(tmp_path / "db", [short], [b"short-one"])
     with pytest.raises(DataError, match="short-one.*5 bytes"):
         caffejax.Net(data_net(db, batch_size=1), caffejax.TEST)
+
+
+def test_missing_lmdb_package_names_the_pip_extra(raw_db, monkeypatch):
+    monkeypatch.setitem(sys.modules, "lmdb", None)  # as if not installed
+    net = caffejax.Net(data_net(raw_db), caffejax.TEST)  # builds, with the data shapes unknown
+    with pytest.raises(DataError, match=r"caffejax\[data\]"):
+        net.forward()
+
+
+def test_hdf5_output_needs_bottoms_of_one_num():
+    prototxt = '''layer { name: "in" type: "Input" top: "a" top: "b"
+  input_param { shape { dim: 2 dim: 3 } shape { dim: 3 } } }
+layer { name: "out" type: "HDF5Output" bottom: "a" bottom: "b" hdf5_output_param { file_name: "x.h5" } }'''
+    with pytest.raises(ShapeError, match="same num"):
+        caffejax.Net(prototxt, caffejax.TEST)
 
 
 def test_relative_source_is_found_beside_the_prototxt(tmp_path, images, monkeypatch):

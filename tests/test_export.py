@@ -118,7 +118,7 @@ def test_stablehlo_checks_inputs(cases, tmp_path):
 
 @pytest.mark.parametrize("name", sorted(NETS))
 def test_flax_module_reproduces_forward(cases, name, tmp_path):
-    from flax import nnx
+    nnx = pytest.importorskip("flax.nnx")
 
     net, inputs, expected, _, _ = cases[name]
     model = to_flax(net)
@@ -151,8 +151,8 @@ def small_train_net():
 
 
 def test_flax_trains_with_caffes_objective():
-    import optax
-    from flax import nnx
+    nnx = pytest.importorskip("flax.nnx")
+    optax = pytest.importorskip("optax")
 
     net = small_train_net()
     rng = np.random.default_rng(0)
@@ -198,7 +198,22 @@ def test_stablehlo_batch_and_several_inputs(tmp_path):
 
 
 def test_flax_module_checks_inputs():
+    pytest.importorskip("flax")
     prototxt, weights, _ = NETS["lenet"]
     model = to_flax(caffejax.Net(str(prototxt), str(weights), caffejax.TEST))
     with pytest.raises(CaffejaxError, match=r"missing \['data'\]"):
         model(image=np.zeros((1, 1, 28, 28), np.float32))
+
+
+def test_flax_shared_blobs_live_with_their_owner():
+    nnx = pytest.importorskip("flax.nnx")
+    n = caffejax.NetSpec()
+    n.data = L.Input(shape=dict(dim=[2, 3]))
+    n.a = L.InnerProduct(n.data, num_output=3, weight_filler=dict(type="gaussian"), param=[dict(name="w"), {}])
+    n.b = L.InnerProduct(n.a, num_output=3, param=[dict(name="w"), {}], bias_filler=dict(type="constant", value=1))
+    net = caffejax.Net(n.to_proto(), caffejax.TEST)
+    model = to_flax(net)
+    assert [path for path, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))] == [
+        ("params", "a", 0), ("params", "a", 1), ("params", "b", 1)]
+    x = np.random.default_rng(0).random((2, 3), dtype=np.float32)
+    assert_outputs_close(run(model, {"data": x}), {"b": np.array(net.forward(data=x)["b"])})

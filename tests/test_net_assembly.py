@@ -229,6 +229,7 @@ def test_anonymous_loss_top():
     assert g.blob_loss_weights[AUTOMATIC_TOP] == 1.0
     assert g.value_shapes[loss.top_values[0]] == ()
     assert AUTOMATIC_TOP not in g.outputs  # anonymous tops are not available to other layers
+    assert g.blobs[-1] == AUTOMATIC_TOP    # but Caffe lists them among the blobs, as pycaffe's net.blobs shows
 
 
 def test_explicit_loss_weights():
@@ -423,12 +424,15 @@ def test_sharer_param_propagate_down_comes_from_its_own_spec():
 
 # ---- learnable blob shapes (LayerSetUp) -------------------------------------------------------------------------
 
+def input_layers(*shapes: tuple[int, ...]) -> str:
+    """Input layers feeding blobs b0, b1, ... of the given shapes."""
+    return "".join(f"layer {{ name: 'in{i}' type: 'Input' top: 'b{i}' "
+                   f"input_param {{ shape {{ {' '.join(f'dim: {d}' for d in shape)} }} }} }}"
+                   for i, shape in enumerate(shapes))
+
+
 def param_shapes(layer_text: str, *bottom_shapes: tuple[int, ...]) -> list[tuple[int, ...]]:
-    inputs = "".join(
-        f"layer {{ name: 'in{i}' type: 'Input' top: 'b{i}' "
-        f"input_param {{ shape {{ {' '.join(f'dim: {d}' for d in shape)} }} }} }}"
-        for i, shape in enumerate(bottom_shapes))
-    g = graph(inputs + layer_text, TEST)
+    g = graph(input_layers(*bottom_shapes) + layer_text, TEST)
     return [slot.shape for slot in g.layer("L").params]
 
 
@@ -483,11 +487,7 @@ def test_batch_norm_statistics_are_not_learned():
 # ---- top shapes (Reshape) ----------------------------------------------------------------------------------------
 
 def top_shapes(layer_text: str, *bottom_shapes: tuple[int, ...]) -> list[tuple[int, ...]]:
-    inputs = "".join(
-        f"layer {{ name: 'in{i}' type: 'Input' top: 'b{i}' "
-        f"input_param {{ shape {{ {' '.join(f'dim: {d}' for d in shape)} }} }} }}"
-        for i, shape in enumerate(bottom_shapes))
-    g = graph(inputs + layer_text, TEST)
+    g = graph(input_layers(*bottom_shapes) + layer_text, TEST)
     return [g.value_shapes[v] for v in g.layer("L").top_values]
 
 

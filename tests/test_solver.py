@@ -10,7 +10,8 @@ import pytest
 
 import caffejax
 from caffejax.frontend.prototxt import parse_net_text
-from caffejax.lower.registry import LayerRule, register, registered_types
+from caffejax.lower import registry
+from caffejax.lower.registry import LayerRule
 from caffejax.proto import caffe_pb2
 from caffejax.runtime.lr_policy import learning_rate
 from conftest import REFERENCE
@@ -85,6 +86,7 @@ def test_snapshot_restore_continues_identically(tmp_path):
     assert isinstance(solver, caffejax.AdamSolver)
     for k in range(2):
         _feed_and_step(solver, figures, k)
+    at_snapshot = {name: [b.data.copy() for b in blobs] for name, blobs in solver.net.params.items()}
     states = {}
     for fmt in (caffe_pb2.SolverParameter.BINARYPROTO, caffe_pb2.SolverParameter.HDF5):
         solver.param.snapshot_format = fmt
@@ -115,6 +117,13 @@ def test_snapshot_restore_continues_identically(tmp_path):
                                                err_msg=f"format {fmt}: {name}/{i} after step {k}")
     assert solver.compile_count == 1
 
+    # The solver's `weights` field (LoadNetWeights) starts a new solver from the snapshot's caffemodel.
+    param.weights.append(str(tmp_path / "snap_iter_2.caffemodel"))
+    fresh = caffejax.get_solver(param)
+    for name, blobs in at_snapshot.items():
+        for i, array in enumerate(blobs):
+            np.testing.assert_array_equal(fresh.net.params[name][i].data, array)
+
 
 # ---- data layers, iter_size and apply_update ---------------------------------------------------------------
 
@@ -137,10 +146,15 @@ class _Batches:
 
 
 SOURCE_TYPE = "CaffejaxTestBatches"
-if SOURCE_TYPE not in registered_types():
-    register(LayerRule(SOURCE_TYPE, forward=lambda ctx, bottoms, params: [],
-                       input_shapes=lambda layer, phase, base_dir: [(4, 3), (4, 2)], data_source=_Batches,
-                       bottoms=(0, 0), tops=(2, 2)))
+
+
+@pytest.fixture
+def batches_layer(monkeypatch):
+    """A data layer type reading from _Batches, registered for one test only."""
+    registry.registered_types()  # load the real families first
+    rule = LayerRule(SOURCE_TYPE, forward=lambda ctx, bottoms, params: [], data_source=_Batches,
+                     input_shapes=lambda layer, phase, base_dir: [(4, 3), (4, 2)], bottoms=(0, 0), tops=(2, 2))
+    monkeypatch.setitem(registry._REGISTRY, SOURCE_TYPE, rule)
 
 REGRESSION_NET = f"""
 name: "regression"
@@ -157,7 +171,7 @@ def _euclidean_grads(w, b, x, y):
     return diff.T @ x / n, diff.sum(0) / n, float((diff ** 2).sum() / (2 * n))
 
 
-def test_iter_size_pulls_one_batch_per_pass_and_apply_update():
+def test_iter_size_pulls_one_batch_per_pass_and_apply_update(batches_layer):
     param = caffe_pb2.SolverParameter(type="SGD", base_lr=0.1, lr_policy="fixed", iter_size=2, max_iter=5)
     param.net_param.CopyFrom(parse_net_text(REGRESSION_NET))
     solver = caffejax.SGDSolver(param)
@@ -247,7 +261,7 @@ def test_test_nets_score_shared_weights_like_caffe(caplog):
     assert f"Test loss: {means[1]:g}" in lines
 
 
-def test_training_log_lines(caplog):
+def test_training_log_lines(caplog, batches_layer):
     param = caffe_pb2.SolverParameter(type="SGD", base_lr=0.05, lr_policy="step", gamma=0.5, stepsize=1,
                                       display=2, average_loss=2, max_iter=4)
     param.net_param.CopyFrom(parse_net_text(REGRESSION_NET))

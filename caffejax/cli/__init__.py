@@ -58,13 +58,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     debug = "--debug" in argv
     with _logging_to_stderr():
         try:
-            args = build_parser().parse_args(argv)
-            if getattr(args, "run", None) is None:
-                build_parser().print_help(sys.stderr)
+            parser = build_parser()
+            args = parser.parse_args(argv)
+            if getattr(args, "run", None) is None:  # no command given
+                parser.print_help(sys.stderr)
                 return 1
             return int(args.run(args) or 0)
         except SystemExit as e:  # --help, or argparse's own exits
-            return int(e.code or 0) if isinstance(e.code, int) or e.code is None else 1
+            if e.code is None or isinstance(e.code, int):
+                return e.code or 0
+            return 1
         except KeyboardInterrupt:
             print(f"{PROG}: interrupted", file=sys.stderr)
             return 130

@@ -80,6 +80,8 @@ def add_commands(commands, parents) -> None:
     p.add_argument("--format", default="stablehlo", choices=("stablehlo", "flax"), help="default stablehlo")
     p.add_argument("--batch", type=int, help="stablehlo: the batch size the program takes (default: the "
                                              "prototxt's)")
+    p.add_argument("--platforms", help="stablehlo: the backends to lower for, separated by ',' (cpu, cuda, rocm, "
+                                       "tpu; default: this machine's)")
     _flag(p, "phase", type=_phase, default=1, help="TRAIN or TEST (default TEST)")
     _net_state_flags(p)
 
@@ -169,33 +171,39 @@ def test(args) -> int:
     iterations = _positive_iterations(args)
     net = _make_net(args)
     log.info("Running for %d iterations.", iterations)
-    weights = net.blob_loss_weights
-    totals: np.ndarray | None = None
-    loss = 0.0
+    totals, loss = None, 0.0
     for i in range(iterations):
-        outputs = net.forward()
-        loss += sum(w * float(np.sum(net.blobs[b].data)) for b, w in weights.items() if w)
-        names, scores = [], []
-        for name in net.outputs:
-            for score in np.asarray(outputs[name], np.float32).ravel():
-                names.append(name)
-                scores.append(score)
-                log.info("Batch %d, %s = %s", i, name, _g(score))
-        scores_arr = np.asarray(scores, np.float64)
+        net.forward()
+        loss += _net_loss(net)
+        scores = _output_scores(net)
+        for name, score in scores:
+            log.info("Batch %d, %s = %s", i, name, _g(score))
+        values = np.asarray([score for _, score in scores], np.float64)
         if totals is None:
-            totals = scores_arr
-        elif scores_arr.shape != totals.shape:
-            raise CaffejaxError(f"batch {i}: the outputs changed size ({scores_arr.size} values, {totals.size} "
-                                "before); test needs a fixed batch shape")
+            totals = values
+        elif values.shape != totals.shape:
+            raise CaffejaxError(f"batch {i}: the outputs changed size ({values.size} values, {totals.size} before); "
+                                "test needs the same output shapes on every batch")
         else:
-            totals += scores_arr
+            totals += values
     log.info("Loss: %s", _g(loss / iterations))
-    for name, total in zip(names, totals if totals is not None else []):
+    weights = net.blob_loss_weights
+    for (name, _), total in zip(scores, totals):
         mean = total / iterations
-        weight = weights.get(name, 0.0)
-        suffix = f" (* {_g(weight)} = {_g(weight * mean)} loss)" if weight else ""
+        suffix = f" (* {_g(weights[name])} = {_g(weights[name] * mean)} loss)" if weights[name] else ""
         log.info("%s = %s%s", name, _g(mean), suffix)
     return 0
+
+
+def _output_scores(net) -> list[tuple[str, float]]:
+    """Every element of every output blob, in Caffe's order (outputs by name, then elements)."""
+    return [(name, float(value)) for name in net.outputs for value in np.asarray(net.blobs[name].data).ravel()]
+
+
+def _net_loss(net) -> float:
+    """Net::Forward's loss after a forward: the sum over loss tops of loss_weight * sum(top)."""
+    return sum(weight * float(np.sum(net.blobs[blob].data)) for blob, weight in net.blob_loss_weights.items()
+               if weight)
 
 
 # ---- time -------------------------------------------------------------------------------------------------
@@ -209,11 +217,8 @@ def time(args) -> int:
     iterations = _positive_iterations(args)
     net = _make_net(args)
     log.info("Performing Forward")
-    net.forward()
-    log.info("Initial loss: %s", _g(sum(w * float(np.sum(net.blobs[b].data))
-                                         for b, w in net.blob_loss_weights.items() if w)))
-    log.info("Performing Backward")
-    net.backward()
+    net.forward()  # also pulls a batch into the data layers' tops, which the timed programs then read
+    log.info("Initial loss: %s", _g(_net_loss(net)))
 
     graph, program = net.graph, net._program
     params = net.param_arrays()
@@ -241,7 +246,7 @@ def time(args) -> int:
     log.info("Average Forward-Backward (whole net, one compiled program): %s ms.", _g(whole_forward_backward * 1e3))
     if not any(net.blob_loss_weights.values()):
         log.info("The net has no loss, so its backward pass is empty.")
-    log.info("Total Time: %s ms.", _g((whole_forward + whole_forward_backward) * iterations * 1e3))
+    log.info("Total Time: %s ms.", _g(whole_forward_backward * iterations * 1e3))
     log.info("*** Benchmark ends ***")
     return 0
 
@@ -258,14 +263,16 @@ def _mean_seconds(fn, args, iterations: int) -> float:
 
 
 def _layer_times(program, layer, params, env, key, iterations: int) -> tuple[float, float | None]:
-    """One layer's rule, jitted alone on its actual inputs: forward time, and backward time (a VJP with
-    respect to the bottoms and blobs Caffe would compute diffs for), or None when it needs no backward."""
+    """One layer's rule, jitted alone on its actual inputs: forward time, and backward time (a VJP giving the
+    diffs Caffe's Backward computes: bottoms with propagate_down, blobs with lr_mult != 0), or None when the
+    layer computes no diff."""
     import jax
     import jax.numpy as jnp
 
-    owners = {slot.storage[0] for slot in layer.params}
-    layer_params = {owner: params[owner] for owner in owners}
+    layer_params = {owner: params[owner] for owner in {slot.storage[0] for slot in layer.params}}
     bottoms = {value: env[value] for value in layer.bottom_values}
+    wanted_params = [slot.storage for slot, need in zip(layer.params, layer.param_need_backward) if need]
+    wanted_bottoms = [value for value, need in zip(layer.bottom_values, layer.bottom_need_backward) if need]
 
     def run(p, b, k):
         out, _ = program.run_layers([layer], p, b, k)
@@ -273,16 +280,16 @@ def _layer_times(program, layer, params, env, key, iterations: int) -> tuple[flo
 
     forward = jax.jit(run)
     seconds_forward = _mean_seconds(forward, (layer_params, bottoms, key), iterations)
-    wants_params = any(need and slot.is_owner for slot, need in zip(layer.params, layer.param_need_backward))
-    if not (wants_params or any(layer.bottom_need_backward)):
+    if not (wanted_params or wanted_bottoms):
         return seconds_forward, None
-    cotangents = [jnp.ones_like(top) for top in forward(layer_params, bottoms, key)]
 
-    def backward(p, b, k, cot):
+    def backward(p, b, k, top_diffs):
         _, vjp = jax.vjp(lambda p, b: run(p, b, k), p, b)
-        return vjp(cot)
+        param_diffs, bottom_diffs = vjp(top_diffs)
+        return ([param_diffs[owner][i] for owner, i in wanted_params], [bottom_diffs[v] for v in wanted_bottoms])
 
-    seconds_backward = _mean_seconds(jax.jit(backward), (layer_params, bottoms, key, cotangents), iterations)
+    top_diffs = [jnp.ones_like(top) for top in forward(layer_params, bottoms, key)]
+    seconds_backward = _mean_seconds(jax.jit(backward), (layer_params, bottoms, key, top_diffs), iterations)
     return seconds_forward, seconds_backward
 
 
@@ -302,8 +309,9 @@ def draw(args) -> int:
     from caffejax import draw as drawing
 
     phase = None if args.phase == "ALL" else PHASES[args.phase]
+    net = _read_net_file(args.prototxt)
     log.info("Drawing net to %s", args.output)
-    drawing.draw_net_to_file(_read_net_file(args.prototxt), args.output, args.rankdir, phase)
+    drawing.draw_net_to_file(net, args.output, args.rankdir, phase)
     return 0
 
 
@@ -381,11 +389,13 @@ def export(args) -> int:
 
     net = _make_net(args)
     if args.format == "stablehlo":
-        exported = export_stablehlo(net, args.output, batch=args.batch)
+        platforms = [p.strip() for p in args.platforms.split(",") if p.strip()] if args.platforms else None
+        exported = export_stablehlo(net, args.output, batch=args.batch, platforms=platforms)
         log.info("Wrote StableHLO for %s to %s", ", ".join(exported.platforms), args.output)
     else:
-        if args.batch is not None:
-            raise CaffejaxError("--batch applies to --format stablehlo only (a Flax module takes any batch)")
+        if args.batch is not None or args.platforms:
+            raise CaffejaxError("--batch and --platforms apply to --format stablehlo only (a Flax module takes any "
+                                "batch and runs where JAX runs)")
         save_flax_state(to_flax(net), args.output)
         log.info("Wrote the Flax module's variables (msgpack) to %s", args.output)
     return 0

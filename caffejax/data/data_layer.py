@@ -61,12 +61,12 @@ def _parse_datum(value: bytes):
 
 def top_shapes(layer, phase: int, base_dir: str | None):
     """DataLayerSetUp: the shapes the first record implies."""
-    batch_size = positive_batch_size(layer, layer.data_param.batch_size)
     db = _open_database(layer, base_dir)
     try:
         key, value = db.first()
     finally:
         db.close()
+    batch_size = positive_batch_size(layer, layer.data_param.batch_size)
     transformer = _transformer(layer, phase, base_dir)
     image, _ = datum_image(value, transformer.read_mode(), f"{db.where}: record {describe_key(key)}")
     shapes = [(batch_size,) + transformer.infer_shape(image.shape), (batch_size,)]

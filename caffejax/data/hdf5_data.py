@@ -114,8 +114,8 @@ class _HDF5Files:
 
 
 def top_shapes(layer, phase: int, base_dir: str | None):
-    batch_size = positive_batch_size(layer, layer.hdf5_data_param.batch_size)
     files = _HDF5Files(layer, phase, base_dir)
+    batch_size = positive_batch_size(layer, layer.hdf5_data_param.batch_size)
     shapes = files.dataset_shapes(files.files[files.file_order[0]])
     return [(batch_size,) + shape[1:] for shape in shapes]
 

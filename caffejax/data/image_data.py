@@ -97,8 +97,8 @@ def _transformer(layer, phase: int, base_dir: str | None, rng) -> DataTransforme
 
 
 def top_shapes(layer, phase: int, base_dir: str | None):
-    batch_size = positive_batch_size(layer, layer.image_data_param.batch_size)
     images = _ImageList(layer, phase, base_dir)
+    batch_size = positive_batch_size(layer, layer.image_data_param.batch_size)
     shape = _transformer(layer, phase, base_dir, images.transform_rng).infer_shape(images.image(images.index).shape)
     return [(batch_size,) + shape, (batch_size,)]
 

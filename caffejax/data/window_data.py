@@ -237,8 +237,8 @@ def _load_window_file(layer, base_dir: str | None) -> WindowFile:
 
 def top_shapes(layer, phase: int, base_dir: str | None):
     """(batch_size, channels of the last listed image, crop_size, crop_size) and labels (batch_size,)."""
-    batch_size = positive_batch_size(layer, layer.window_data_param.batch_size)
     windows = _load_window_file(layer, base_dir)
+    batch_size = positive_batch_size(layer, layer.window_data_param.batch_size)
     crop = layer.transform_param.crop_size
     return [(batch_size, windows.channels, crop, crop), (batch_size,)]
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from caffejax.errors import (CaffejaxError, DataSourceUnavailable, GraphError, SchemaError, ShapeError,
                              UnsupportedError, layer_error)
-from caffejax.frontend.filter_net import filter_net, make_state
+from caffejax.frontend.filter_net import filter_net
 from caffejax.frontend.insert_splits import insert_splits
 from caffejax.frontend.ir import Graph, Layer, ParamSlot, Shape
 from caffejax.frontend.prototxt import parse_net_text
@@ -116,7 +116,13 @@ class _Builder:
         top_values = []
         for j, blob in enumerate(tops):
             if blob == AUTOMATIC_TOP:
+                # Caffe lists the anonymous top among the blobs (pycaffe shows one '(automatic)' entry) but
+                # never lets another layer consume it.
                 value = f"{AUTOMATIC_TOP}@{index}"
+                if AUTOMATIC_TOP not in self.blob_first_value:
+                    self.blobs.append(AUTOMATIC_TOP)
+                    self.blob_first_value[AUTOMATIC_TOP] = value
+                    self.blob_need_backward[AUTOMATIC_TOP] = False
             elif j < len(lp.bottom) and blob == lp.bottom[j]:
                 if not rule.in_place:
                     raise layer_error(GraphError, lp.name, lp.type, f"cannot run in place (top '{blob}')")
@@ -150,8 +156,8 @@ class _Builder:
 
         for blob, value, shape in zip(tops, top_values, top_shapes):
             self.value_shapes[value] = shape
+            self.blob_value[blob] = value
             if blob != AUTOMATIC_TOP:
-                self.blob_value[blob] = value
                 self.available.add(blob)
         if lp.type == "Input":
             self.inputs.extend(tops)

@@ -38,8 +38,9 @@ class Weights:
     types and params are kept, for upgrading and matching), ``blobs`` maps layer name -> arrays in order."""
 
     net: caffe_pb2.NetParameter
-    blobs: dict[str, list[np.ndarray]]
+    blobs: dict[str, list[np.ndarray | None]]
     path: str
+    is_hdf5: bool = False  # HDF5 files leave out shared blobs: their lists hold None there
 
 
 def blob_shape(blob: caffe_pb2.BlobProto) -> tuple[int, ...]:
@@ -362,16 +363,15 @@ def _read_hdf5(path: str) -> Weights:
             layer_groups: list[tuple[str, object]] = []
             f["data"].visititems(lambda name, obj: _collect_layer_group(h5py, name, obj, layer_groups))
             for layer_name, group in layer_groups:
-                arrays = []
-                for j in range(len(group)):
-                    if str(j) not in group:
-                        break  # a gap means the rest are shared params Caffe did not write
-                    arrays.append(np.asarray(group[str(j)], dtype=np.float32))
+                indices = sorted(int(k) for k in group if k.isdigit())
+                arrays: list[np.ndarray | None] = [None] * (indices[-1] + 1 if indices else 0)
+                for j in indices:  # gaps are shared blobs, which Caffe writes only under their owner
+                    arrays[j] = np.asarray(group[str(j)], dtype=np.float32)
                 blobs[layer_name] = arrays
                 net.layer.add(name=layer_name)
     except OSError as e:
         raise WeightsError(f"{path}: cannot read HDF5 weights: {e}") from None
-    return Weights(net=net, blobs=blobs, path=path)
+    return Weights(net=net, blobs=blobs, path=path, is_hdf5=True)
 
 
 def _collect_layer_group(h5py, name: str, obj, layer_groups: list) -> None:

@@ -1,11 +1,12 @@
 """Vision layers: Convolution, Deconvolution, Pooling, LRN, SPP, Im2col, Crop.
 
 Geometry (kernel/stride/pad/dilation, output sizes) is read from the proto exactly as Caffe's LayerSetUp and
-Reshape do and is static; the math uses XLA's native convolution and window sums where they give Caffe's
-numbers, and an explicit array of every window's elements in Caffe's row-major scan order where the order
-matters: MAX pooling's first-maximum rule, STOCHASTIC pooling's sampling and Im2col's column layout. Written
-that way, JAX's derivative of the forward is Caffe's Backward (MAX routes each output's gradient to its first
-maximum, Im2col's transpose is col2im).
+Reshape do and is static; the math uses XLA's native convolution where it gives Caffe's numbers, and the
+window elements in Caffe's row-major scan order where the order matters: MAX pooling is Caffe's scan as a
+chain of ``where`` over shifted views (first maximum wins), STOCHASTIC pooling's sampling and Im2col's column
+layout use an explicit array of every window. Written that way, JAX's derivative of the forward is Caffe's
+Backward (MAX routes each output's gradient to its first maximum, Im2col's transpose is col2im), and the
+shifted-view forms fuse into one pass over the input on XLA:CPU, where reduce_window is slow.
 """
 
 from __future__ import annotations
@@ -40,16 +41,33 @@ def _fail(layer_param: Any, message: str) -> ShapeError:
 # ---- shared window machinery ------------------------------------------------------------------------------
 
 def _pad(x: jax.Array, first_axis: int, pads: Sequence[tuple[int, int]], value) -> jax.Array:
-    """Pad (or, for negative amounts, crop) the spatial axes starting at ``first_axis``."""
-    config = [(0, 0, 0)] * first_axis + [(lo, hi, 0) for lo, hi in pads]
+    """Pad (or, for negative amounts, crop) the spatial axes starting at ``first_axis``; axes after them
+    (channels, in a channels-last layout) are left alone."""
+    trailing = x.ndim - first_axis - len(pads)
+    config = [(0, 0, 0)] * first_axis + [(lo, hi, 0) for lo, hi in pads] + [(0, 0, 0)] * trailing
     return lax.pad(x, np.asarray(value, x.dtype), config)
+
+
+def _taps(xpad: jax.Array, first_axis: int, kernel: Shape, stride: Shape, dilation: Shape,
+          out: Shape) -> list[jax.Array]:
+    """One strided view of a padded input per kernel offset t, in row-major order (the order in which
+    Caffe's loops visit a window): ``tap_t[..., o] = xpad[..., o*s + t*d]``. Axes after the spatial ones
+    (channels in a channels-last layout) are carried along."""
+    lead, nsp = first_axis, len(kernel)
+    taps = []
+    for offset in itertools.product(*(range(k) for k in kernel)):
+        start = [0] * lead + [t * d for t, d in zip(offset, dilation)] + [0] * (xpad.ndim - lead - nsp)
+        limit = (list(xpad.shape[:lead]) + [b + (o - 1) * s + 1 for b, o, s in zip(start[lead:], out, stride)]
+                 + list(xpad.shape[lead + nsp:]))
+        taps.append(lax.slice(xpad, start, limit, [1] * lead + list(stride) + [1] * (xpad.ndim - lead - nsp)))
+    return taps
 
 
 def _windows(xpad: jax.Array, first_axis: int, kernel: Shape, stride: Shape, dilation: Shape,
              out: Shape) -> jax.Array:
     """All windows of a padded input as one array ``lead + (prod(kernel),) + out``:
-    ``w[..., t, o] = xpad[..., o*s + t*d]`` with the kernel offsets t in row-major order, the order in which
-    Caffe's loops (pooling, im2col) visit a window. ``xpad`` must span exactly ``(o-1)*s + (k-1)*d + 1``.
+    ``w[..., t, o] = xpad[..., o*s + t*d]`` with the kernel offsets t in row-major order. ``xpad`` must span
+    exactly ``(o-1)*s + (k-1)*d + 1``.
     """
     lead = xpad.shape[:first_axis]
     nsp = len(kernel)
@@ -59,12 +77,7 @@ def _windows(xpad: jax.Array, first_axis: int, kernel: Shape, stride: Shape, dil
         order = (tuple(range(first_axis)) + tuple(first_axis + 2 * i + 1 for i in range(nsp))
                  + tuple(first_axis + 2 * i for i in range(nsp)))
         return tiles.transpose(order).reshape(lead + (-1,) + tuple(out))
-    taps = []
-    for offset in itertools.product(*(range(k) for k in kernel)):
-        start = [0] * first_axis + [t * d for t, d in zip(offset, dilation)]
-        limit = list(lead) + [b + (o - 1) * s + 1 for b, o, s in zip(start[first_axis:], out, stride)]
-        taps.append(lax.slice(xpad, start, limit, [1] * first_axis + list(stride)))
-    return jnp.stack(taps, axis=first_axis)
+    return jnp.stack(_taps(xpad, first_axis, kernel, stride, dilation, out), axis=first_axis)
 
 
 # ---- Convolution / Deconvolution / Im2col: base_conv_layer.cpp ----------------------------------------
@@ -107,7 +120,7 @@ def _per_axis_hw(layer_param, p, what: str, n: int, default: int | None) -> Shap
     return _per_axis(layer_param, field, getattr(p, field), n, default)
 
 
-def _conv_geometry(layer_param, bottom_shape: Shape) -> ConvGeometry:
+def conv_geometry(layer_param, bottom_shape: Shape) -> ConvGeometry:
     p = layer_param.convolution_param
     channel_axis = canonical_axis(layer_param.name, p.axis, len(bottom_shape))
     n = len(bottom_shape) - channel_axis - 1
@@ -125,7 +138,7 @@ def _conv_geometry(layer_param, bottom_shape: Shape) -> ConvGeometry:
     return ConvGeometry(channel_axis, kernel, stride, pad, dilation)
 
 
-def _conv_out_shape(layer_param, g: ConvGeometry, spatial: Shape) -> Shape:
+def conv_out_shape(layer_param, g: ConvGeometry, spatial: Shape) -> Shape:
     """conv_layer.cpp: out = (in + 2p - extent) / s + 1, with C's truncating division."""
     out = []
     for size, e, s, p in zip(spatial, g.extent, g.stride, g.pad):
@@ -138,6 +151,15 @@ def _conv_out_shape(layer_param, g: ConvGeometry, spatial: Shape) -> Shape:
     return tuple(out)
 
 
+def conv_padding(g: ConvGeometry, out: Shape, spatial: Shape) -> list[tuple[int, int]]:
+    """(low, high) padding per spatial axis for a VALID convolution giving Caffe's ``out`` windows.
+
+    A high pad beyond p only arises when Caffe's truncating division keeps a partly outside window.
+    """
+    return [(p, p + max(0, (o - 1) * s + e - n - 2 * p))
+            for p, o, s, e, n in zip(g.pad, out, g.stride, g.extent, spatial)]
+
+
 def _deconv_out_shape(layer_param, g: ConvGeometry, spatial: Shape) -> Shape:
     """deconv_layer.cpp: out = s (in - 1) + extent - 2p."""
     out = tuple(s * (size - 1) + e - 2 * p for size, e, s, p in zip(spatial, g.extent, g.stride, g.pad))
@@ -146,7 +168,7 @@ def _deconv_out_shape(layer_param, g: ConvGeometry, spatial: Shape) -> Shape:
     return out
 
 
-def _conv_channels(layer_param, bottom_shape: Shape, g: ConvGeometry) -> tuple[int, int, int]:
+def conv_channels(layer_param, bottom_shape: Shape, g: ConvGeometry) -> tuple[int, int, int]:
     """(channels, num_output, group) with LayerSetUp's CHECKs."""
     p = layer_param.convolution_param
     channels, num_output, group = bottom_shape[g.channel_axis], p.num_output, p.group
@@ -161,8 +183,8 @@ def _conv_channels(layer_param, bottom_shape: Shape, g: ConvGeometry) -> tuple[i
 
 def _conv_param_shapes(layer_param, bottom_shapes: Sequence[Shape], reverse: bool) -> list[Shape]:
     """W: conv_out x conv_in/group x kernel (conv_out = Cin for Deconvolution); b: num_output."""
-    g = _conv_geometry(layer_param, bottom_shapes[0])
-    channels, num_output, group = _conv_channels(layer_param, bottom_shapes[0], g)
+    g = conv_geometry(layer_param, bottom_shapes[0])
+    channels, num_output, group = conv_channels(layer_param, bottom_shapes[0], g)
     conv_out, conv_in = (channels, num_output) if reverse else (num_output, channels)
     shapes = [(conv_out, conv_in // group) + g.kernel]
     if layer_param.convolution_param.bias_term:
@@ -210,14 +232,12 @@ def convolution(ctx: LayerContext, bottoms, params):
     """y = W * x + b per group (cross-correlation), W: Cout x Cin/g x k..., one top per bottom."""
     _check_same_bottoms(ctx, bottoms)
     shape = tuple(bottoms[0].shape)
-    g = _conv_geometry(ctx.layer, shape)
-    _, num_output, group = _conv_channels(ctx.layer, shape, g)
+    g = conv_geometry(ctx.layer, shape)
+    _, num_output, group = conv_channels(ctx.layer, shape, g)
     _check_params(ctx, params, _conv_param_shapes(ctx.layer, [shape], reverse=False))
     spatial = shape[g.channel_axis + 1:]
-    out = _conv_out_shape(ctx.layer, g, spatial)
-    # A high pad beyond 2p only arises when Caffe's truncating division keeps a partly outside window.
-    padding = [(p, p + max(0, (o - 1) * s + e - n - 2 * p))
-               for p, o, s, e, n in zip(g.pad, out, g.stride, g.extent, spatial)]
+    out = conv_out_shape(ctx.layer, g, spatial)
+    padding = conv_padding(g, out, spatial)
     tops = []
     for x in bottoms:
         y = lax.conv_general_dilated(
@@ -239,8 +259,8 @@ def deconvolution(ctx: LayerContext, bottoms, params):
     """
     _check_same_bottoms(ctx, bottoms)
     shape = tuple(bottoms[0].shape)
-    g = _conv_geometry(ctx.layer, shape)
-    channels, num_output, group = _conv_channels(ctx.layer, shape, g)
+    g = conv_geometry(ctx.layer, shape)
+    channels, num_output, group = conv_channels(ctx.layer, shape, g)
     _check_params(ctx, params, _conv_param_shapes(ctx.layer, [shape], reverse=True))
     spatial = shape[g.channel_axis + 1:]
     out = _deconv_out_shape(ctx.layer, g, spatial)
@@ -264,12 +284,12 @@ def deconvolution(ctx: LayerContext, bottoms, params):
 def im2col(ctx: LayerContext, bottoms, params):
     """Caffe's column buffer: top channel c*prod(k) + (kernel offset, row-major) holds that tap of channel c."""
     (x,) = bottoms
-    g = _conv_geometry(ctx.layer, tuple(x.shape))
+    g = conv_geometry(ctx.layer, tuple(x.shape))
     first = g.channel_axis + 1
     spatial = tuple(x.shape[first:])
     if not spatial:
         raise ctx.error(f"needs at least one spatial axis after the channel axis, bottom shape {x.shape}")
-    out = _conv_out_shape(ctx.layer, g, spatial)
+    out = conv_out_shape(ctx.layer, g, spatial)
     # Pad so every (partly outside) window Caffe's size formula admits reads zeros, and no more.
     pads = [(p, (o - 1) * s + e - n - p) for p, o, s, e, n in zip(g.pad, out, g.stride, g.extent, spatial)]
     cols = _windows(_pad(x, first, pads, 0), first, g.kernel, g.stride, g.dilation, out)  # (..., C, K, out...)
@@ -328,7 +348,7 @@ def _pool_geometry(layer_param, method: int, kernel, stride, pad, size, round_mo
     return PoolGeometry(method, tuple(kernel), tuple(stride), tuple(pad), tuple(size), tuple(out))
 
 
-def _pooling_param_geometry(layer_param, shape: Shape) -> PoolGeometry:
+def pooling_geometry(layer_param, shape: Shape) -> PoolGeometry:
     p = layer_param.pooling_param
     if len(shape) != 4:
         raise _fail(layer_param, f"input must have 4 axes (num, channels, height, width), got {shape}")
@@ -357,11 +377,40 @@ def _pool_windows(x: jax.Array, g: PoolGeometry, fill) -> jax.Array:
     return _windows(_pad(x, 2, g.padding(), fill), 2, g.kernel, g.stride, (1, 1), g.out)
 
 
-def _window_index(g: PoolGeometry, t: jax.Array) -> jax.Array:
+def _pool_taps(x: jax.Array, g: PoolGeometry, fill, first_axis: int) -> list[jax.Array]:
+    """Each window offset's view of x (padding and overhang cells set to ``fill``), row-major."""
+    return _taps(_pad(x, first_axis, g.padding(), fill), first_axis, g.kernel, g.stride, (1, 1), g.out)
+
+
+def _window_index(g: PoolGeometry, t: int) -> np.ndarray:
     """Caffe's flat bottom index h * W + w of window element ``t`` (row-major in the kernel) per output."""
     rows = (np.arange(g.out[0]) * g.stride[0] - g.pad[0])[:, None]
     cols = (np.arange(g.out[1]) * g.stride[1] - g.pad[1])[None, :]
     return (rows + t // g.kernel[1]) * g.size[1] + cols + t % g.kernel[1]
+
+
+def max_pool(x: jax.Array, g: PoolGeometry, first_axis: int = 2,
+             with_mask: bool = False) -> tuple[jax.Array, jax.Array | None]:
+    """(top, mask or None): Caffe's scan, literally. The top starts at -FLT_MAX and takes each window
+    element, in row-major order, that is strictly greater (padding cells read -inf and never are).
+
+    So the first of equal maxima wins, NaNs never win, and a window with nothing above -FLT_MAX keeps
+    -FLT_MAX (mask -1). Each step is a ``where`` between two output-sized arrays, so JAX's derivative sends
+    each output's gradient to exactly the element Caffe's mask records (overlapping windows accumulate), and
+    XLA fuses the scan into one pass over the input. ``first_axis`` is where the two spatial axes start (2
+    for N, C, H, W; 1 for channels-last). The mask (flat index h * W + w) carries no gradient.
+    """
+    taps = _pool_taps(x, g, -jnp.inf, first_axis)
+    top = jnp.full(taps[0].shape, -_FLT_MAX, x.dtype)
+    mask = None
+    index_shape = g.out + (1,) * (x.ndim - first_axis - 2)
+    for t, tap in enumerate(taps):
+        greater = tap > top
+        top = jnp.where(greater, tap, top)
+        if with_mask:
+            index = jnp.asarray(_window_index(g, t).reshape(index_shape), x.dtype)
+            mask = jnp.where(greater, index, jnp.asarray(-1, x.dtype) if mask is None else mask)
+    return top, (lax.stop_gradient(mask) if with_mask else None)
 
 
 def _select(windows: jax.Array, t: jax.Array) -> jax.Array:
@@ -369,27 +418,29 @@ def _select(windows: jax.Array, t: jax.Array) -> jax.Array:
     return jnp.take_along_axis(windows, t[:, :, None], axis=2)[:, :, 0]
 
 
-def _max_pool(x: jax.Array, g: PoolGeometry) -> tuple[jax.Array, jax.Array]:
-    """(top, mask): Caffe's scan from -FLT_MAX keeping the first strictly greater value (padding skipped).
-
-    argmax takes the first of equal maxima, as Caffe's strict ``>`` does; NaNs never win a ``>`` in Caffe,
-    so they enter as -inf. A window with nothing above -FLT_MAX keeps Caffe's initial -FLT_MAX and mask -1.
-    The top selects one input per window, so its gradient goes to exactly that first maximum (overlapping
-    windows accumulate); the mask (flat index h * W + w) carries no gradient.
-    """
-    windows = _pool_windows(x, g, -jnp.inf)
-    first_max = jnp.argmax(jnp.where(jnp.isnan(windows), -jnp.inf, windows), axis=2)
-    value = _select(windows, first_max)
-    found = value > -_FLT_MAX
-    top = jnp.where(found, value, jnp.asarray(-_FLT_MAX, x.dtype))
-    mask = jnp.where(found, _window_index(g, first_max), -1).astype(x.dtype)
-    return top, mask
+def is_global_window(g: PoolGeometry) -> bool:
+    """One window covering the whole (unpadded) input: a plain reduction over the spatial axes."""
+    return g.out == (1, 1) and g.kernel == g.size and not any(g.pad)
 
 
-def _window_sum(x: jax.Array, g: PoolGeometry) -> jax.Array:
-    """Sum of each window's inputs (padding and overhang count as zeros)."""
-    xpad = _pad(x, 2, g.padding(), 0)
-    return lax.reduce_window(xpad, np.zeros((), x.dtype), lax.add, (1, 1) + g.kernel, (1, 1) + g.stride,
+# Windows up to this many elements are summed as a chain of shifted adds (fused by XLA into one pass);
+# bigger ones use XLA's reduce_window, which is slow on CPU but has no per-element trace cost.
+_MAX_TAPS = 64
+
+
+def _window_sum(x: jax.Array, g: PoolGeometry, first_axis: int = 2) -> jax.Array:
+    """Sum of each window's inputs, added in Caffe's row-major order (padding and overhang count as 0)."""
+    if is_global_window(g):
+        return jnp.sum(x, axis=(first_axis, first_axis + 1), keepdims=True)
+    if g.kernel[0] * g.kernel[1] <= _MAX_TAPS:
+        taps = _pool_taps(x, g, 0, first_axis)
+        total = taps[0]
+        for tap in taps[1:]:
+            total = total + tap
+        return total
+    trailing = (1,) * (x.ndim - first_axis - 2)
+    return lax.reduce_window(_pad(x, first_axis, g.padding(), 0), np.zeros((), x.dtype), lax.add,
+                             (1,) * first_axis + g.kernel + trailing, (1,) * first_axis + g.stride + trailing,
                              "VALID")
 
 
@@ -402,8 +453,9 @@ def _ave_divisor(g: PoolGeometry) -> np.ndarray:
     return np.outer(extents[0], extents[1])
 
 
-def _ave_pool(x: jax.Array, g: PoolGeometry) -> jax.Array:
-    return _window_sum(x, g) / jnp.asarray(_ave_divisor(g), x.dtype)
+def ave_pool(x: jax.Array, g: PoolGeometry, first_axis: int = 2) -> jax.Array:
+    divisor = _ave_divisor(g).reshape(g.out + (1,) * (x.ndim - first_axis - 2))
+    return _window_sum(x, g, first_axis) / jnp.asarray(divisor, x.dtype)
 
 
 def _stochastic_pool_train(x: jax.Array, g: PoolGeometry, key: jax.Array) -> jax.Array:
@@ -425,12 +477,13 @@ def _stochastic_pool_test(x: jax.Array, g: PoolGeometry) -> jax.Array:
     return jnp.where(positive, s2 / jnp.where(positive, s1, 1), 0)
 
 
-def _pool(ctx: LayerContext, x: jax.Array, g: PoolGeometry, key_index: int = 0) -> tuple[jax.Array, Any]:
+def _pool(ctx: LayerContext, x: jax.Array, g: PoolGeometry, key_index: int = 0,
+          with_mask: bool = False) -> tuple[jax.Array, Any]:
     """(top, mask or None) of one pooling of x (N, C, H, W)."""
     if g.method == POOL_MAX:
-        return _max_pool(x, g)
+        return max_pool(x, g, with_mask=with_mask)
     if g.method == POOL_AVE:
-        return _ave_pool(x, g), None
+        return ave_pool(x, g), None
     if g.method == POOL_STOCHASTIC:
         if ctx.phase == TRAIN:
             return _stochastic_pool_train(x, g, jax.random.fold_in(ctx.rng(), key_index)), None
@@ -442,10 +495,10 @@ def _pool(ctx: LayerContext, x: jax.Array, g: PoolGeometry, key_index: int = 0) 
 def pooling(ctx: LayerContext, bottoms, params):
     """MAX / AVE / STOCHASTIC pooling over k x k windows; MAX may emit a second top with the argmax index."""
     (x,) = bottoms
-    g = _pooling_param_geometry(ctx.layer, tuple(x.shape))
+    g = pooling_geometry(ctx.layer, tuple(x.shape))
     if ctx.num_tops > 1 and g.method != POOL_MAX:
         raise ctx.error(f"only MAX pooling has a second (mask) top; got {ctx.num_tops} tops")
-    top, mask = _pool(ctx, x, g)
+    top, mask = _pool(ctx, x, g, with_mask=ctx.num_tops > 1)
     return [top, mask][:ctx.num_tops]
 
 
@@ -480,6 +533,19 @@ def spp(ctx: LayerContext, bottoms, params):
 
 # ---- LRN: lrn_layer.cpp -----------------------------------------------------------------------------------
 
+def lrn_across_channels(x: jax.Array, p: Any, channel_axis: int = 1) -> jax.Array:
+    """x (k + alpha/n sum_{n channels} x^2)^-beta, the channel window zero padded; the n squares are added
+    as shifted views in Caffe's order (one fused pass; XLA:CPU's reduce_window is slow)."""
+    n, pre_pad = p.local_size, (p.local_size - 1) // 2
+    squares = _pad(x * x, channel_axis, [(pre_pad, pre_pad)], 0)
+    taps = _taps(squares, channel_axis, (n,), (1,), (1,), (x.shape[channel_axis],))
+    window = taps[0]
+    for tap in taps[1:]:
+        window = window + tap
+    scale = jnp.asarray(p.k, x.dtype) + jnp.asarray(p.alpha, x.dtype) / n * window
+    return x * scale ** -jnp.asarray(p.beta, x.dtype)
+
+
 @layer("LRN", bottoms=(1, 1), tops=(1, 1))
 def lrn(ctx: LayerContext, bottoms, params):
     """ACROSS_CHANNELS: x (k + alpha/n sum_{n channels} x^2)^-beta (zero padded over channels).
@@ -493,18 +559,14 @@ def lrn(ctx: LayerContext, bottoms, params):
         raise ctx.error(f"LRN only supports odd values for local_size, got {n}")
     if x.ndim != 4:
         raise ctx.error(f"input must have 4 axes (num, channels, height, width), got {x.shape}")
-    pre_pad = (n - 1) // 2
-    alpha = jnp.asarray(p.alpha, x.dtype)
-    beta = jnp.asarray(p.beta, x.dtype)
     if p.norm_region == LRN_ACROSS_CHANNELS:
-        window = lax.reduce_window(x * x, np.zeros((), x.dtype), lax.add, (1, n, 1, 1), (1, 1, 1, 1),
-                                   [(0, 0), (pre_pad, pre_pad), (0, 0), (0, 0)])
-        scale = jnp.asarray(p.k, x.dtype) + alpha / n * window
-        return [x * scale ** -beta]
+        return [lrn_across_channels(x, p)]
     if p.norm_region == LRN_WITHIN_CHANNEL:
+        pre_pad = (n - 1) // 2
         g = _pool_geometry(ctx.layer, POOL_AVE, (n, n), (1, 1), (pre_pad, pre_pad), tuple(x.shape[2:]),
                            ROUND_CEIL)
-        return [x * (1 + alpha * _ave_pool(x * x, g)) ** -beta]
+        alpha, beta = jnp.asarray(p.alpha, x.dtype), jnp.asarray(p.beta, x.dtype)
+        return [x * (1 + alpha * ave_pool(x * x, g)) ** -beta]
     raise ctx.error(f"unknown norm_region {p.norm_region}")
 
 

@@ -18,13 +18,9 @@ step as a scalar, so a changing rate never recompiles anything.
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 
 from caffejax.errors import SolverError
-
-log = logging.getLogger("caffejax")
 
 POLICIES = ("fixed", "step", "exp", "inv", "multistep", "poly", "sigmoid")
 
@@ -53,7 +49,6 @@ def learning_rate(param, iter: int, current_step: int) -> tuple[float, int]:
         _require(param.gamma >= 0, "multistep", "gamma must be non-negative")
         if current_step < len(param.stepvalue) and iter >= param.stepvalue[current_step]:
             current_step += 1
-            log.info("MultiStep Status: Iteration %d, step = %d", iter, current_step)
         factor = _pow(param.gamma, current_step)
     elif policy == "poly":
         _require(param.max_iter != 0, "poly", "max_iter must be set (the rate decays to 0 at max_iter)")

@@ -9,6 +9,7 @@ range, so repeated passes at one shape never recompile.
 from __future__ import annotations
 
 import collections
+import functools
 import os
 from typing import Any, Iterable, Sequence
 
@@ -138,14 +139,11 @@ class Net:
         if not to_fill:
             return
 
-        def fill_all(key):
-            return {layer.name: list(get_rule(layer.type).init_params(
-                        layer.proto, [slot.shape for slot in layer.params], jax.random.fold_in(key, position)))
-                    for position, layer in to_fill}
-
-        filled = jax.jit(fill_all)(jax.random.key(mode.random_seed()))
-        for _, layer in to_fill:
-            for slot, array in zip(layer.params, filled[layer.name]):
+        description = tuple((position, layer.type, layer.proto.SerializeToString(),
+                             tuple(slot.shape for slot in layer.params)) for position, layer in to_fill)
+        filled = _filler_program(description)(jax.random.key(mode.random_seed()))
+        for (_, layer), arrays in zip(to_fill, filled):
+            for slot, array in zip(layer.params, arrays):
                 if slot.is_owner:
                     self._param_blobs[slot.key]._data.set(jnp.asarray(array, self._dtype))
 
@@ -202,13 +200,13 @@ class Net:
 
     # -- arrays for the programs ----------------------------------------------------------------------------
     def param_arrays(self) -> dict[str, list[Any]]:
-        """The owners' learnable blobs as the program's ``params`` pytree (layer name -> list)."""
+        """The learnable blobs as the program's ``params`` pytree: layer name -> one entry per blob of the
+        layer, the array where the layer owns the blob and None where it shares another layer's."""
         out: dict[str, list[Any]] = {}
-        for slot in self._graph.learnable_slots:
-            out.setdefault(slot.layer, [None] * len(self._graph.layer(slot.layer).params))
-        for slot in self._graph.param_slots:
-            if slot.is_owner:
-                out[slot.layer][slot.index] = self._param_blobs[slot.key]._data.value()
+        for layer in self._graph.layers:
+            if any(slot.is_owner for slot in layer.params):
+                out[layer.name] = [self._param_blobs[slot.key]._data.value() if slot.is_owner else None
+                                   for slot in layer.params]
         return out
 
     def _feed(self, layers) -> dict[str, Any]:
@@ -412,6 +410,48 @@ class Net:
         self._backward(start_ind, end_ind)
         return {name: self.blobs[name].diff for name in outputs}
 
+    def _batches(self, arrays: dict[str, np.ndarray]):
+        """pycaffe's Net._batch: ``arrays`` (name -> N x ...) in batches of the net's batch size; the last
+        one is zero-padded to full size."""
+        num = len(next(iter(arrays.values())))
+        batch_size = next(iter(self.blobs.values())).shape[0]
+        for start in range(0, num, batch_size):
+            batch = {}
+            for name, array in arrays.items():
+                chunk = np.asarray(array[start:start + batch_size])
+                padding = np.zeros((batch_size - len(chunk),) + chunk.shape[1:], chunk.dtype)
+                batch[name] = np.concatenate([chunk, padding]) if len(padding) else chunk
+            yield batch
+
+    def forward_all(self, blobs: Iterable[str] | None = None, **kwargs) -> dict[str, np.ndarray]:
+        """pycaffe's forward_all: run N items through the net in batches; outputs (and ``blobs``) for all N."""
+        blobs = list(blobs or [])
+        collected: dict[str, list[np.ndarray]] = {name: [] for name in set(self.outputs + blobs)}
+        for batch in self._batches(kwargs):
+            for name, value in self.forward(blobs=blobs, **batch).items():
+                collected[name].extend(np.array(value, copy=True))
+        num = len(next(iter(kwargs.values())))
+        return {name: np.asarray(values[:num]) for name, values in collected.items()}
+
+    def forward_backward_all(self, blobs: Iterable[str] | None = None, diffs: Iterable[str] | None = None,
+                             **kwargs) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """pycaffe's forward_backward_all: batched forward then backward; inputs and output diffs by name."""
+        blobs, diffs = list(blobs or []), list(diffs or [])
+        outs: dict[str, list[np.ndarray]] = {name: [] for name in set(self.outputs + blobs)}
+        grads: dict[str, list[np.ndarray]] = {name: [] for name in set(self.inputs + diffs)}
+        forward_batches = list(self._batches({k: kwargs[k] for k in self.inputs if k in kwargs}) or [{}])
+        backward_batches = list(self._batches({k: kwargs[k] for k in self.outputs if k in kwargs}) or [{}])
+        for i in range(max(len(forward_batches), len(backward_batches))):
+            fb = forward_batches[i] if i < len(forward_batches) else {}
+            bb = backward_batches[i] if i < len(backward_batches) else {}
+            for name, value in self.forward(blobs=blobs, **fb).items():
+                outs[name].extend(np.array(value, copy=True))
+            for name, value in self.backward(diffs=diffs, **bb).items():
+                grads[name].extend(np.array(value, copy=True))
+        num = len(next(iter(kwargs.values()))) if kwargs else None
+        return ({name: np.asarray(v[:num]) for name, v in outs.items()},
+                {name: np.asarray(v[:num]) for name, v in grads.items()})
+
     def clear_param_diffs(self) -> None:
         """Caffe's ClearParamDiffs: zero every learnable blob's diff."""
         for blob in self._param_blobs.values():
@@ -428,10 +468,15 @@ class Net:
             if layer.name not in weights.blobs:
                 continue
             source = weights.blobs[layer.name]
-            if len(source) != len(layer.params):
+            # Caffe's HDF5 files skip shared blobs (their owner holds them): a gap is fine only there.
+            source = source + [None] * (len(layer.params) - len(source)) if weights.is_hdf5 else source
+            if len(source) != len(layer.params) or any(
+                    array is None and slot.is_owner for slot, array in zip(layer.params, source)):
                 raise WeightsError(f"{path}: layer '{layer.name}' has {len(source)} blobs in the file but "
                                    f"{len(layer.params)} in the net (incompatible number of blobs)")
             for i, (slot, array) in enumerate(zip(layer.params, source)):
+                if array is None:
+                    continue
                 if not _shape_matches(slot.shape, array.shape):
                     raise WeightsError(
                         f"{path}: cannot copy param {i} weights from layer '{layer.name}'; shape mismatch: "
@@ -478,14 +523,29 @@ class Net:
 
     def save_hdf5(self, path: str) -> None:
         """Caffe's HDF5 layout: ``data/<layer>/<i>`` for owners of learnable blobs."""
-        owners: dict[str, list[np.ndarray]] = {}
-        for slot in self._graph.param_slots:
-            if slot.is_owner:
-                owners.setdefault(slot.layer, []).append(np.asarray(self._param_blobs[slot.key]._data.value()))
+        owners = {name: [None if a is None else np.asarray(a) for a in arrays]
+                  for name, arrays in self.param_arrays().items()}
         write_hdf5(path, owners)
 
     def load_hdf5(self, path: str) -> None:
         self.copy_from(path)
+
+
+@functools.lru_cache(maxsize=16)
+def _filler_program(description):
+    """One jitted program running the fillers of every listed layer: (position, type, LayerParameter bytes,
+    blob shapes) each. Cached, so nets of one prototxt (a solver's train and test nets, repeated
+    constructions) compile it once."""
+    from caffejax.proto import caffe_pb2
+
+    layers = [(position, get_rule(type_name), caffe_pb2.LayerParameter.FromString(proto), shapes)
+              for position, type_name, proto, shapes in description]
+
+    def fill_all(key):
+        return [list(rule.init_params(proto, list(shapes), jax.random.fold_in(key, position)))
+                for position, rule, proto, shapes in layers]
+
+    return jax.jit(fill_all)
 
 
 def _shape_matches(net_shape, file_shape) -> bool:

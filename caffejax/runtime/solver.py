@@ -19,6 +19,9 @@ holds the new weights and ``diff`` the update value, as Caffe leaves them after 
 Only learnable blobs (the owners of shared blobs, ``graph.learnable_slots``) are updated, with their effective
 lr_mult and decay_mult. A blob with lr_mult 0 gets no gradient, but its update rule still runs with a local
 rate of 0, as in Caffe (its history decays; its weights do not move).
+
+``devices=N`` trains data-parallel over N devices with Caffe's multi-GPU rule: each device runs the
+prototxt's batch and the diffs are averaged before ApplyUpdate (caffejax.runtime.distributed).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from caffejax.errors import CaffejaxError, DataError, SolverError, UnsupportedError
+from caffejax.errors import DataError, SolverError, UnsupportedError
 from caffejax.frontend.build import load_net_param
 from caffejax.frontend.ir import Graph
 from caffejax.frontend.prototxt import parse_solver_text
@@ -44,6 +47,7 @@ from caffejax.frontend.upgrade import upgrade_solver_as_needed
 from caffejax.lower.registry import TEST, TRAIN, get_rule
 from caffejax.proto import caffe_pb2
 from caffejax.runtime import lr_policy, mode, snapshot as snapshots
+from caffejax.runtime.distributed import DataParallel, Devices
 from caffejax.runtime.net import Net
 
 log = logging.getLogger("caffejax")
@@ -70,6 +74,7 @@ def learnables_of(graph: Graph) -> list[Learnable]:
 
 def read_solver_param(source) -> tuple[caffe_pb2.SolverParameter, str | None]:
     """A SolverParameter from a path (ReadSolverParamsFromTextFileOrDie) or a message; and the file's path."""
+    _ensure_log_output()
     if isinstance(source, caffe_pb2.SolverParameter):
         return upgrade_solver_as_needed(source, "<SolverParameter>"), None
     if not isinstance(source, (str, os.PathLike)):
@@ -92,14 +97,18 @@ def merged_state(phase: int, *states: caffe_pb2.NetState) -> caffe_pb2.NetState:
     return state
 
 
-def get_solver(source) -> "Solver":
-    """pycaffe's ``caffe.get_solver``: the solver class the file's ``type`` names (SolverRegistry)."""
+def get_solver(source, devices: Devices | None = None) -> "Solver":
+    """pycaffe's ``caffe.get_solver``: the solver class the file's ``type`` names (SolverRegistry).
+
+    ``devices`` (a count, or a list of jax devices) trains data-parallel over them, as ``caffe train --gpu``
+    with several GPUs: see caffejax.runtime.distributed.
+    """
     param, path = read_solver_param(source)
     cls = SOLVER_TYPES.get(param.type)
     if cls is None:
         raise SolverError(f"Unknown solver type: '{param.type}' (known types: {', '.join(SOLVER_TYPES)})")
     solver = cls.__new__(cls)
-    solver._init(param, path)
+    solver._init(param, path, devices)
     return solver
 
 
@@ -108,24 +117,28 @@ def get_solver(source) -> "Solver":
 class Solver:
     """What every Caffe solver shares: nets, the training loop, testing, snapshots. See the module docstring.
 
-    ``Solver(path_or_SolverParameter)``. Subclasses give the update rule (``compute_update_value``).
+    ``Solver(path_or_SolverParameter, devices=None)``. Subclasses give the update rule
+    (``compute_update_value``).
     """
 
     type = ""
     history_per_param = 1  # history blobs per learnable blob
 
-    def __init__(self, source):
-        self._init(*read_solver_param(source))
+    def __init__(self, source, devices: Devices | None = None):
+        self._init(*read_solver_param(source), devices)
 
-    def _init(self, param: caffe_pb2.SolverParameter, path: str | None) -> None:
+    def _init(self, param: caffe_pb2.SolverParameter, path: str | None, devices: Devices | None = None) -> None:
         self.param, self._path = param, path
         self._dir = os.path.dirname(os.path.abspath(self._path)) if self._path else None
         self._check_param()
-        _ensure_log_output()
         if self.param.random_seed >= 0:
             mode.set_random_seed(self.param.random_seed)
         self.net = self._init_train_net()
         self.test_nets = self._init_test_nets()
+        # Data parallelism: the train net's blobs hold the global batch (the test nets run on one device).
+        self._parallel = DataParallel(devices) if devices is not None else None
+        if self._parallel is not None:
+            self._parallel.use_global_batch(self.net)
         self.iter = 0
         self.current_step = 0
         self.mean_scores: list[list[float]] = [[] for _ in self.test_nets]
@@ -178,12 +191,15 @@ class Solver:
 
     def _make_net(self, net_param: caffe_pb2.NetParameter, state: caffe_pb2.NetState) -> Net:
         net_param.ClearField("state")  # the merged state is given explicitly
-        net = Net(net_param, state.phase, level=state.level, stages=list(state.stage))
-        for weights in self.param.weights:  # LoadNetWeights: a comma-separated list of caffemodels
-            for name in weights.split(","):
-                name = name.strip()
-                log.info("Finetuning from %s", name)
-                net.copy_from(self._resolve(name, "weights"))
+        # LoadNetWeights: each `weights` entry is a comma-separated list of caffemodels, copied in order. The
+        # first goes to the constructor, which then skips the fillers of the layers it covers.
+        files = [self._resolve(name.strip(), "weights") for entry in self.param.weights for name in entry.split(",")]
+        for name in files:
+            log.info("Finetuning from %s", name)
+        net = Net(net_param, state.phase, weights=files[0] if files else None, level=state.level,
+                  stages=list(state.stage))
+        for name in files[1:]:
+            net.copy_from(name)
         return net
 
     def _init_train_net(self) -> Net:
@@ -231,6 +247,14 @@ class Solver:
         return {"rate": np.float32(rate)}
 
     # -- ApplyUpdate, as a pure function of arrays ------------------------------------------------------------
+    def _learning_rate(self) -> float:
+        """GetLearningRate: this iteration's rate; advances the schedule's current_step."""
+        rate, step = lr_policy.learning_rate(self.param, self.iter, self.current_step)
+        if self.param.lr_policy == "multistep" and step != self.current_step:
+            self._say("MultiStep Status: Iteration %d, step = %d", self.iter, step)
+        self.current_step = step
+        return rate
+
     def _apply_update(self, params, diffs: Sequence[jax.Array], history: Sequence[History], scalars):
         """ClipGradients, then per learnable blob Normalize, Regularize, ComputeUpdateValue and Update.
 
@@ -272,25 +296,40 @@ class Solver:
         cache_key = ("step", net._signature(net.graph))
         fn = self._programs.get(cache_key)
         if fn is None:
-            build = _train_step_fn(net._program, self)
+            def counted_step(program, device_axis=None):
+                build = _train_step_fn(program, self, device_axis)
 
-            def counted(*args):
-                self.compile_count += 1
-                return build(*args)
+                def counted(*args):
+                    self.compile_count += 1
+                    return build(*args)
 
-            fn = self._programs[cache_key] = jax.jit(counted)
+                return counted
+
+            fn = self._programs[cache_key] = (jax.jit(counted_step(net._program)) if self._parallel is None
+                                              else self._parallel.train_step(net, counted_step))
         return fn
 
     def _pull_batches(self) -> dict[str, np.ndarray]:
-        """iter_size batches from the train net's data layers, stacked per top (Caffe pulls one per pass)."""
+        """iter_size batches from the train net's data layers, stacked per top (Caffe pulls one per pass).
+
+        Over several devices, a pass's batch is one per device, and the net's blobs get the last of them.
+        """
         net = self.net
         pulled = _pulled_layers(net.graph)
         if not pulled:
             return {}
+
+        def pull():
+            net._pull_batches(pulled)
+            return {top: np.array(net.blobs[top].data) for layer in pulled for top in layer.tops}
+
         batches = []
         for _ in range(self.param.iter_size):
-            net._pull_batches(pulled)
-            batches.append({top: np.array(net.blobs[top].data) for layer in pulled for top in layer.tops})
+            batches.append(pull() if self._parallel is None else self._parallel.pass_batch(pull))
+        if self._parallel is not None:
+            for top, array in batches[-1].items():
+                net.blobs[top].reshape(array.shape)
+                net.blobs[top]._data.set(array)
         stacked = {}
         for top in batches[0]:
             shapes = {b[top].shape for b in batches}
@@ -328,7 +367,7 @@ class Solver:
 
     def apply_update(self) -> None:
         """Caffe's ApplyUpdate on the diffs already in the net's param blobs (after net.backward())."""
-        rate, self.current_step = lr_policy.learning_rate(self.param, self.iter, self.current_step)
+        rate = self._learning_rate()
         if self._displays(self.iter):
             self._say("Iteration %d, lr = %s", self.iter, _g(rate))
         cache_key = ("apply_update",)
@@ -355,7 +394,7 @@ class Solver:
         while self.iter < stop_iter:
             if p.test_interval and self.iter % p.test_interval == 0 and (self.iter > 0 or p.test_initialization):
                 self.test_all()
-            rate, self.current_step = lr_policy.learning_rate(p, self.iter, self.current_step)
+            rate = self._learning_rate()
             loss, norm = self._train_iteration(rate)
             self._losses.append(loss)
             if self._displays(self.iter):
@@ -368,7 +407,7 @@ class Solver:
                 self._say("Iteration %d, lr = %s", self.iter, _g(rate))
                 self._log_clipping(norm)
             self.iter += 1
-            if p.snapshot and self.iter % p.snapshot == 0:
+            if p.snapshot and self.iter % p.snapshot == 0 and self._is_root_process:
                 self.snapshot()
             if self._progress is not None:
                 self._progress.update(self.iter)
@@ -388,7 +427,7 @@ class Solver:
             if self._progress is not None:
                 self._progress.clear()
             self._progress = None
-        if p.snapshot_after_train and (not p.snapshot or self.iter % p.snapshot != 0):
+        if p.snapshot_after_train and (not p.snapshot or self.iter % p.snapshot != 0) and self._is_root_process:
             self.snapshot()
         if self._displays(self.iter):
             self.net.forward()  # only to display the loss of the final weights
@@ -404,6 +443,11 @@ class Solver:
         if not self._losses:
             return 0.0
         return float(np.mean(np.asarray([float(l) for l in self._losses], np.float32)))
+
+    @property
+    def _is_root_process(self) -> bool:
+        """Over several hosts only the first process writes snapshots (Caffe: the root solver)."""
+        return self._parallel is None or self._parallel.is_root_process
 
     def _displays(self, iter: int) -> bool:
         return bool(self.param.display) and iter % self.param.display == 0
@@ -624,12 +668,16 @@ def _pulled_layers(graph: Graph):
     return [layer for layer in graph.layers if layer.is_input and get_rule(layer.type).data_source is not None]
 
 
-def _train_step_fn(program, solver: Solver):
+def _train_step_fn(program, solver: Solver, device_axis: str | None = None):
     """``(params, history, fed, pulled, key, scalars) -> (params, history, loss, updates, blobs, norm)``.
 
     ``fed`` holds the blobs the user wrote (every pass reads the same ones); ``pulled`` holds one batch per
     pass, stacked along a leading axis of length iter_size. ``blobs`` are the values the last pass left in
     the net's blobs.
+
+    With ``device_axis`` this is one device's iteration inside ``shard_map`` (caffejax.runtime.distributed):
+    the device's index is folded into the key, and the accumulated diffs, the loss and the params forward
+    rewrote (BatchNorm's statistics) are averaged over the devices before ApplyUpdate, as Caffe's P2PSync does.
     """
     iter_size = solver.param.iter_size
     graph = program.graph
@@ -637,17 +685,22 @@ def _train_step_fn(program, solver: Solver):
     produced = {blob: value for blob, value in graph.blob_value.items() if value not in fed_values}
     concrete = dict(graph.concrete)  # shape-deciding values (Filter's selector): constants of this program
 
+    def device_mean(tree):
+        return tree if device_axis is None else jax.lax.pmean(tree, device_axis)
+
     def one_pass(params, inputs, key):
         """Net::ForwardBackward: the loss and param diffs, with the params forward rewrote (BatchNorm)."""
         loss, grads, (env, rewritten) = program.loss_and_grads(params, inputs, key)
         params = {name: list(blobs) for name, blobs in params.items()}
         for owner, changed in rewritten.items():
             for index, value in changed.items():
-                params[owner][index] = value
+                params[owner][index] = device_mean(value)
         return params, grads, loss, {blob: env[value] for blob, value in produced.items()}
 
     def train_step(params, history, fed, pulled, key, scalars):
         fed = {**fed, **concrete}
+        if device_axis is not None:
+            key = jax.random.fold_in(key, jax.lax.axis_index(device_axis))
         if iter_size == 1:
             inputs = {**fed, **{v: a[0] for v, a in pulled.items()}}
             params, grads, loss, blobs = one_pass(params, inputs, jax.random.fold_in(key, 0))
@@ -666,6 +719,7 @@ def _train_step_fn(program, solver: Solver):
             (params, grads, loss, blobs), _ = jax.lax.scan(accumulate, init, (jnp.arange(iter_size), pulled),
                                                            length=iter_size)
         diffs = [grads[l.layer][l.index] for l in solver._learnables]
+        diffs, loss = device_mean((diffs, loss))  # P2PSync: the sum over devices, scaled by 1 / devices
         params, history, updates, norm = solver._apply_update(params, diffs, history, scalars)
         return params, history, loss / np.float32(iter_size), updates, blobs, norm
 

@@ -1,0 +1,614 @@
+"""Inference optimisation: graph rewrites and kernel choices for ``caffejax.compile_inference``.
+
+``Net.forward`` runs Caffe's rules as written (NCHW, every blob kept). For inference only the outputs matter,
+so a compiler may rewrite the net as long as the outputs stay Caffe's (within the forward tolerance). A
+:class:`Plan` is the net as the inference program runs it: the IR graph after rewrites, one list of arrays
+per layer (sharing resolved, BatchNorm folded) and the kernel chosen for each layer. Each pass is a function
+``Plan -> Plan`` registered in :data:`PASSES` by name; ``compile_inference(passes=...)`` picks them:
+
+- ``fold_batchnorm``: BatchNorm with global statistics (and a Scale after it) folded into the Convolution or
+  InnerProduct before it, or, without one, into one per-channel affine Scale.
+- ``nhwc``: channels-last inside the program (XLA:CPU's convolutions are NHWC kernels; NCHW ones pay
+  transposes around every call), NCHW at the boundary. Layers without a channels-last kernel get their
+  input transposed back and run Caffe's rule; each transpose of a value is made once.
+- ``conv_gemm``: 1x1 convolutions as one matrix product over all pixels (needs ``nhwc``).
+- ``depthwise``: depthwise convolutions (group = channels = num_output) as k*k shifted multiply-adds, one
+  fused pass; XLA:CPU's grouped convolution is slow for them (needs ``nhwc``).
+- ``winograd``: 3x3 stride-1 convolutions on small images as Winograd F(2x2, 3x3) (needs ``nhwc``).
+
+Every kernel computes in the activations' dtype and accumulates in float32 (``preferred_element_type``),
+so the same plan serves float32 and the opt-in bfloat16 mode. ``tests/test_optimize.py`` checks each pass
+against the unoptimised program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from caffejax.errors import CaffejaxError
+from caffejax.frontend.ir import Graph, Layer
+from caffejax.lower import vision
+from caffejax.lower.registry import TEST, LayerContext, canonical_axis, get_rule
+from caffejax.proto import caffe_pb2
+
+NCHW, NHWC, ANY = "NCHW", "NHWC", "ANY"
+
+ForwardFn = Callable[[LayerContext, Sequence[jax.Array], Sequence[jax.Array]], Sequence[jax.Array]]
+ParamArrays = list[np.ndarray]
+
+
+def _same_params(params: ParamArrays) -> ParamArrays:
+    return list(params)
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """How one layer runs: ``forward(ctx, bottoms, params) -> tops`` with its 4-D bottoms and tops in
+    ``layout`` (ANY: whatever layout its bottoms have, for element-wise layers), and ``prepare``, which turns
+    the layer's Caffe-form arrays into the form ``forward`` reads (once, when the program is built)."""
+
+    name: str
+    forward: ForwardFn
+    layout: str = NCHW
+    prepare: Callable[[ParamArrays], ParamArrays] = _same_params
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The net as the inference program runs it. ``params``: layer name -> its arrays in Caffe's form
+    (after folding); ``kernels``: layer name -> kernel (absent: Caffe's rule, NCHW)."""
+
+    graph: Graph
+    params: dict[str, ParamArrays]
+    kernels: dict[str, Kernel]
+
+
+def make_plan(graph: Graph, owner_params: Mapping[str, Sequence[Any]]) -> Plan:
+    """The unoptimised plan: every layer runs Caffe's rule; shared blobs resolved to per-layer arrays."""
+    params = {layer.name: [np.asarray(owner_params[slot.storage[0]][slot.storage[1]]) for slot in layer.params]
+              for layer in graph.layers if layer.params}
+    return Plan(graph, params, {})
+
+
+# ---- graph queries ----------------------------------------------------------------------------------------
+
+def _consumers(graph: Graph) -> dict[str, list[Layer]]:
+    users: dict[str, list[Layer]] = {}
+    for layer in graph.layers:
+        for value in layer.bottom_values:
+            users.setdefault(value, []).append(layer)
+    return users
+
+
+def _output_values(graph: Graph) -> set[str]:
+    return {graph.blob_value[blob] for blob in graph.outputs}
+
+
+def _only_consumer(graph: Graph, value: str, users, outputs) -> Layer | None:
+    """The one layer reading ``value``, if exactly one does and the value is not a net output."""
+    readers = users.get(value, [])
+    return readers[0] if len(readers) == 1 and value not in outputs else None
+
+
+def _shape(graph: Graph, value: str) -> tuple[int, ...]:
+    return tuple(graph.value_shapes[value])
+
+
+# ---- fold_batchnorm ---------------------------------------------------------------------------------------
+
+def _uses_global_stats(layer: Layer, phase: int) -> bool:
+    p = layer.proto.batch_norm_param
+    return p.use_global_stats if p.HasField("use_global_stats") else phase == TEST
+
+
+def _batch_norm_affine(layer: Layer, params: ParamArrays) -> tuple[np.ndarray, np.ndarray]:
+    """(a, b) with BatchNorm(x) = a x + b per channel, from the stored sums (batch_norm rule, global stats)."""
+    mean_sum, var_sum, factor = (np.asarray(p, np.float64) for p in params)
+    scale = 0.0 if factor.reshape(-1)[0] == 0 else 1.0 / factor.reshape(-1)[0]
+    inv_std = 1.0 / np.sqrt(scale * var_sum + layer.proto.batch_norm_param.eps)
+    return inv_std, -scale * mean_sum * inv_std
+
+
+def _channel_scale(layer: Layer, graph: Graph, params: ParamArrays) -> tuple[np.ndarray, np.ndarray] | None:
+    """(s, t) if ``layer`` is a Scale with its own per-channel (axis 1) blob, y = s x + t; else None."""
+    p = layer.proto.scale_param
+    shape = _shape(graph, layer.bottom_values[0])
+    if len(layer.bottom_values) != 1 or len(shape) < 2 or canonical_axis(layer.name, p.axis, len(shape)) != 1:
+        return None
+    s = np.asarray(params[0], np.float64)
+    if s.shape != (shape[1],):
+        return None
+    t = np.asarray(params[1], np.float64) if p.bias_term else np.zeros_like(s)
+    return s, t
+
+
+def _folds_into(producer: Layer, graph: Graph) -> bool:
+    """A single-top Convolution (channel axis 1) or InnerProduct (axis 1) whose output channels are axis 1."""
+    if len(producer.bottom_values) != 1 or len(producer.top_values) != 1:
+        return False
+    ndim = len(_shape(graph, producer.bottom_values[0]))
+    if producer.type == "Convolution":
+        return canonical_axis(producer.name, producer.proto.convolution_param.axis, ndim) == 1
+    if producer.type == "InnerProduct":
+        return canonical_axis(producer.name, producer.proto.inner_product_param.axis, ndim) == 1
+    return False
+
+
+def _with_bias(producer: Layer, weight: np.ndarray, bias: np.ndarray) -> tuple[Any, ParamArrays]:
+    proto = caffe_pb2.LayerParameter()
+    proto.CopyFrom(producer.proto)
+    field = proto.convolution_param if producer.type == "Convolution" else proto.inner_product_param
+    field.bias_term = True
+    return proto, [weight.astype(np.float32), bias.astype(np.float32)]
+
+
+def fold_batchnorm(plan: Plan) -> Plan:
+    """Conv/IP -> BatchNorm(global stats) [-> Scale] becomes the Conv/IP with W' = a W, b' = a b + c (a, c
+    the chain's per-channel affine map); a BatchNorm [-> Scale] chain after anything else becomes one
+    per-channel Scale. Only values read by the next link alone (and not net outputs) are folded away."""
+    graph = plan.graph
+    users, outputs = _consumers(graph), _output_values(graph)
+    producer_of = {v: layer for layer in graph.layers for v in layer.top_values}
+    params = dict(plan.params)
+    replaced: dict[str, Layer] = {}   # layer name -> its rewrite
+    removed: set[str] = set()
+    for bn in graph.layers:
+        if bn.type != "BatchNorm" or not _uses_global_stats(bn, graph.phase) or bn.name in removed:
+            continue
+        a, c = _batch_norm_affine(bn, params[bn.name])
+        last = bn
+        scale = _only_consumer(graph, bn.top_values[0], users, outputs)
+        if scale is not None and scale.type == "Scale":
+            affine = _channel_scale(scale, graph, params[scale.name])
+            if affine is not None:
+                s, t = affine
+                a, c = a * s, c * s + t
+                last = scale
+        chain = [bn] + ([last] if last is not bn else [])
+        producer = producer_of.get(bn.bottom_values[0])
+        x = bn.bottom_values[0]
+        if (producer is not None and producer.name not in replaced and _folds_into(producer, graph)
+                and _only_consumer(graph, x, users, outputs) is bn):
+            weight = np.asarray(params[producer.name][0], np.float64)
+            bias = (np.asarray(params[producer.name][1], np.float64) if len(params[producer.name]) > 1
+                    else np.zeros(a.shape))
+            transposed = producer.type == "InnerProduct" and producer.proto.inner_product_param.transpose
+            w_scale = a.reshape((1, -1) if transposed else (-1,) + (1,) * (weight.ndim - 1))
+            proto, params[producer.name] = _with_bias(producer, weight * w_scale, a * bias + c)
+            replaced[producer.name] = dataclasses.replace(
+                producer, proto=proto, tops=[last.tops[0]], top_values=[last.top_values[0]])
+        else:
+            proto = caffe_pb2.LayerParameter(name=bn.name, type="Scale", bottom=list(bn.bottoms),
+                                             top=[last.tops[0]])
+            proto.scale_param.axis, proto.scale_param.num_axes, proto.scale_param.bias_term = 1, 1, True
+            params[bn.name] = [a.astype(np.float32), c.astype(np.float32)]
+            replaced[bn.name] = dataclasses.replace(bn, type="Scale", proto=proto, tops=[last.tops[0]],
+                                                    top_values=[last.top_values[0]], params=bn.params[:2])
+            chain = chain[1:]
+        removed.update(layer.name for layer in chain)
+    layers = [replaced.get(layer.name, layer) for layer in graph.layers if layer.name not in removed
+              or layer.name in replaced]
+    for name in removed - set(replaced):
+        params.pop(name, None)
+    return dataclasses.replace(plan, graph=dataclasses.replace(graph, layers=layers), params=params)
+
+
+# ---- channels-last kernels --------------------------------------------------------------------------------
+
+def to_layout(x: jax.Array, have: str, want: str) -> jax.Array:
+    """A 4-D value moved between NCHW and NHWC (anything else is returned as is)."""
+    if x.ndim != 4 or have == want or want == ANY:
+        return x
+    return jnp.transpose(x, (0, 2, 3, 1) if want == NHWC else (0, 3, 1, 2))
+
+
+def _accumulating(x: jax.Array) -> dict[str, Any]:
+    """Products in the activations' dtype, summed in float32 (Caffe's float math; bf16 mode's accumulation)."""
+    return dict(preferred_element_type=jnp.float32,
+                precision=lax.Precision.HIGHEST if x.dtype == jnp.float32 else None)
+
+
+def _add_bias(y: jax.Array, params: Sequence[jax.Array], dtype) -> jax.Array:
+    """y (float32 accumulator, channels last) + bias, rounded to the activations' dtype once."""
+    if len(params) > 1:
+        y = y + params[1].astype(jnp.float32)
+    return y.astype(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvShape:
+    """One NHWC Convolution's static geometry (from Caffe's NCHW shapes in the IR)."""
+
+    geometry: vision.ConvGeometry
+    group: int
+    channels: int
+    num_output: int
+    out: tuple[int, ...]
+    padding: tuple[tuple[int, int], ...]
+
+    @property
+    def is_depthwise(self) -> bool:
+        return self.group == self.channels == self.num_output and self.group > 1
+
+    @property
+    def is_pointwise(self) -> bool:
+        g = self.geometry
+        return g.kernel == (1, 1) and g.pad == (0, 0) and self.group == 1
+
+
+def _conv_shape(layer: Layer, graph: Graph) -> ConvShape | None:
+    """The NHWC geometry of a 2-D, single-bottom Convolution with its channels on axis 1; else None."""
+    if layer.type != "Convolution" or len(layer.bottom_values) != 1:
+        return None
+    shape = _shape(graph, layer.bottom_values[0])
+    if len(shape) != 4:
+        return None
+    g = vision.conv_geometry(layer.proto, shape)
+    if g.channel_axis != 1:
+        return None
+    channels, num_output, group = vision.conv_channels(layer.proto, shape, g)
+    out = vision.conv_out_shape(layer.proto, g, shape[2:])
+    return ConvShape(g, group, channels, num_output, out, tuple(vision.conv_padding(g, out, shape[2:])))
+
+
+def _hwio(params: ParamArrays) -> ParamArrays:
+    """Caffe's O x I/g x kh x kw filters as kh x kw x I/g x O (XLA's channels-last filter layout)."""
+    return [np.transpose(np.asarray(params[0]), (2, 3, 1, 0))] + list(params[1:])
+
+
+def _direct_conv_kernel(conv: ConvShape) -> Kernel:
+    g = conv.geometry
+
+    def forward(ctx, bottoms, params):
+        (x,) = bottoms
+        y = lax.conv_general_dilated(x, params[0].astype(x.dtype), g.stride, conv.padding,
+                                     rhs_dilation=g.dilation, feature_group_count=conv.group,
+                                     dimension_numbers=("NHWC", "HWIO", "NHWC"), **_accumulating(x))
+        return [_add_bias(y, params, x.dtype)]
+
+    return Kernel("conv_nhwc", forward, NHWC, _hwio)
+
+
+def _matrix(params: ParamArrays) -> ParamArrays:
+    """1x1 filters O x C x 1 x 1 as the C x O matrix of the product pixels @ W."""
+    w = np.asarray(params[0])
+    return [w.reshape(w.shape[0], w.shape[1]).T] + list(params[1:])
+
+
+def _pointwise_conv_kernel(conv: ConvShape) -> Kernel:
+    stride = conv.geometry.stride
+
+    def forward(ctx, bottoms, params):
+        (x,) = bottoms
+        if stride != (1, 1):
+            x = x[:, ::stride[0], ::stride[1], :]
+        pixels = x.reshape(-1, x.shape[-1])
+        y = lax.dot_general(pixels, params[0].astype(x.dtype), (((1,), (0,)), ((), ())), **_accumulating(x))
+        return [_add_bias(y, params, x.dtype).reshape(x.shape[:3] + (conv.num_output,))]
+
+    return Kernel("conv_1x1_gemm", forward, NHWC, _matrix)
+
+
+def _taps_by_channel(params: ParamArrays) -> ParamArrays:
+    """Depthwise filters C x 1 x kh x kw as (kh*kw) x C: one per-channel weight vector per kernel offset."""
+    w = np.asarray(params[0])
+    return [w.reshape(w.shape[0], -1).T] + list(params[1:])
+
+
+def _depthwise_conv_kernel(conv: ConvShape) -> Kernel:
+    g = conv.geometry
+
+    def forward(ctx, bottoms, params):
+        (x,) = bottoms
+        xpad = vision._pad(x, 1, conv.padding, 0)
+        weights = params[0].astype(jnp.float32)
+        taps = vision._taps(xpad, 1, g.kernel, g.stride, g.dilation, conv.out)
+        y = taps[0].astype(jnp.float32) * weights[0]
+        for t, tap in enumerate(taps[1:], 1):
+            y = y + tap.astype(jnp.float32) * weights[t]
+        return [_add_bias(y, params, x.dtype)]
+
+    return Kernel("conv_depthwise_taps", forward, NHWC, _taps_by_channel)
+
+
+# Winograd F(2x2, 3x3) (Lavin & Gray 2016): Y = A^T [(G g G^T) . (B^T d B)] A per 4x4 input tile d.
+_WINOGRAD_BT = np.array([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]], np.float64)
+_WINOGRAD_G = np.array([[1, 0, 0], [.5, .5, .5], [.5, -.5, .5], [0, 0, 1]], np.float64)
+_WINOGRAD_AT = np.array([[1, 1, 1, 0], [0, 1, -1, -1]], np.float64)
+
+
+def _winograd_filters(params: ParamArrays) -> ParamArrays:
+    """3x3 filters O x C x 3 x 3 as U = G g G^T: 16 matrices C x O, one per point of the 4x4 tile."""
+    w = np.asarray(params[0], np.float64)
+    u = np.einsum("ai,ocij,bj->abco", _WINOGRAD_G, w, _WINOGRAD_G)
+    return [u.reshape(16, w.shape[1], w.shape[0]).astype(np.float32)] + list(params[1:])
+
+
+def _combine(terms: Sequence[jax.Array], coefficients: np.ndarray) -> jax.Array:
+    """sum_k c_k terms_k over the non-zero c_k (all of B^T, A^T's entries are 0, 1/2 or +-1)."""
+    total = None
+    for term, c in zip(terms, coefficients):
+        if c == 0:
+            continue
+        term = term if c == 1 else (-term if c == -1 else c * term)
+        total = term if total is None else total + term
+    return total
+
+
+def _winograd_conv_kernel(conv: ConvShape) -> Kernel:
+    (pad_h, _), (pad_w, _) = conv.padding
+    oh, ow = conv.out
+    th, tw = -(-oh // 2), -(-ow // 2)
+
+    def forward(ctx, bottoms, params):
+        (x,) = bottoms
+        n, h, w, c = x.shape
+        # Enough padding that every 4x4 tile (stride 2) lies inside; cells past Caffe's output are cropped.
+        xpad = vision._pad(x, 1, [(pad_h, 2 * th + 2 - h - pad_h), (pad_w, 2 * tw + 2 - w - pad_w)], 0)
+        d = [[xpad[:, i:i + 2 * th:2, j:j + 2 * tw:2, :] for j in range(4)] for i in range(4)]
+        rows = [[_combine([d[i][j] for i in range(4)], _WINOGRAD_BT[a]) for j in range(4)] for a in range(4)]
+        v = jnp.stack([_combine(rows[a], _WINOGRAD_BT[b]) for a in range(4) for b in range(4)])
+        m = lax.dot_general(v.reshape(16, n * th * tw, c), params[0].astype(x.dtype),
+                            (((2,), (1,)), ((0,), (0,))), **_accumulating(x))
+        m = m.reshape(4, 4, n, th, tw, conv.num_output)
+        cols = [[_combine([m[a, b] for b in range(4)], _WINOGRAD_AT[s]) for s in range(2)] for a in range(4)]
+        y = jnp.stack([jnp.stack([_combine([cols[a][s] for a in range(4)], _WINOGRAD_AT[r]) for s in range(2)],
+                                 axis=3) for r in range(2)], axis=2)  # n, th, 2, tw, 2, O
+        y = y.reshape(n, 2 * th, 2 * tw, conv.num_output)[:, :oh, :ow, :]
+        return [_add_bias(y, params, x.dtype)]
+
+    return Kernel("conv_winograd_f2x2_3x3", forward, NHWC, _winograd_filters)
+
+
+def _pooling_kernel(layer: Layer, graph: Graph) -> Kernel | None:
+    shape = _shape(graph, layer.bottom_values[0])
+    if len(shape) != 4 or len(layer.top_values) != 1:
+        return None
+    g = vision.pooling_geometry(layer.proto, shape)
+    if g.method not in (vision.POOL_MAX, vision.POOL_AVE):
+        return None
+
+    def forward(ctx, bottoms, params):
+        (x,) = bottoms
+        if g.method == vision.POOL_MAX:
+            return [vision.max_pool(x, g, first_axis=1)[0]]
+        return [vision.ave_pool(x, g, first_axis=1)]
+
+    return Kernel("pool_nhwc", forward, NHWC)
+
+
+def _per_channel_kernel(rule_forward: ForwardFn) -> Kernel:
+    """A layer acting per channel of axis 1 (BatchNorm, per-channel Scale/Bias, PReLU) run on NHWC data as
+    Caffe's rule on the (N*H*W, C) view, whose axis 1 is the channel axis."""
+
+    def forward(ctx, bottoms, params):
+        (x,) = bottoms
+        (y,) = rule_forward(ctx, [x.reshape(-1, x.shape[-1])], params)
+        return [y.reshape(x.shape)]
+
+    return Kernel("per_channel_nhwc", forward, NHWC)
+
+
+def _is_per_channel(layer: Layer, graph: Graph, params: ParamArrays) -> bool:
+    if len(layer.bottom_values) != 1 or len(_shape(graph, layer.bottom_values[0])) != 4:
+        return False
+    if layer.type in ("BatchNorm", "PReLU"):
+        return True
+    if layer.type in ("Scale", "Bias"):
+        p = layer.proto.scale_param if layer.type == "Scale" else layer.proto.bias_param
+        channels = _shape(graph, layer.bottom_values[0])[1]
+        # The (N*H*W, C) view has 2 axes, so only a blob given by axis 1 keeps its meaning there.
+        return p.axis == 1 and all(np.shape(a) == (channels,) for a in params)
+    return False
+
+
+def _concat_kernel(layer: Layer, graph: Graph) -> Kernel | None:
+    p = layer.proto.concat_param
+    shape = _shape(graph, layer.bottom_values[0])
+    if len(shape) != 4 or p.HasField("concat_dim") or canonical_axis(layer.name, p.axis, 4) != 1:
+        return None
+    return Kernel("concat_nhwc", lambda ctx, bottoms, params: [jnp.concatenate(bottoms, axis=3)], NHWC)
+
+
+def _lrn_kernel(layer: Layer, graph: Graph) -> Kernel | None:
+    p = layer.proto.lrn_param
+    if p.norm_region != vision.LRN_ACROSS_CHANNELS or len(_shape(graph, layer.bottom_values[0])) != 4:
+        return None
+    return Kernel("lrn_nhwc", lambda ctx, bottoms, params: [vision.lrn_across_channels(bottoms[0], p, 3)], NHWC)
+
+
+def _inner_product_kernel(layer: Layer, graph: Graph) -> Kernel | None:
+    """InnerProduct (axis 1) reading a 4-D NHWC bottom: its weight columns permuted once from Caffe's
+    (c, h, w) order to (h, w, c), so the flattened channels-last input multiplies them directly."""
+    shape = _shape(graph, layer.bottom_values[0])
+    p = layer.proto.inner_product_param
+    if len(shape) != 4 or canonical_axis(layer.name, p.axis, 4) != 1:
+        return None
+    _, c, h, w = shape
+    rule = get_rule("InnerProduct").forward
+
+    def prepare(params: ParamArrays) -> ParamArrays:
+        weight = np.asarray(params[0])
+        if p.transpose:  # K x N
+            weight = weight.reshape(c, h, w, -1).transpose(1, 2, 0, 3).reshape(c * h * w, -1)
+        else:            # N x K
+            weight = weight.reshape(-1, c, h, w).transpose(0, 2, 3, 1).reshape(-1, c * h * w)
+        return [weight] + list(params[1:])
+
+    def forward(ctx, bottoms, params):
+        (x,) = bottoms
+        return rule(ctx, [x.reshape(x.shape[0], -1)], params)
+
+    return Kernel("inner_product_nhwc", forward, NHWC, prepare)
+
+
+# Layers that act element by element (or pass values through): they run in whatever layout they are fed.
+ELEMENTWISE_TYPES = frozenset({"ReLU", "Sigmoid", "TanH", "AbsVal", "BNLL", "ELU", "Exp", "Log", "Power", "Clip",
+                               "Swish", "Threshold", "Dropout", "Eltwise", "Split", "Silence"})
+
+
+def resolve_layout(kernel: Kernel | None, bottom_layouts: Sequence[str | None]) -> str:
+    """The layout a layer runs in: its kernel's, or for ANY, its 4-D bottoms' common one (else NCHW)."""
+    if kernel is None:
+        return NCHW
+    if kernel.layout != ANY:
+        return kernel.layout
+    seen = {layout for layout in bottom_layouts if layout is not None}
+    return seen.pop() if len(seen) == 1 else NCHW
+
+
+def nhwc(plan: Plan) -> Plan:
+    """Channels-last kernels for every layer that has one; element-wise layers follow their bottoms."""
+    graph = plan.graph
+    kernels = dict(plan.kernels)
+    layouts: dict[str, str | None] = {}
+    for layer in graph.layers:
+        if layer.is_input:
+            layouts.update((v, NCHW if len(graph.value_shapes.get(v) or ()) == 4 else None)
+                           for v in layer.top_values)
+            continue
+        kernel = kernels.get(layer.name) or _nhwc_kernel(layer, plan, layouts)
+        if kernel is not None:
+            kernels[layer.name] = kernel
+        layout = resolve_layout(kernel, [layouts.get(v) for v in layer.bottom_values])
+        for v in layer.top_values:
+            layouts[v] = layout if len(graph.value_shapes.get(v) or ()) == 4 else None
+    return dataclasses.replace(plan, kernels=kernels)
+
+
+def _nhwc_kernel(layer: Layer, plan: Plan, layouts: Mapping[str, str | None]) -> Kernel | None:
+    graph = plan.graph
+    if layer.type in ELEMENTWISE_TYPES:
+        return Kernel("elementwise", get_rule(layer.type).forward, ANY)
+    if not layer.bottom_values or graph.value_shapes.get(layer.bottom_values[0]) is None:
+        return None
+    if layer.type == "Convolution":
+        conv = _conv_shape(layer, graph)
+        return None if conv is None else _direct_conv_kernel(conv)
+    if layer.type == "Pooling":
+        return _pooling_kernel(layer, graph)
+    if layer.type == "Concat":
+        return _concat_kernel(layer, graph)
+    if layer.type == "LRN":
+        return _lrn_kernel(layer, graph)
+    if layer.type == "InnerProduct" and layouts.get(layer.bottom_values[0]) == NHWC:
+        return _inner_product_kernel(layer, graph)
+    if _is_per_channel(layer, graph, plan.params.get(layer.name, [])):
+        return _per_channel_kernel(get_rule(layer.type).forward)
+    return None
+
+
+# ---- convolution kernel choices (on top of nhwc) ----------------------------------------------------------
+
+def _replace_conv_kernels(plan: Plan, choose: Callable[[ConvShape], Kernel | None]) -> Plan:
+    """Swap the direct NHWC kernel of each Convolution for ``choose(shape)`` where that gives one."""
+    kernels = dict(plan.kernels)
+    for layer in plan.graph.layers:
+        kernel = kernels.get(layer.name)
+        if kernel is None or kernel.name != "conv_nhwc":
+            continue
+        better = choose(_conv_shape(layer, plan.graph))
+        if better is not None:
+            kernels[layer.name] = better
+    return dataclasses.replace(plan, kernels=kernels)
+
+
+def conv_gemm(plan: Plan) -> Plan:
+    """1x1 convolutions (any stride, no pad, one group) as pixels (N*H*W x C) @ W (C x O)."""
+    return _replace_conv_kernels(plan, lambda conv: _pointwise_conv_kernel(conv) if conv.is_pointwise else None)
+
+
+def depthwise(plan: Plan) -> Plan:
+    """Depthwise convolutions as kh*kw shifted multiply-adds (XLA fuses them into one pass)."""
+    return _replace_conv_kernels(plan, lambda conv: _depthwise_conv_kernel(conv) if conv.is_depthwise else None)
+
+
+# Winograd pays a transform per tile and 16 skinny products; measured on 2 AVX2 cores it beats XLA's direct
+# NHWC convolution for 3x3 layers on images up to 14x14 (ResNet stages 4-5, the tail of GoogLeNet) and loses
+# on bigger ones, where the direct convolution is already near its best.
+WINOGRAD_MAX_SIZE = 14
+
+
+def _winograd_applies(conv: ConvShape) -> bool:
+    g = conv.geometry
+    return (g.kernel == (3, 3) and g.stride == (1, 1) and g.dilation == (1, 1) and conv.group == 1
+            and max(conv.out) <= WINOGRAD_MAX_SIZE)
+
+
+def winograd(plan: Plan) -> Plan:
+    """3x3 stride-1 convolutions on small images as Winograd F(2x2, 3x3): 2.25x fewer multiplications."""
+    return _replace_conv_kernels(plan, lambda conv: _winograd_conv_kernel(conv) if _winograd_applies(conv) else None)
+
+
+PASSES: dict[str, Callable[[Plan], Plan]] = {
+    "fold_batchnorm": fold_batchnorm,
+    "nhwc": nhwc,
+    "conv_gemm": conv_gemm,
+    "depthwise": depthwise,
+    "winograd": winograd,
+}
+DEFAULT_PASSES: tuple[str, ...] = tuple(PASSES)
+
+
+def optimize(plan: Plan, passes: Sequence[str] = DEFAULT_PASSES) -> Plan:
+    """Run the named passes in :data:`PASSES` order (the kernel choices refine what ``nhwc`` picked)."""
+    unknown = [name for name in passes if name not in PASSES]
+    if unknown:
+        raise CaffejaxError(f"unknown optimisation pass(es) {unknown}; known: {list(PASSES)}")
+    for name in PASSES:
+        if name in passes:
+            plan = PASSES[name](plan)
+    return plan
+
+
+# ---- running a plan ---------------------------------------------------------------------------------------
+
+def prepare_params(plan: Plan, dtype) -> dict[str, list[jax.Array]]:
+    """Every layer's arrays in its kernel's form and the compute dtype (done once per program)."""
+    out = {}
+    for name, arrays in plan.params.items():
+        kernel = plan.kernels.get(name)
+        prepared = kernel.prepare(arrays) if kernel is not None else arrays
+        out[name] = [jnp.asarray(np.asarray(a), dtype) for a in prepared]
+    return out
+
+
+def run_plan(plan: Plan, params: Mapping[str, Sequence[jax.Array]], inputs: Mapping[str, jax.Array]
+             ) -> dict[str, jax.Array]:
+    """The plan's forward: inputs by value id (NCHW) -> the net's outputs by blob name (NCHW).
+
+    Values live in the layout their layer ran in; a layer reading a value in another layout gets it
+    transposed, and each (value, layout) transpose is made once.
+    """
+    graph = plan.graph
+    env: dict[str, jax.Array] = dict(inputs)
+    layouts: dict[str, str] = {v: NCHW for v in inputs}
+    moved: dict[tuple[str, str], jax.Array] = {}
+
+    def fetch(value: str, layout: str) -> jax.Array:
+        x, have = env[value], layouts[value]
+        if x.ndim != 4 or have == layout:
+            return x
+        if (value, layout) not in moved:
+            moved[(value, layout)] = to_layout(x, have, layout)
+        return moved[(value, layout)]
+
+    for index, layer in enumerate(graph.layers):
+        if layer.is_input:
+            continue
+        kernel = plan.kernels.get(layer.name)
+        layout = resolve_layout(kernel, [layouts[v] if env[v].ndim == 4 else None for v in layer.bottom_values])
+        forward = kernel.forward if kernel is not None else get_rule(layer.type).forward
+        ctx = LayerContext(layer=layer.proto, phase=graph.phase, key=None, num_tops=len(layer.tops),
+                           in_place=tuple(layer.in_place))
+        tops = forward(ctx, [fetch(v, layout) for v in layer.bottom_values], params.get(layer.name, []))
+        for value, top in zip(layer.top_values, tops):
+            env[value], layouts[value] = top, layout
+    return {blob: fetch(graph.blob_value[blob], NCHW) for blob in graph.outputs}

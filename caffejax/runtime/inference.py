@@ -1,0 +1,117 @@
+"""``caffejax.compile_inference``: a net's outputs as one optimised XLA program.
+
+``Net.forward`` is Caffe's forward: every blob, Caffe's layouts, net surgery visible on the next pass. For
+serving, only the outputs matter: ``compile_inference(net)`` snapshots the net's weights, runs the
+optimisation passes of :mod:`caffejax.lower.optimize` (BatchNorm folding, channels-last layout, faster
+convolution kernels), lays the weights out once, and returns a function ``inputs -> outputs`` compiled once
+per input-shape signature::
+
+    infer = caffejax.compile_inference(net)                  # float32, every pass
+    probs = infer({"data": images})["prob"]
+    fast = caffejax.compile_inference(net, dtype=jnp.bfloat16)  # opt-in: bf16 storage, float32 sums
+
+Later changes to the net's weights are not seen: compile again after net surgery.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from caffejax.errors import CaffejaxError, ShapeError
+from caffejax.frontend.build import build_graph
+from caffejax.frontend.ir import Graph
+from caffejax.lower.optimize import DEFAULT_PASSES, PASSES, Plan, make_plan, optimize, prepare_params, run_plan
+
+Shapes = tuple[tuple[str, tuple[int, ...]], ...]
+
+
+@dataclasses.dataclass
+class _Program:
+    plan: Plan
+    params: dict[str, list[jax.Array]]
+    run: Callable[..., dict[str, jax.Array]]
+
+
+class InferenceFunction:
+    """``infer(inputs) -> outputs``: input arrays by input blob name (NCHW, any batch size) to the net's
+    output blobs (float32). ``compile_count`` counts the programs built (one per input-shape signature)."""
+
+    def __init__(self, net, passes: Sequence[str], dtype):
+        unknown = [name for name in passes if name not in PASSES]
+        if unknown:
+            raise CaffejaxError(f"unknown optimisation pass(es) {unknown}; known: {list(PASSES)}")
+        self.passes = tuple(passes)
+        self.dtype = jnp.dtype(dtype)
+        if not jnp.issubdtype(self.dtype, jnp.floating):
+            raise CaffejaxError(f"compile_inference needs a floating dtype, got {self.dtype}")
+        self._net = net
+        self._weights = {owner: [np.array(a) for a in arrays] for owner, arrays in net.param_arrays().items()}
+        self._programs: dict[Shapes, _Program] = {}
+        self.inputs = list(net.inputs)
+        self.outputs = list(net.outputs)
+
+    @property
+    def compile_count(self) -> int:
+        return len(self._programs)
+
+    def plan(self, shapes: Mapping[str, Sequence[int]]) -> Plan:
+        """The optimised plan for these input shapes (what the program runs; for inspection)."""
+        return self._program(self._signature(shapes)).plan
+
+    def __call__(self, inputs: Mapping[str, Any]) -> dict[str, jax.Array]:
+        if set(inputs) != set(self.inputs):
+            raise CaffejaxError(f"inputs {sorted(inputs)} do not match the net's inputs {self.inputs}")
+        program = self._program(self._signature({name: np.shape(x) for name, x in inputs.items()}))
+        fed = {}
+        for layer in program.plan.graph.layers:
+            if layer.is_input:
+                for blob, value in zip(layer.tops, layer.top_values):
+                    fed[value] = jnp.asarray(inputs[blob], self.dtype)
+        return program.run(program.params, fed)
+
+    def _signature(self, shapes: Mapping[str, Sequence[int]]) -> Shapes:
+        return tuple(sorted((name, tuple(int(d) for d in shape)) for name, shape in shapes.items()))
+
+    def _program(self, signature: Shapes) -> _Program:
+        program = self._programs.get(signature)
+        if program is None:
+            plan = optimize(make_plan(self._graph(dict(signature)), self._weights), self.passes)
+            params = prepare_params(plan, self.dtype)
+            program = self._programs[signature] = _Program(plan, params, jax.jit(_outputs_as_float32(plan)))
+        return program
+
+    def _graph(self, shapes: Mapping[str, tuple[int, ...]]) -> Graph:
+        """The net's graph with its inputs at ``shapes`` (Caffe's Reshape of every layer)."""
+        graph = self._net.graph
+        current = {blob: graph.value_shapes[value] for layer in graph.layers if layer.is_input
+                   for blob, value in zip(layer.tops, layer.top_values)}
+        if all(current.get(name) == shape for name, shape in shapes.items()):
+            return graph
+        net = self._net
+        try:
+            return build_graph(net._net_param, net.phase, net._level, net._stages, input_shapes=shapes,
+                               base_dir=net._base_dir, allow_python_layers=net._allow_python)
+        except ShapeError as error:
+            raise ShapeError(f"compile_inference: the net does not accept inputs of shapes {dict(shapes)}: "
+                             f"{error}") from None
+
+
+def _outputs_as_float32(plan: Plan) -> Callable[..., dict[str, jax.Array]]:
+    def run(params, inputs):
+        return {name: y.astype(jnp.float32) for name, y in run_plan(plan, params, inputs).items()}
+    return run
+
+
+def compile_inference(net, *, passes: Sequence[str] = DEFAULT_PASSES, dtype=jnp.float32) -> InferenceFunction:
+    """The net's forward to its outputs, optimised for inference (see :mod:`caffejax.lower.optimize`).
+
+    ``passes``: the optimisation passes to run (default: all; ``()`` runs Caffe's rules unchanged).
+    ``dtype``: the storage and compute dtype of weights and activations; ``jnp.bfloat16`` halves the memory
+    traffic, products still summed in float32. Outputs are float32 either way.
+    """
+    return InferenceFunction(net, passes, dtype)

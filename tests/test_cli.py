@@ -1,0 +1,368 @@
+"""The caffejax command line: Caffe's tools (train, test, time, upgrade, convert_imageset, compute_image_mean,
+draw) and export, called in-process through ``main(argv)``."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+from google.protobuf import text_format
+
+import caffejax
+from caffejax import layers as L
+from caffejax.cli import main
+from caffejax.frontend.caffemodel import read_binary_net, read_blobproto, blobproto_to_array
+from caffejax.frontend.prototxt import parse_net_text, parse_solver_text
+from caffejax.proto import caffe_pb2
+from conftest import BUNDLED
+
+LENET = BUNDLED / "lenet" / "lenet.prototxt"
+LENET_WEIGHTS = BUNDLED / "lenet" / "lenet_iter_10000.caffemodel"
+COMMANDS = ["train", "test", "time", "device-query", "draw", "upgrade", "export", "convert-imageset",
+            "compute-image-mean"]
+
+
+def run(argv, capsys) -> tuple[int, str]:
+    """Exit status and stderr (the log and any error) of one command."""
+    status = main([str(a) for a in argv])
+    return status, capsys.readouterr().err
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("caffejax: error:")]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_help(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        from caffejax.cli import build_parser
+
+        build_parser().parse_args([command, "--help"])
+    assert exit_info.value.code == 0
+    assert f"usage: caffejax {command}" in capsys.readouterr().out
+    assert main([command, "--help"]) == 0
+
+
+def test_usage_errors_are_one_line(capsys):
+    status, err = run(["test", "-model", str(LENET)], capsys)  # -weights is required
+    assert status == 1 and error_lines(err) == [err.strip()]
+    assert "-weights" in err
+    status, err = run(["frobnicate"], capsys)
+    assert status == 1 and "invalid choice" in err and "Traceback" not in err
+    assert main([]) == 1  # no command: the overview, and a failure status
+
+
+# ---- upgrade ------------------------------------------------------------------------------------------------
+
+V1_NET = """
+name: "V1Net"
+input: "data"
+input_dim: 1 input_dim: 1 input_dim: 4 input_dim: 4
+layers {
+  name: "conv" type: CONVOLUTION bottom: "data" top: "conv"
+  blobs_lr: 1 blobs_lr: 2 weight_decay: 1 weight_decay: 0
+  convolution_param { num_output: 2 kernel_size: 3 }
+}
+layers { name: "relu" type: RELU bottom: "conv" top: "conv" }
+"""
+
+
+def test_upgrade_v1_prototxt(tmp_path, capsys):
+    (tmp_path / "v1.prototxt").write_text(V1_NET)
+    status, err = run(["upgrade", tmp_path / "v1.prototxt", tmp_path / "v2.prototxt"], capsys)
+    assert status == 0, err
+    net = parse_net_text(str(tmp_path / "v2.prototxt"), is_path=True)
+    assert len(net.layers) == 0 and len(net.input) == 0
+    assert [(l.name, l.type) for l in net.layer] == [("input", "Input"), ("conv", "Convolution"), ("relu", "ReLU")]
+    assert list(net.layer[0].input_param.shape[0].dim) == [1, 1, 4, 4]
+    assert [(p.lr_mult, p.decay_mult) for p in net.layer[1].param] == [(1, 1), (2, 0)]
+    caffejax.Net(str(tmp_path / "v2.prototxt"), caffejax.TEST)  # the result builds
+
+
+def test_upgrade_v1_caffemodel_keeps_blobs(tmp_path, capsys):
+    net = text_format.Parse(V1_NET, caffe_pb2.NetParameter())
+    weights = np.arange(18, dtype=np.float32).reshape(2, 1, 3, 3)
+    bias = np.array([0.5, -1.0], np.float32)
+    conv = net.layers[0]
+    conv.blobs.add(num=2, channels=1, height=3, width=3).data.extend(weights.ravel().tolist())
+    conv.blobs.add(num=1, channels=1, height=1, width=2).data.extend(bias.tolist())
+    (tmp_path / "v1.caffemodel").write_bytes(net.SerializeToString())
+    status, err = run(["upgrade", tmp_path / "v1.caffemodel", tmp_path / "v2.caffemodel"], capsys)
+    assert status == 0, err
+    upgraded = read_binary_net(str(tmp_path / "v2.caffemodel"))
+    assert len(upgraded.layers) == 0 and [l.type for l in upgraded.layer] == ["Input", "Convolution", "ReLU"]
+    np.testing.assert_array_equal(blobproto_to_array(upgraded.layer[1].blobs[0]), weights)
+    (tmp_path / "v2.prototxt").write_text(text_format.MessageToString(upgraded))
+    loaded = caffejax.Net(str(tmp_path / "v2.prototxt"), str(tmp_path / "v2.caffemodel"), caffejax.TEST)
+    np.testing.assert_array_equal(loaded.params["conv"][1].data, bias)
+
+
+def test_upgrade_solver(tmp_path, capsys):
+    (tmp_path / "solver.prototxt").write_text('net: "n.prototxt"\nbase_lr: 0.01\nsolver_type: ADAM\n')
+    status, err = run(["upgrade", tmp_path / "solver.prototxt", tmp_path / "new.prototxt"], capsys)
+    assert status == 0, err
+    solver = parse_solver_text(str(tmp_path / "new.prototxt"), is_path=True)
+    assert solver.type == "Adam" and not solver.HasField("solver_type") and solver.net == "n.prototxt"
+
+
+def test_upgrade_bad_input(tmp_path, capsys):
+    (tmp_path / "bad.prototxt").write_text('layer {\n  name: "x"\n  typo: "ReLU"\n}\n')
+    status, err = run(["upgrade", tmp_path / "bad.prototxt", tmp_path / "out"], capsys)
+    assert status == 1 and error_lines(err) == [err.strip()] and "bad.prototxt:3" in err
+    status, err = run(["upgrade", tmp_path / "missing.prototxt", tmp_path / "out"], capsys)
+    assert status == 1 and "missing.prototxt" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+# ---- convert-imageset, compute-image-mean -------------------------------------------------------------------
+
+@pytest.fixture
+def images(tmp_path):
+    """Three small RGB PNGs listed with labels, plus a listed file that does not exist."""
+    Image = pytest.importorskip("PIL.Image")
+    pytest.importorskip("lmdb")
+    rng = np.random.default_rng(0)
+    pixels = {}
+    for i in range(3):
+        name = f"img {i}.png"  # a space in the name: list lines split at their last space
+        pixels[name] = rng.integers(0, 256, (5, 4, 3), dtype=np.uint8)
+        Image.fromarray(pixels[name]).save(tmp_path / name)
+    (tmp_path / "list.txt").write_text("".join(f"{name} {i}\n" for i, name in enumerate(pixels)) + "gone.png 9\n")
+    return tmp_path, pixels
+
+
+def read_lmdb(path) -> list[tuple[str, bytes]]:
+    import lmdb
+
+    env = lmdb.open(str(path), readonly=True, lock=False)
+    with env.begin() as txn:
+        records = [(key.decode(), bytes(value)) for key, value in txn.cursor()]
+    env.close()
+    return records
+
+
+def test_convert_imageset_raw(images, capsys):
+    from caffejax.data.data_layer import datum_image
+
+    root, pixels = images
+    status, err = run(["convert-imageset", f"{root}/", root / "list.txt", root / "db"], capsys)
+    assert status == 0, err
+    assert "gone.png" in err  # an unreadable image is logged and skipped, as Caffe does
+    records = read_lmdb(root / "db")
+    assert [key for key, _ in records] == [f"{i:08d}_img {i}.png" for i in range(3)]
+    for i, (key, value) in enumerate(records):
+        datum = caffe_pb2.Datum.FromString(value)
+        assert not datum.encoded and (datum.channels, datum.height, datum.width) == (3, 5, 4)
+        image, label = datum_image(value, "color", key)
+        np.testing.assert_array_equal(image, pixels[f"img {i}.png"][:, :, ::-1].transpose(2, 0, 1))  # BGR, CHW
+        assert label == i
+    status, err = run(["convert-imageset", f"{root}/", root / "list.txt", root / "db"], capsys)
+    assert status == 1 and "already exists" in err
+
+    status, err = run(["compute-image-mean", root / "db", root / "mean.binaryproto"], capsys)
+    assert status == 0, err
+    mean_blob = read_blobproto(str(root / "mean.binaryproto"))
+    expected = np.mean([p[:, :, ::-1].transpose(2, 0, 1).astype(np.float32) for p in pixels.values()], axis=0)
+    np.testing.assert_allclose(blobproto_to_array(mean_blob), expected[None], rtol=1e-6)
+    for c in range(3):
+        assert f"mean_value channel [{c}]: {expected[c].mean():g}" in err
+
+
+def test_convert_imageset_encoded_gray_and_resized(images, capsys):
+    from caffejax.data.data_layer import datum_image
+
+    root, pixels = images
+    status, err = run(["convert-imageset", "--encoded", f"{root}/", root / "list.txt", root / "enc"], capsys)
+    assert status == 0, err
+    for i, (key, value) in enumerate(read_lmdb(root / "enc")):
+        datum = caffe_pb2.Datum.FromString(value)
+        assert datum.encoded and datum.data == (root / f"img {i}.png").read_bytes()  # the file itself
+        np.testing.assert_array_equal(datum_image(value, "color", key)[0],
+                                      pixels[f"img {i}.png"][:, :, ::-1].transpose(2, 0, 1))
+    status, err = run(["compute-image-mean", root / "enc"], capsys)
+    assert status == 0 and "Number of channels: 3" in err
+
+    status, err = run(["convert-imageset", "--gray", "--resize_height", "3", "--resize_width", "2", "--shuffle",
+                       "--encode_type", "png", f"{root}/", root / "list.txt", root / "gray"], capsys)
+    assert status == 0, err
+    records = read_lmdb(root / "gray")
+    assert sorted(key[9:] for key, _ in records) == sorted(pixels)
+    for key, value in records:
+        image, _ = datum_image(value, "unchanged", key)
+        assert image.shape == (1, 3, 2)  # re-encoded: gray and resized
+
+
+def test_lmdb_feeds_a_data_layer(images, capsys):
+    """convert-imageset's database, read by a Data layer written with NetSpec."""
+    root, pixels = images
+    assert run(["convert-imageset", f"{root}/", root / "list.txt", root / "db"], capsys)[0] == 0
+    n = caffejax.NetSpec()
+    n.data, n.label = L.Data(source=str(root / "db"), backend=caffejax.params.Data.LMDB, batch_size=3,
+                             transform_param=dict(scale=0.5), ntop=2)
+    net = caffejax.Net(n.to_proto(), caffejax.TEST)
+    out = net.forward()
+    expected = [p[:, :, ::-1].transpose(2, 0, 1) * np.float32(0.5) for p in pixels.values()]
+    np.testing.assert_array_equal(out["data"], np.stack(expected))
+    np.testing.assert_array_equal(out["label"], [0, 1, 2])
+
+
+def test_image_tools_bad_input(tmp_path, capsys):
+    pytest.importorskip("lmdb")
+    status, err = run(["compute-image-mean", tmp_path / "nodb"], capsys)
+    assert status == 1 and error_lines(err) == [err.strip()] and "nodb" in err
+    status, err = run(["convert-imageset", "--backend", "leveldb", f"{tmp_path}/", tmp_path / "l", tmp_path / "d"],
+                      capsys)
+    assert status == 1 and "leveldb" in err
+    status, err = run(["convert-imageset", f"{tmp_path}/", tmp_path / "nolist.txt", tmp_path / "d"], capsys)
+    assert status == 1 and "nolist.txt" in err and "Traceback" not in err
+
+
+# ---- test, time ------------------------------------------------------------------------------------------------
+
+def lenet_scoring_net(path):
+    """LeNet (the bundled weights' layer names) scoring DummyData digits against label 3."""
+    n = caffejax.NetSpec()
+    n.data, n.label = L.DummyData(shape=[dict(dim=[4, 1, 28, 28]), dict(dim=[4])], ntop=2,
+                                  data_filler=[dict(type="uniform"), dict(type="constant", value=3)])
+    n.conv1 = L.Convolution(n.data, num_output=20, kernel_size=5)
+    n.pool1 = L.Pooling(n.conv1, pool=caffejax.params.Pooling.MAX, kernel_size=2, stride=2)
+    n.conv2 = L.Convolution(n.pool1, num_output=50, kernel_size=5)
+    n.pool2 = L.Pooling(n.conv2, pool=caffejax.params.Pooling.MAX, kernel_size=2, stride=2)
+    n.ip1 = L.InnerProduct(n.pool2, num_output=500)
+    n.relu1 = L.ReLU(n.ip1, in_place=True)
+    n.ip2 = L.InnerProduct(n.ip1, num_output=10)
+    n.accuracy = L.Accuracy(n.ip2, n.label)
+    n.loss = L.SoftmaxWithLoss(n.ip2, n.label)
+    path.write_text(str(n.to_proto()))
+    return path
+
+
+def test_test_averages_outputs_like_caffe(tmp_path, capsys):
+    model = lenet_scoring_net(tmp_path / "score.prototxt")
+    status, err = run(["test", "-model", model, "-weights", LENET_WEIGHTS, "-iterations", "3"], capsys)
+    assert status == 0, err
+    batches = {name: [float(v) for v in re.findall(rf"Batch \d+, {name} = (\S+)", err)]
+               for name in ("accuracy", "loss")}
+    assert len(batches["accuracy"]) == len(batches["loss"]) == 3
+    assert all(a in (0, 0.25, 0.5, 0.75, 1) for a in batches["accuracy"])
+    accuracy = float(re.search(r"^\S+ \S+ accuracy = (\S+)$", err, re.M).group(1))  # after the glog prefix
+    assert accuracy == pytest.approx(np.mean(batches["accuracy"]), abs=1e-5)
+    mean_loss = np.mean(batches["loss"])
+    match = re.search(r" loss = (\S+) \(\* 1 = (\S+) loss\)$", err, re.M)
+    assert float(match.group(1)) == pytest.approx(mean_loss, rel=1e-4) == float(match.group(2))
+    assert float(re.search(r"Loss: (\S+)", err).group(1)) == pytest.approx(mean_loss, rel=1e-4)
+
+
+def test_time_reports_layers_and_whole_net(capsys):
+    status, err = run(["time", "-model", LENET, "-weights", LENET_WEIGHTS, "-iterations", "1"], capsys)
+    assert status == 0, err
+    net = caffejax.Net(str(LENET), caffejax.TRAIN)
+    for layer in net.graph.layers:
+        if not layer.is_input:
+            assert re.search(rf"{layer.name}\tforward: [\d.e-]+ ms\.", err), layer.name
+            assert re.search(rf"{layer.name}\tbackward: ([\d.e-]+ ms\.|none needed)", err), layer.name
+    assert re.search(r"conv1\tbackward: [\d.e-]+ ms\.", err)  # conv1's weights are learnable
+    assert "each layer compiled on its own" in err
+    assert re.search(r"Average Forward pass \(whole net, one compiled program\): [\d.e-]+ ms\.", err)
+    assert re.search(r"Average Forward-Backward \(whole net, one compiled program\): [\d.e-]+ ms\.", err)
+
+
+# ---- train ------------------------------------------------------------------------------------------------------
+
+def small_solver(tmp_path):
+    n = caffejax.NetSpec()
+    n.data, n.target = L.DummyData(shape=[dict(dim=[2, 3]), dict(dim=[2, 2])], ntop=2,
+                                   data_filler=[dict(type="constant", value=1), dict(type="constant", value=0)])
+    n.ip = L.InnerProduct(n.data, num_output=2, weight_filler=dict(type="constant", value=0.5))
+    n.loss = L.EuclideanLoss(n.ip, n.target)
+    (tmp_path / "net.prototxt").write_text(str(n.to_proto()))
+    (tmp_path / "solver.prototxt").write_text(
+        'net: "net.prototxt"\nbase_lr: 0.1\nlr_policy: "fixed"\nmax_iter: 2\ndisplay: 1\n'
+        f'snapshot_prefix: "{tmp_path}/snap"\n')
+    return tmp_path / "solver.prototxt"
+
+
+def test_train_finetunes_and_resumes(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    solver = small_solver(tmp_path)
+    start = caffejax.Net(str(tmp_path / "net.prototxt"), caffejax.TRAIN)
+    start.params["ip"][0].data[...] = 0.25
+    start.save(str(tmp_path / "start.caffemodel"))
+    status, err = run(["train", "-solver", solver, "-weights", tmp_path / "start.caffemodel"], capsys)
+    assert status == 0, err
+    assert "Finetuning from" in err and "Optimization Done." in err
+    assert "Iteration 0" in err and re.search(r"loss = 0\.5625\b", err)  # 2x2 outputs 0.75, loss sum/2/N
+    trained = caffejax.Net(str(tmp_path / "net.prototxt"), str(tmp_path / "snap_iter_2.caffemodel"), caffejax.TRAIN)
+    assert np.all(trained.params["ip"][0].data < 0.25)  # it moved toward the zero target
+
+    status, err = run(["train", "-solver", solver, "-snapshot", tmp_path / "snap_iter_2.solverstate"], capsys)
+    assert status == 0 and "Resuming from" in err
+
+    status, err = run(["train", "-solver", solver, "-snapshot", "s", "-weights", "w"], capsys)
+    assert status == 1 and error_lines(err) == [err.strip()] and "not both" in err
+    status, err = run(["train", "-solver", solver, "--devices", "2"], capsys)
+    assert status == 1 and "more than one device" in err
+
+
+# ---- draw, export ------------------------------------------------------------------------------------------------
+
+def test_draw(tmp_path, capsys):
+    status, err = run(["draw", LENET, tmp_path / "lenet.dot", "--rankdir", "TB"], capsys)
+    assert status == 0, err
+    text = (tmp_path / "lenet.dot").read_text()
+    assert "rankdir=TB" in text and all(f'"layer {name} (' in text for name in ("data", "conv1", "ip2", "prob"))
+    if shutil.which("dot"):
+        assert run(["draw", LENET, tmp_path / "lenet.png"], capsys)[0] == 0
+        assert (tmp_path / "lenet.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_export(tmp_path, capsys):
+    pytest.importorskip("flatbuffers")
+    from caffejax.export import load_stablehlo
+
+    status, err = run(["export", "-model", LENET, "-weights", LENET_WEIGHTS, "-output", tmp_path / "lenet.shlo",
+                       "--batch", "2", "--platforms", "cpu,cuda"], capsys)
+    assert status == 0, err
+    model = load_stablehlo(str(tmp_path / "lenet.shlo"))
+    assert model.exported.platforms == ("cpu", "cuda")  # lowered for a GPU too, and runs here on the CPU
+    x = np.random.default_rng(0).random((2, 1, 28, 28), dtype=np.float32)
+    net = caffejax.Net(str(LENET), str(LENET_WEIGHTS), caffejax.TEST)
+    net.blobs["data"].reshape(2, 1, 28, 28)
+    np.testing.assert_allclose(model(data=x)["prob"], net.forward(data=x)["prob"], rtol=1e-5, atol=1e-5)
+
+    pytest.importorskip("flax")
+    status, err = run(["export", "-model", LENET, "-weights", LENET_WEIGHTS, "-output", tmp_path / "lenet.msgpack",
+                       "--format", "flax"], capsys)
+    assert status == 0, err
+    assert (tmp_path / "lenet.msgpack").stat().st_size > 4 * 431_000  # LeNet's 431k weights
+
+
+# ---- bad input ----------------------------------------------------------------------------------------------------
+
+def test_bad_input_is_one_line_and_status_1(tmp_path, capsys):
+    status, err = run(["test", "-model", tmp_path / "none.prototxt", "-weights", LENET_WEIGHTS], capsys)
+    assert status == 1 and err.strip() == f"caffejax: error: {tmp_path / 'none.prototxt'}: no such model file"
+    status, err = run(["test", "-model", LENET, "-weights", tmp_path / "none.caffemodel"], capsys)
+    assert status == 1 and error_lines(err) == [err.strip()] and "none.caffemodel" in err
+    (tmp_path / "broken.prototxt").write_text('layer { name: "a" type: "Input" top: "a" }\n'
+                                              'layer { name: "b" type: "ReLU" bottom: "missing" top: "b" }\n')
+    status, err = run(["time", "-model", tmp_path / "broken.prototxt"], capsys)
+    assert status == 1 and error_lines(err) == [err.strip()] and "missing" in err
+    status, err = run(["test", "-model", LENET, "-weights", LENET_WEIGHTS, "-phase", "VALIDATE"], capsys)
+    assert status == 1 and "TRAIN or TEST" in err
+    with pytest.raises(caffejax.CaffejaxError):  # --debug shows the real exception
+        main(["--debug", "time", "-model", str(tmp_path / "broken.prototxt")])
+
+
+def test_console_script_smoke():
+    exe = shutil.which("caffejax")
+    if exe is None:
+        pytest.skip("the caffejax console script is not installed (pip install -e .)")
+    done = subprocess.run([exe, "upgrade", "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "usage: caffejax upgrade" in done.stdout
+    done = subprocess.run([exe, "draw", "/nonexistent.prototxt", "x.dot"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1 and done.stderr.strip() == "caffejax: error: /nonexistent.prototxt: no such model file"

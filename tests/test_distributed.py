@@ -1,0 +1,289 @@
+"""Several devices (caffejax.runtime.distributed): data-parallel training with Caffe's multi-GPU rule, and
+sharded inference.
+
+JAX fixes its device count when it starts, so the tests that need four devices run in a child pytest that
+sees four virtual CPU devices (``test_four_device_tests_in_a_child_process`` starts it). Where this process
+already sees four devices they run here directly.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+
+import caffejax
+from caffejax.errors import CaffejaxError, DataError
+from caffejax.frontend.prototxt import parse_net_text
+from caffejax.proto import caffe_pb2
+from caffejax.runtime.distributed import DataShard, data_parallel_forward, deal_records, pass_batch
+from conftest import REFERENCE
+
+SOLVERS = REFERENCE / "solvers"
+FOUR_DEVICES = jax.device_count() >= 4
+needs_four = pytest.mark.skipif(not FOUR_DEVICES, reason="runs in test_four_device_tests_in_a_child_process")
+CHILD_FLAGS = "--xla_force_host_platform_device_count=4"
+
+
+def test_four_device_tests_in_a_child_process():
+    if FOUR_DEVICES:
+        pytest.skip("this process sees four devices: the tests ran here")
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {CHILD_FLAGS}".strip(),
+           "JAX_PLATFORMS": "cpu"}
+    here = pathlib.Path(__file__)
+    result = subprocess.run([sys.executable, "-m", "pytest", str(here), "-q", "-p", "no:cacheprovider", "-m",
+                             "not slow", "-k", "not child_process"], cwd=here.parent.parent, env=env,
+                            capture_output=True, text=True, timeout=600)
+    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
+    assert result.returncode == 0 and "skipped" not in summary, result.stdout[-8000:] + result.stderr[-4000:]
+
+
+# ---- training -------------------------------------------------------------------------------------------------------
+
+def _copy_params(source, target) -> None:
+    for name, blobs in source.net.params.items():
+        for i, blob in enumerate(blobs):
+            target.net.params[name][i].data[...] = blob.data
+
+
+def _feed(solver, **arrays) -> None:
+    for name, array in arrays.items():
+        solver.net.blobs[name].reshape(*array.shape)
+        solver.net.blobs[name].data[...] = array
+
+
+@needs_four
+@pytest.mark.parametrize("case", ["sgd_momentum_step", "sgd_sigmoid_clip_itersize"])
+def test_four_devices_train_as_one_device_on_the_concatenated_batch(case):
+    """Caffe averages the devices' diffs; SoftmaxWithLoss averages over its batch: the same arithmetic as one
+    device on the 4 batches concatenated (momentum, decay, the step policy, clipping and iter_size 2)."""
+    path = str(SOLVERS / f"{case}_solver.prototxt")
+    four = caffejax.get_solver(path, devices=4)
+    one = caffejax.get_solver(path)
+    batch = one.net.blobs["data"].shape
+    assert four.net.blobs["data"].shape == (4 * batch[0],) + batch[1:]  # the global batch
+    assert four.net.blobs["label"].shape == (4 * batch[0],)
+    _copy_params(four, one)
+    rng = np.random.default_rng(3)
+    for step in range(6):
+        data = rng.standard_normal(four.net.blobs["data"].shape).astype(np.float32)
+        label = rng.integers(0, 5, size=4 * batch[0]).astype(np.float32)
+        for solver in (four, one):
+            _feed(solver, data=data, label=label)
+            solver.step(1)
+        for name, blobs in one.net.params.items():
+            for i, blob in enumerate(blobs):
+                np.testing.assert_allclose(four.net.params[name][i].data, blob.data, rtol=0, atol=1e-5,
+                                           err_msg=f"{case} step {step} {name}/{i}")
+                np.testing.assert_allclose(four.net.params[name][i].diff, blob.diff, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(four.net.blobs["loss"].data, one.net.blobs["loss"].data, rtol=1e-5)
+        np.testing.assert_allclose(four.net.blobs["ip1"].data, one.net.blobs["ip1"].data, rtol=0, atol=1e-5)
+    assert four.compile_count == 1
+    assert four.iter == 6
+
+
+BATCH_NORM_NET = """
+name: "bn"
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 4 dim: 2 dim: 5 dim: 5 } } }
+layer { name: "label" type: "Input" top: "label" input_param { shape { dim: 4 } } }
+layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+  convolution_param { num_output: 3 kernel_size: 3 weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "bn" type: "BatchNorm" bottom: "conv" top: "conv" }
+layer { name: "ip" type: "InnerProduct" bottom: "conv" top: "ip"
+  inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+"""
+
+
+@needs_four
+def test_batch_norm_normalises_each_device_batch_and_keeps_the_mean_statistics():
+    """Each device's BatchNorm uses its own batch's statistics (as each GPU does); the diffs are averaged;
+    the running statistics are the mean of the devices' copies."""
+    param = caffe_pb2.SolverParameter(type="SGD", base_lr=0.1, lr_policy="fixed", max_iter=10)
+    param.net_param.CopyFrom(parse_net_text(BATCH_NORM_NET))
+    two = caffejax.get_solver(param, devices=2)
+    start = {name: [b.data.copy() for b in blobs] for name, blobs in two.net.params.items()}
+    rng = np.random.default_rng(4)
+    data = rng.standard_normal((8, 2, 5, 5)).astype(np.float32)
+    data[4:] = 3 * data[4:] + 1  # the devices' batches differ in their statistics
+    label = rng.integers(0, 3, size=8).astype(np.float32)
+    _feed(two, data=data, label=label)
+    two.step(1)
+
+    # Each device on its own: one-device nets on each half, from the same weights.
+    reference = caffejax.Net(BATCH_NORM_NET, caffejax.TRAIN)
+    halves = []
+    for rows in (slice(0, 4), slice(4, 8)):
+        for name, arrays in start.items():
+            for i, array in enumerate(arrays):
+                reference.params[name][i].data[...] = array
+        reference.clear_param_diffs()
+        loss = reference.forward(data=data[rows], label=label[rows])["loss"].copy()
+        reference.backward()
+        halves.append((loss, {name: [(b.data.copy(), b.diff.copy()) for b in blobs]
+                              for name, blobs in reference.params.items()}))
+    (loss_a, a), (loss_b, b) = halves
+    assert not np.allclose(a["bn"][0][0], b["bn"][0][0])  # the halves' statistics differ
+    for name in ("conv", "ip"):
+        for i in range(2):
+            mean_diff = (a[name][i][1] + b[name][i][1]) / 2
+            np.testing.assert_allclose(two.net.params[name][i].data, start[name][i] - np.float32(0.1) * mean_diff,
+                                       rtol=1e-5, atol=1e-6, err_msg=f"{name}/{i}")
+    for i in range(3):
+        np.testing.assert_allclose(two.net.params["bn"][i].data, (a["bn"][i][0] + b["bn"][i][0]) / 2, rtol=1e-5,
+                                   atol=1e-6, err_msg=f"bn/{i}")
+    np.testing.assert_allclose(two.net.blobs["loss"].data, (loss_a + loss_b) / 2, rtol=1e-5)
+
+
+MEMORY_NET = """
+name: "memory"
+layer { name: "data" type: "MemoryData" top: "data" top: "label"
+  memory_data_param { batch_size: 3 channels: 1 height: 2 width: 2 } }
+layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip"
+  inner_product_param { num_output: 2 weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+"""
+
+
+@needs_four
+def test_data_layer_records_are_dealt_to_devices_as_caffe_does():
+    """Two devices pull two prototxt batches per pass; device r gets records r, r + 2, r + 4 (rank = i mod N)."""
+    param = caffe_pb2.SolverParameter(type="SGD", base_lr=0.1, lr_policy="fixed", max_iter=10)
+    param.net_param.CopyFrom(parse_net_text(MEMORY_NET))
+    two = caffejax.get_solver(param, devices=2)
+    data = np.arange(12 * 4, dtype=np.float32).reshape(12, 1, 2, 2)
+    labels = (np.arange(12) % 2).astype(np.float32)
+    two.net.set_input_arrays(data, labels)
+    two.step(1)
+    np.testing.assert_array_equal(two.net.blobs["data"].data, data[[0, 2, 4, 1, 3, 5]])
+    np.testing.assert_array_equal(two.net.blobs["label"].data.ravel(), labels[[0, 2, 4, 1, 3, 5]])
+    two.step(1)  # the next pass continues the stream
+    np.testing.assert_array_equal(two.net.blobs["data"].data, data[[6, 8, 10, 7, 9, 11]])
+
+
+@needs_four
+def test_refuses_uneven_batches_and_missing_devices():
+    path = str(SOLVERS / "sgd_momentum_step_solver.prototxt")
+    with pytest.raises(CaffejaxError, match="JAX sees 4 cpu device"):
+        caffejax.get_solver(path, devices=5)
+    four = caffejax.get_solver(path, devices=4)
+    four.net.blobs["data"].reshape(22, 2, 8, 8)
+    four.net.blobs["label"].reshape(22)
+    with pytest.raises(DataError, match="'data' has shape \\(22, 2, 8, 8\\).*multiple of 4"):
+        four.step(1)
+
+
+# ---- inference ---------------------------------------------------------------------------------------------------
+
+@needs_four
+def test_sharded_inference_equals_one_device():
+    net = caffejax.Net(str(SOLVERS / "sgd_momentum_step_net.prototxt"), caffejax.TEST)
+    forward = data_parallel_forward(net, 4, blobs=["ip1"])
+    rng = np.random.default_rng(5)
+    data = rng.standard_normal((24, 2, 8, 8)).astype(np.float32)
+    label = rng.integers(0, 5, size=24).astype(np.float32)
+    sharded = forward(data=data, label=label)
+    assert set(sharded) == {"loss", "ip1"}
+    net.blobs["data"].reshape(*data.shape)
+    net.blobs["label"].reshape(*label.shape)
+    single = net.forward(data=data, label=label, blobs=["ip1"])
+    assert sharded["ip1"].shape == (24, 5)
+    np.testing.assert_allclose(sharded["ip1"], single["ip1"], rtol=1e-6, atol=1e-6)
+    # The loss does not depend on the batch size: the mean of the devices' losses, the global batch's loss.
+    np.testing.assert_allclose(sharded["loss"], single["loss"], rtol=1e-6)
+    with pytest.raises(DataError, match="multiple of 4"):
+        forward(data=data[:22], label=label[:22])
+    with pytest.raises(CaffejaxError, match="fed blob"):
+        forward(data=data)
+
+
+# ---- the data a pass reads (no devices needed) --------------------------------------------------------------------
+
+def _numbered_batches(batch_size: int):
+    count = iter(range(10 ** 6))
+
+    def pull():
+        records = np.array([next(count) for _ in range(batch_size)])
+        return {"data": records.astype(np.float32), "label": -records}
+
+    return pull
+
+
+def test_deal_records_gives_record_i_to_device_i_mod_n():
+    np.testing.assert_array_equal(deal_records(np.arange(6), 3), [0, 3, 1, 4, 2, 5])
+    np.testing.assert_array_equal(deal_records(np.arange(12).reshape(6, 2), 2)[:, 0], [0, 4, 8, 2, 6, 10])
+
+
+def test_pass_batch_keeps_this_process_batches_and_deals_them():
+    # One process, two devices, batches of 3: records 0..5, dealt 0 2 4 | 1 3 5.
+    one = pass_batch(_numbered_batches(3), devices=2, shard=DataShard())
+    np.testing.assert_array_equal(one["data"], [0, 2, 4, 1, 3, 5])
+    np.testing.assert_array_equal(one["label"], -one["data"])
+    # Process 1 of 2, two devices each: of batches 0..3 it keeps 1 and 3 (records 3..5, 9..11).
+    pull = _numbered_batches(3)
+    np.testing.assert_array_equal(pass_batch(pull, devices=2, shard=DataShard(1, 2))["data"], [3, 5, 10, 4, 9, 11])
+    # The stream continues: the next pass keeps batches 5 and 7.
+    np.testing.assert_array_equal(pass_batch(pull, devices=2, shard=DataShard(1, 2))["data"],
+                                  [15, 17, 22, 16, 21, 23])
+
+
+# ---- several processes (jax.distributed) ---------------------------------------------------------------------------
+
+TWO_PROCESS_SCRIPT = textwrap.dedent("""
+    import os, sys
+    process_id, port, solver_path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=process_id)
+    import numpy as np
+    import caffejax
+
+    four = caffejax.get_solver(solver_path, devices=jax.device_count())  # 2 processes x 2 devices
+    one = caffejax.get_solver(solver_path)  # this process's first device, on the whole global batch
+    for name, blobs in four.net.params.items():
+        for i, blob in enumerate(blobs):
+            one.net.params[name][i].data[...] = blob.data
+    assert four.net.blobs["data"].shape == (12, 2, 8, 8), four.net.blobs["data"].shape  # this process's rows
+    rng = np.random.default_rng(3)
+    for step in range(3):
+        data = rng.standard_normal((24, 2, 8, 8)).astype(np.float32)
+        label = rng.integers(0, 5, size=24).astype(np.float32)
+        rows = slice(12 * process_id, 12 * (process_id + 1))
+        four.net.blobs["data"].data[...] = data[rows]
+        four.net.blobs["label"].data[...] = label[rows]
+        four.step(1)
+        one.net.blobs["data"].reshape(24, 2, 8, 8)
+        one.net.blobs["label"].reshape(24)
+        one.net.blobs["data"].data[...] = data
+        one.net.blobs["label"].data[...] = label
+        one.step(1)
+        for name, blobs in one.net.params.items():
+            for i, blob in enumerate(blobs):
+                np.testing.assert_allclose(four.net.params[name][i].data, blob.data, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(four.net.blobs["ip1"].data, one.net.blobs["ip1"].data[rows], atol=1e-5)
+        np.testing.assert_allclose(four.net.blobs["loss"].data, one.net.blobs["loss"].data, rtol=1e-5)
+    print("process", process_id, "agrees")
+""")
+
+
+@pytest.mark.slow
+def test_two_processes_train_as_one_device(tmp_path):
+    """The documented multi-host path: jax.distributed.initialize, one process per host, each feeding its rows."""
+    script = tmp_path / "train.py"
+    script.write_text(TWO_PROCESS_SCRIPT)
+    port = str(20000 + os.getpid() % 20000)
+    env = {key: value for key, value in os.environ.items() if key not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    path = str(SOLVERS / "sgd_momentum_step_solver.prototxt")
+    processes = [subprocess.Popen([sys.executable, str(script), str(i), port, path], env=env, cwd=tmp_path,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outputs = [p.communicate(timeout=300)[0] for p in processes]
+    for i, (p, output) in enumerate(zip(processes, outputs)):
+        assert p.returncode == 0 and f"process {i} agrees" in output, output[-6000:]
