@@ -6,6 +6,7 @@ from caffejax.grad import value_and_grad
 from caffejax.lower.registry import TEST, TRAIN
 from caffejax.net_spec import NetSpec, layers, params, to_proto
 from caffejax.runtime.mode import set_device, set_mode_cpu, set_mode_gpu, set_random_seed
+from caffejax.runtime.inference import compile_inference
 from caffejax.runtime.net import Net
 from caffejax.runtime.solver import (AdaDeltaSolver, AdaGradSolver, AdamSolver, NesterovSolver, RMSPropSolver,
                                      SGDSolver, get_solver)
@@ -18,4 +19,4 @@ __all__ = ["Net", "TRAIN", "TEST", "CaffejaxError", "ParseError", "SchemaError",
            "WeightsError", "DataError", "SolverError", "UnsupportedError", "set_mode_cpu", "set_mode_gpu",
            "set_device", "set_random_seed", "value_and_grad", "get_solver", "SGDSolver", "NesterovSolver",
            "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver", "AdamSolver", "NetSpec", "layers", "params",
-           "to_proto", "io", "Classifier", "Detector"]
+           "to_proto", "io", "Classifier", "Detector", "compile_inference"]

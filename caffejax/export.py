@@ -27,19 +27,12 @@ import numpy as np
 from caffejax.errors import CaffejaxError, ShapeError, UnsupportedError
 from caffejax.fileio import atomic_write
 
-__all__ = ["export_stablehlo", "load_stablehlo", "StableHLOModel", "to_flax", "save_flax_state", "load_flax_state",
-           "fed_values"]
-
-
-def fed_values(graph) -> dict[str, str]:
-    """The blobs fed from outside the compiled program (Input/data tops) -> their value ids."""
-    return {top: value for layer in graph.layers if layer.is_input
-            for top, value in zip(layer.tops, layer.top_values)}
+__all__ = ["export_stablehlo", "load_stablehlo", "StableHLOModel", "to_flax", "save_flax_state", "load_flax_state"]
 
 
 def _forward_fn(graph, program):
     """``f(params, inputs, key) -> outputs``: the whole net's forward over blobs named as Caffe names them."""
-    fed = fed_values(graph)
+    fed = graph.fed
     outputs = tuple(graph.outputs)
 
     def forward(params, inputs: Mapping[str, Any], key=None, masks: bool = False):
@@ -68,7 +61,7 @@ def export_stablehlo(net, path: str, *, batch: int | None = None,
     forward = _forward_fn(graph, net._program)
     params = net.param_arrays()
     specs = {}
-    for name in fed_values(graph):
+    for name in graph.fed:
         shape = graph.blob_shape(name)
         if shape is None:
             raise ShapeError(f"cannot export: the shape of input blob '{name}' is unknown (its data source is "
@@ -176,7 +169,7 @@ def _module_class():
         def __init__(self, net):
             graph = net.graph
             self.phase = graph.phase
-            self.input_names = tuple(fed_values(graph))
+            self.input_names = tuple(graph.fed)
             self.output_names = tuple(graph.outputs)
             self._forward = _forward_fn(graph, net._program)
             self._loss = net._program.loss

@@ -65,8 +65,7 @@ def value_and_grad(net, masks: Mapping[str, Mapping] | None = None) -> Callable:
             raise CaffejaxError(f"mask for param ({layer!r}, {index}) has shape {tuple(mask.shape)}; the blob "
                                 f"is {tuple(slot.shape)}")
         param_masks[(layer, index)] = param_masks.get((layer, index), 1.0) * mask
-    fed = {top: value for layer in graph.layers if layer.is_input
-           for top, value in zip(layer.tops, layer.top_values)}
+    fed = graph.fed
 
     def fn(params, inputs, key=None):
         missing = set(fed) - set(inputs)

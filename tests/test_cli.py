@@ -3,9 +3,11 @@ draw) and export, called in-process through ``main(argv)``."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -303,8 +305,18 @@ def test_train_finetunes_and_resumes(tmp_path, capsys, monkeypatch):
 
     status, err = run(["train", "-solver", solver, "-snapshot", "s", "-weights", "w"], capsys)
     assert status == 1 and error_lines(err) == [err.strip()] and "not both" in err
-    status, err = run(["train", "-solver", solver, "--devices", "2"], capsys)
-    assert status == 1 and "more than one device" in err
+    status, err = run(["train", "-solver", solver, "--devices", "99"], capsys)
+    assert status == 1 and len(error_lines(err)) == 1 and "devices=99: JAX sees" in err and "Traceback" not in err
+
+
+def test_train_on_two_devices(tmp_path):
+    """--devices N reaches the data-parallel solver (two CPU devices, in a process of its own)."""
+    solver = small_solver(tmp_path)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    done = subprocess.run([sys.executable, "-m", "caffejax.cli", "train", "-solver", str(solver), "--devices", "2"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "snap_iter_2.caffemodel").exists() and "Optimization Done." in done.stderr
 
 
 # ---- draw, export ------------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from caffejax.errors import CaffejaxError, DataError
 from caffejax.frontend.prototxt import parse_net_text
 from caffejax.proto import caffe_pb2
 from caffejax.runtime.distributed import DataShard, data_parallel_forward, deal_records, pass_batch
+from caffejax.runtime.solver import read_solver_param
 from conftest import REFERENCE
 
 SOLVERS = REFERENCE / "solvers"
@@ -46,16 +47,18 @@ def test_four_device_tests_in_a_child_process():
 
 # ---- training -------------------------------------------------------------------------------------------------------
 
-def _copy_params(source, target) -> None:
-    for name, blobs in source.net.params.items():
-        for i, blob in enumerate(blobs):
-            target.net.params[name][i].data[...] = blob.data
-
-
 def _feed(solver, **arrays) -> None:
     for name, array in arrays.items():
         solver.net.blobs[name].reshape(*array.shape)
         solver.net.blobs[name].data[...] = array
+
+
+def _solver_param(case: str) -> caffe_pb2.SolverParameter:
+    """The reference case's solver, starting from Caffe's snapshot weights (no filler program to compile)."""
+    param, _ = read_solver_param(str(SOLVERS / f"{case}_solver.prototxt"))
+    param.net = str(SOLVERS / param.net)
+    param.weights.append(str(SOLVERS / f"{case}_iter_3.caffemodel"))
+    return param
 
 
 @needs_four
@@ -63,25 +66,29 @@ def _feed(solver, **arrays) -> None:
 def test_four_devices_train_as_one_device_on_the_concatenated_batch(case):
     """Caffe averages the devices' diffs; SoftmaxWithLoss averages over its batch: the same arithmetic as one
     device on the 4 batches concatenated (momentum, decay, the step policy, clipping and iter_size 2)."""
-    path = str(SOLVERS / f"{case}_solver.prototxt")
-    four = caffejax.get_solver(path, devices=4)
-    one = caffejax.get_solver(path)
+    four = caffejax.get_solver(_solver_param(case), devices=4)
+    one = caffejax.get_solver(_solver_param(case))  # the same weights (the snapshot's)
     batch = one.net.blobs["data"].shape
     assert four.net.blobs["data"].shape == (4 * batch[0],) + batch[1:]  # the global batch
     assert four.net.blobs["label"].shape == (4 * batch[0],)
-    _copy_params(four, one)
     rng = np.random.default_rng(3)
     for step in range(6):
         data = rng.standard_normal(four.net.blobs["data"].shape).astype(np.float32)
         label = rng.integers(0, 5, size=4 * batch[0]).astype(np.float32)
+        if step == 5:  # net surgery between steps reaches the devices
+            for solver in (four, one):
+                solver.net.params["ip1"][1].data[...] = np.arange(5, dtype=np.float32) / 10
         for solver in (four, one):
             _feed(solver, data=data, label=label)
             solver.step(1)
-        for name, blobs in one.net.params.items():
-            for i, blob in enumerate(blobs):
-                np.testing.assert_allclose(four.net.params[name][i].data, blob.data, rtol=0, atol=1e-5,
+        # param_arrays(), not .data: the weights stay device arrays, so steps reuse their replicated copies.
+        expected = one.net.param_arrays()
+        for name, arrays in four.net.param_arrays().items():
+            for i, array in enumerate(arrays):
+                np.testing.assert_allclose(array, expected[name][i], rtol=0, atol=1e-5,
                                            err_msg=f"{case} step {step} {name}/{i}")
-                np.testing.assert_allclose(four.net.params[name][i].diff, blob.diff, rtol=0, atol=1e-5)
+                np.testing.assert_allclose(four.net.params[name][i].diff, one.net.params[name][i].diff, rtol=0,
+                                           atol=1e-5)
         np.testing.assert_allclose(four.net.blobs["loss"].data, one.net.blobs["loss"].data, rtol=1e-5)
         np.testing.assert_allclose(four.net.blobs["ip1"].data, one.net.blobs["ip1"].data, rtol=0, atol=1e-5)
     assert four.compile_count == 1
@@ -93,10 +100,9 @@ name: "bn"
 layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 4 dim: 2 dim: 5 dim: 5 } } }
 layer { name: "label" type: "Input" top: "label" input_param { shape { dim: 4 } } }
 layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
-  convolution_param { num_output: 3 kernel_size: 3 weight_filler { type: "gaussian" std: 0.5 } } }
+  convolution_param { num_output: 3 kernel_size: 3 } }
 layer { name: "bn" type: "BatchNorm" bottom: "conv" top: "conv" }
-layer { name: "ip" type: "InnerProduct" bottom: "conv" top: "ip"
-  inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "ip" type: "InnerProduct" bottom: "conv" top: "ip" inner_product_param { num_output: 3 } }
 layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
 """
 
@@ -108,8 +114,11 @@ def test_batch_norm_normalises_each_device_batch_and_keeps_the_mean_statistics()
     param = caffe_pb2.SolverParameter(type="SGD", base_lr=0.1, lr_policy="fixed", max_iter=10)
     param.net_param.CopyFrom(parse_net_text(BATCH_NORM_NET))
     two = caffejax.get_solver(param, devices=2)
-    start = {name: [b.data.copy() for b in blobs] for name, blobs in two.net.params.items()}
     rng = np.random.default_rng(4)
+    for name in ("conv", "ip"):  # random weights (the prototxt's constant fillers compile fast)
+        for blob in two.net.params[name]:
+            blob.data[...] = rng.standard_normal(blob.shape).astype(np.float32) * np.float32(0.5)
+    start = {name: [b.data.copy() for b in blobs] for name, blobs in two.net.params.items()}
     data = rng.standard_normal((8, 2, 5, 5)).astype(np.float32)
     data[4:] = 3 * data[4:] + 1  # the devices' batches differ in their statistics
     label = rng.integers(0, 3, size=8).astype(np.float32)
@@ -145,8 +154,7 @@ MEMORY_NET = """
 name: "memory"
 layer { name: "data" type: "MemoryData" top: "data" top: "label"
   memory_data_param { batch_size: 3 channels: 1 height: 2 width: 2 } }
-layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip"
-  inner_product_param { num_output: 2 weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip" inner_product_param { num_output: 2 } }
 layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
 """
 
@@ -169,10 +177,9 @@ def test_data_layer_records_are_dealt_to_devices_as_caffe_does():
 
 @needs_four
 def test_refuses_uneven_batches_and_missing_devices():
-    path = str(SOLVERS / "sgd_momentum_step_solver.prototxt")
     with pytest.raises(CaffejaxError, match="JAX sees 4 cpu device"):
-        caffejax.get_solver(path, devices=5)
-    four = caffejax.get_solver(path, devices=4)
+        caffejax.get_solver(_solver_param("sgd_momentum_step"), devices=5)
+    four = caffejax.get_solver(_solver_param("sgd_momentum_step"), devices=4)
     four.net.blobs["data"].reshape(22, 2, 8, 8)
     four.net.blobs["label"].reshape(22)
     with pytest.raises(DataError, match="'data' has shape \\(22, 2, 8, 8\\).*multiple of 4"):
@@ -183,7 +190,8 @@ def test_refuses_uneven_batches_and_missing_devices():
 
 @needs_four
 def test_sharded_inference_equals_one_device():
-    net = caffejax.Net(str(SOLVERS / "sgd_momentum_step_net.prototxt"), caffejax.TEST)
+    net = caffejax.Net(str(SOLVERS / "sgd_momentum_step_net.prototxt"), caffejax.TEST,
+                       weights=str(SOLVERS / "sgd_momentum_step_iter_3.caffemodel"))
     forward = data_parallel_forward(net, 4, blobs=["ip1"])
     rng = np.random.default_rng(5)
     data = rng.standard_normal((24, 2, 8, 8)).astype(np.float32)

@@ -11,7 +11,7 @@ from typing import Callable
 
 import numpy as np
 
-from caffejax.errors import CaffejaxError, ParseError, UnsupportedError
+from caffejax.errors import CaffejaxError, ParseError
 
 log = logging.getLogger("caffejax")
 
@@ -31,7 +31,9 @@ def add_commands(commands, parents) -> None:
     _flag(p, "weights", help="caffemodels to finetune from, separated by ','; cannot be used with -snapshot")
     _flag(p, "snapshot", help="a .solverstate to resume training from")
     _net_state_flags(p)
-    p.add_argument("--devices", type=int, default=1, metavar="N", help="number of devices to train on (default 1)")
+    p.add_argument("--devices", type=int, default=1, metavar="N",
+                   help="train data-parallel on the first N devices JAX sees (default 1); each device runs the "
+                        "prototxt's batch, as caffe train -gpu 0,1,... does")
 
     p = command("test", test, "score a model",
                 "Run the TEST-phase net for -iterations batches and print every output averaged over them "
@@ -139,17 +141,18 @@ def train(args) -> int:
 
     if args.snapshot and args.weights:
         raise CaffejaxError("give -snapshot to resume training or -weights to finetune, but not both")
-    if args.devices != 1:
-        raise UnsupportedError(f"--devices {args.devices}: training on more than one device is not supported yet")
+    if args.devices < 1:
+        raise CaffejaxError(f"--devices must be at least 1, got {args.devices}")
+    devices = args.devices if args.devices > 1 else None  # data-parallel, as caffe train --gpu 0,1,...
     stages = _stages(args)
     if args.level or stages:
         # Caffe's train sets the solver's train_state from -level and -stage.
         param, _ = read_solver_param(args.solver)
         param.train_state.level = args.level
         param.train_state.stage.extend(stages)
-        solver = get_solver(param)
+        solver = get_solver(param, devices=devices)
     else:
-        solver = get_solver(args.solver)
+        solver = get_solver(args.solver, devices=devices)
     if args.snapshot:
         log.info("Resuming from %s", args.snapshot)
         solver.restore(args.snapshot)
@@ -212,8 +215,6 @@ def time(args) -> int:
     """Caffe's time: average forward and backward time per layer and for the whole net."""
     import jax
 
-    from caffejax.export import fed_values
-
     iterations = _positive_iterations(args)
     net = _make_net(args)
     log.info("Performing Forward")
@@ -222,7 +223,7 @@ def time(args) -> int:
 
     graph, program = net.graph, net._program
     params = net.param_arrays()
-    fed = {value: net.blobs[name].data for name, value in fed_values(graph).items()}
+    fed = {value: net.blobs[name].data for name, value in graph.fed.items()}
     key = jax.random.key(0)
 
     forward = jax.jit(lambda p, env, k: program.run_layers(graph.layers, p, env, k)[0])

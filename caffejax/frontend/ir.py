@@ -103,6 +103,12 @@ class Graph:
         return self.value_shapes[self.blob_value[blob]]
 
     @property
+    def fed(self) -> dict[str, str]:
+        """Blobs fed from outside the program (tops of Input and data layers): blob name -> value id."""
+        return {top: value for layer in self.layers if layer.is_input
+                for top, value in zip(layer.tops, layer.top_values)}
+
+    @property
     def param_slots(self) -> list[ParamSlot]:
         """Every layer's learnable blobs in Caffe's net param order (``net.params_``)."""
         return [slot for layer in self.layers for slot in layer.params]

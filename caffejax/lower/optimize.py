@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from caffejax.errors import CaffejaxError
+from caffejax.errors import CaffejaxError, ShapeError
 from caffejax.frontend.ir import Graph, Layer
 from caffejax.lower import vision
 from caffejax.lower.registry import TEST, LayerContext, canonical_axis, get_rule
@@ -71,9 +71,23 @@ class Plan:
 
 
 def make_plan(graph: Graph, owner_params: Mapping[str, Sequence[Any]]) -> Plan:
-    """The unoptimised plan: every layer runs Caffe's rule; shared blobs resolved to per-layer arrays."""
-    params = {layer.name: [np.asarray(owner_params[slot.storage[0]][slot.storage[1]]) for slot in layer.params]
-              for layer in graph.layers if layer.params}
+    """The unoptimised plan: every layer runs Caffe's rule; shared blobs resolved to per-layer arrays.
+
+    ``owner_params`` are the weights (owner layer -> arrays); the graph's inputs may have other shapes than
+    the ones they were made for, as long as every learnable blob keeps its shape.
+    """
+    params = {}
+    for layer in graph.layers:
+        arrays = []
+        for slot in layer.params:
+            array = np.asarray(owner_params[slot.storage[0]][slot.storage[1]])
+            if tuple(array.shape) != tuple(slot.shape):
+                raise ShapeError(f"layer '{layer.name}' ({layer.type}): at these input shapes its learnable blob "
+                                 f"{slot.index} would be {tuple(slot.shape)}, but the weights are "
+                                 f"{tuple(array.shape)}")
+            arrays.append(array)
+        if arrays:
+            params[layer.name] = arrays
     return Plan(graph, params, {})
 
 

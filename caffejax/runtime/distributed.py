@@ -1,7 +1,7 @@
 """Past one device: data-parallel training and sharded inference on a ``jax.sharding.Mesh``.
 
-``caffejax.get_solver(path, devices=4)`` trains as ``caffe train --gpu 0,1,2,3`` does; the rule below is
-Caffe's P2PSync (parallel.cpp, rc3 to rc5) and its NCCL successor (parallel.cpp, 1.0), read with
+``caffejax.get_solver(path, devices=4)`` trains as ``caffe train --gpu 0,1,2,3`` does. The rule below is
+that of Caffe's P2PSync (parallel.cpp before 1.0) and of its NCCL successor (parallel.cpp in 1.0), with
 solver.cpp's Step and sgd_solver.cpp's ApplyUpdate:
 
 1. Every device runs the prototxt's net on its own batch of the prototxt's size: N devices see N times the
@@ -26,8 +26,8 @@ solver.cpp's Step and sgd_solver.cpp's ApplyUpdate:
 5. Random layers (Dropout) draw different numbers on every device (Caffe seeds solver r with
    ``random_seed + r``): the device's index is folded into the iteration's key.
 6. Data layers: Caffe's DataLayer gives record i to solver rank ``i mod N`` (DataReader, later
-   DataLayer::Skip). caffejax pulls N prototxt batches per pass and deals their records out the same way:
-   device r gets records r, r + N, r + 2N, ...
+   DataLayer::Skip). In one process, caffejax pulls N prototxt batches per pass and deals their records out
+   the same way: device r gets records r, r + N, r + 2N, ...
 7. The test nets run on one device, with the trained weights (Caffe tests on the root solver only).
 8. The loss shown is the mean of the devices' losses (Caffe shows the root solver's own loss).
 
@@ -40,8 +40,7 @@ are the root device's copy; test nets, snapshots and ``net.forward()`` use them 
 How it runs: one jitted ``jax.shard_map`` over a one-axis mesh named ``"batch"``. Inputs are sharded along
 axis 0 (``PartitionSpec("batch")``), weights and solver history replicated (``PartitionSpec()``); inside,
 each device runs the one-device iteration of ``caffejax.runtime.solver`` on its shard, and ``lax.pmean``
-(an XLA all-reduce) averages the diffs, the loss and the rewritten BatchNorm statistics. XLA overlaps the
-all-reduce with the backward pass where it can.
+(an XLA all-reduce) averages the diffs, the loss and the rewritten BatchNorm statistics.
 
 Several hosts: the same script runs once per host (one process each), after ``jax.distributed.initialize``::
 
@@ -54,11 +53,15 @@ Several hosts: the same script runs once per host (one process each), after ``ja
 The mesh spans every process's devices; each process holds and feeds its own part of the global batch (its
 devices x the prototxt's batch), so ``solver.net.blobs`` show this process's rows. Each process's data layers
 keep the batches ``k`` with ``k mod P == p`` of their stream (:class:`DataShard`) and deal them to its
-devices as above. (The sources read and drop the other processes' batches; a record-level skip inside
-caffejax.data's readers, like Caffe's DataLayer::Skip, would save that I/O.) Only process 0 writes snapshots.
+devices as above: an iteration reads the same records as Caffe's, grouped per device differently (which
+only BatchNorm's batch statistics can tell). The sources read and drop the other processes' batches; a
+record-level skip inside caffejax.data's readers, like Caffe's DataLayer::Skip, would save that I/O. Only
+process 0 writes snapshots.
 On CPUs, multi-process collectives need ``jax.config.update("jax_cpu_collectives_implementation", "gloo")``.
 
-Sharded inference: :func:`data_parallel_forward` runs a Net's forward with the batch split over devices.
+Sharded inference: :func:`data_parallel_forward` runs a Net's forward with the batch split over devices;
+:func:`data_parallel` with :func:`shard_batch`, :func:`replicated` and :func:`per_example_blobs` does the
+same for any ``fn(weights, batch) -> blobs`` (an optimised inference program).
 """
 
 from __future__ import annotations
@@ -130,13 +133,25 @@ def replicated(tree, mesh: Mesh):
     sharding = NamedSharding(mesh, REPLICATED)
     if jax.process_count() == 1:
         return jax.device_put(tree, sharding)
-    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), tree)
+    return jax.tree.map(lambda x: _host_value_everywhere(x, sharding), tree)
 
 
-def process_rows(array: jax.Array):
-    """A batch-split global array as this process sees it: all of it in one process, else its own rows."""
+def _host_value_everywhere(x, sharding: NamedSharding) -> jax.Array:
+    # Across processes device_put only takes host values (the same in every process); a random key travels
+    # as its raw data.
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        data = jax.device_put(np.asarray(jax.random.key_data(x)), sharding)
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    return jax.device_put(np.asarray(x), sharding)
+
+
+def local_value(array: jax.Array):
+    """A global array as this process sees it: all of it in one process; across processes, this process's
+    rows of a batch-split array, or its copy of a replicated one."""
     if array.is_fully_addressable:
         return array
+    if array.is_fully_replicated:
+        return array.addressable_shards[0].data
     shards = sorted(array.addressable_shards, key=lambda s: s.index[0].start or 0)
     return np.concatenate([np.asarray(s.data) for s in shards])
 
@@ -146,12 +161,14 @@ def devices_of_this_process(mesh: Mesh) -> list[jax.Device]:
 
 
 class _Replicas:
-    """The replicated arrays a step returned, kept by the root device's copy handed to the solver.
+    """Replicated copies of one-device arrays, kept between steps (or forward calls) so that weights that did
+    not change are not broadcast again.
 
-    The solver and its net see one-device arrays (the root's copy: test nets and snapshots use them as on
-    one device). The next step needs the replicated arrays again: for an array the solver handed back
-    unchanged, this gives the kept copy instead of broadcasting it again. Only immutable ``jax.Array``
-    leaves are kept, so a weight edited through ``blob.data`` (a host array) is always placed anew.
+    The solver and its net hold one-device arrays: the root device's copy, which test nets and snapshots use
+    as on one device. A step needs them replicated. ``keep`` hands out the root's copies of a step's
+    replicated results and remembers them; ``place`` gives the remembered copy for an array handed back
+    unchanged and broadcasts anything else. Only immutable ``jax.Array`` leaves are remembered, so a weight
+    edited through ``blob.data`` (a host array) is always placed anew.
     """
 
     def __init__(self, mesh: Mesh):
@@ -190,30 +207,38 @@ class _Replicas:
         return jax.tree.map(one, tree)
 
 
-# ---- one device's graph of a global batch -----------------------------------------------------------------------
+# ---- one device's share of a global batch ---------------------------------------------------------------------
 
 def fed_tops(graph: Graph) -> list[str]:
     """The blobs fed from outside the program: Input tops and data layers' tops."""
     return [top for layer in graph.layers if layer.is_input for top in layer.tops]
 
 
-def per_device_graph(net, shapes: Mapping[str, tuple[int, ...]], devices: int) -> tuple[Graph, dict[str, bool]]:
-    """The graph one device runs when the fed blobs have ``shapes`` over ``devices`` devices, and for every
-    blob whether it is per-example (split along axis 0: True) or independent of the batch (False)."""
+def per_device_shapes(shapes: Mapping[str, Sequence[int]], devices: int) -> dict[str, tuple[int, ...]]:
+    """The fed shapes one of ``devices`` devices sees: axis 0 divided evenly (DataError where it cannot be)."""
+    out = {}
     for top, shape in shapes.items():
+        shape = tuple(int(d) for d in shape or ())
         if not shape or shape[0] % devices:
-            raise DataError(f"blob '{top}' has shape {tuple(shape)}: its {shape[0] if shape else 0} rows do not "
-                            f"split evenly over {devices} devices (feed a multiple of {devices} rows)")
-    one = net._build({top: (shape[0] // devices,) + tuple(shape[1:]) for top, shape in shapes.items()})
-    if one.concrete:
-        raise UnsupportedError(f"net '{one.name}': blobs whose values decide shapes (a Filter's selector) cannot be "
-                               "split over devices: each device would need its own program")
-    two = net._build({top: (2 * (shape[0] // devices),) + tuple(shape[1:]) for top, shape in shapes.items()})
-    return one, {blob: _is_per_example(blob, one.blob_shape(blob), two.blob_shape(blob)) for blob in one.blobs}
+            raise DataError(f"blob '{top}' has shape {shape}: its {shape[0] if shape else 0} rows do not split "
+                            f"evenly over {devices} devices (feed a multiple of {devices} rows)")
+        out[top] = (shape[0] // devices,) + shape[1:]
+    return out
+
+
+def twice_the_batch(shapes: Mapping[str, Sequence[int]]) -> dict[str, tuple[int, ...]]:
+    return {top: (2 * shape[0],) + tuple(shape[1:]) for top, shape in shapes.items()}
+
+
+def per_example_blobs(one: Graph, two: Graph, blobs: Sequence[str] | None = None) -> dict[str, bool]:
+    """For each blob (default: all), whether it is per-example, given the graphs of one device's batch
+    (``one``) and of twice that batch (``two``): True when axis 0 doubles (the global blob is the devices'
+    concatenated), False when the shape stays (the global blob is the devices' mean: a loss, Accuracy)."""
+    return {blob: _is_per_example(blob, one.blob_shape(blob), two.blob_shape(blob))
+            for blob in (one.blobs if blobs is None else blobs)}
 
 
 def _is_per_example(blob: str, one, two) -> bool:
-    """Per-example when doubling the batch doubles axis 0; batch-independent when the shape stays."""
     if one is None or two is None:
         return True
     one, two = tuple(one), tuple(two)
@@ -225,11 +250,43 @@ def _is_per_example(blob: str, one, two) -> bool:
                            "that grow along axis 0 with the batch, or do not change, can be split over devices")
 
 
+def per_device_graph(net, shapes: Mapping[str, Sequence[int]], devices: int) -> tuple[Graph, dict[str, bool]]:
+    """The net's graph one device runs when the fed blobs have ``shapes`` over ``devices`` devices, and
+    :func:`per_example_blobs` of it."""
+    local = per_device_shapes(shapes, devices)
+    one = net._build(local)
+    if one.concrete:
+        raise UnsupportedError(f"net '{one.name}': blobs whose values decide shapes (a Filter's selector) cannot be "
+                               "split over devices: each device would need its own program")
+    return one, per_example_blobs(one, net._build(twice_the_batch(local)))
+
+
 def _split_by_layout(blobs: Mapping[str, jax.Array], per_example: Mapping[str, bool]):
     """(per-example blobs, batch-independent blobs averaged over the devices); traced inside shard_map."""
     split = {blob: value for blob, value in blobs.items() if per_example[blob]}
     shared = {blob: jax.lax.pmean(value, AXIS) for blob, value in blobs.items() if not per_example[blob]}
     return split, shared
+
+
+def data_parallel(fn: Callable, mesh: Mesh, per_example: Mapping[str, bool]) -> Callable:
+    """``jit(shard_map(fn))`` for ``fn(replicated, batch) -> {blob: array}``, which one device runs on its rows.
+
+    ``replicated`` (weights, a key) is the same on every device (place it with :func:`replicated`); ``batch``
+    is split along axis 0 (place it with :func:`shard_batch`). The result holds global arrays: per-example
+    blobs concatenated along axis 0, batch-independent ones averaged over the devices (:func:`local_value`
+    gives this process's part).
+    """
+    def on_device(shared, batch):
+        return _split_by_layout(fn(shared, batch), per_example)
+
+    mapped = jax.shard_map(on_device, mesh=mesh, in_specs=(REPLICATED, PER_DEVICE), out_specs=(PER_DEVICE, REPLICATED),
+                           check_vma=False)
+
+    def run(shared, batch):
+        split, averaged = mapped(shared, batch)
+        return {**split, **averaged}
+
+    return jax.jit(run)
 
 
 # ---- the data a pass reads ------------------------------------------------------------------------------------------
@@ -269,7 +326,7 @@ def pass_batch(pull: Callable[[], Mapping[str, np.ndarray]], devices: int, shard
     return {top: deal_records(np.concatenate([b[top] for b in own]), devices) for top in own[0]}
 
 
-# ---- training ---------------------------------------------------------------------------------------------------------
+# ---- training ----------------------------------------------------------------------------------------------------
 
 class DataParallel:
     """A solver's data parallelism: its mesh, its data shard, and the weights kept on the mesh between steps."""
@@ -304,7 +361,7 @@ class DataParallel:
         stacked along a leading iter_size axis), as one-device arrays, with the blobs of the global batch.
         """
         graph = net.graph
-        shapes = {top: tuple(graph.value_shapes[value]) for layer in graph.layers if layer.is_input
+        shapes = {top: graph.value_shapes[value] for layer in graph.layers if layer.is_input
                   for top, value in zip(layer.tops, layer.top_values)}
         one_device, per_example = per_device_graph(net, shapes, self.local_devices)
         step = make_step(NetProgram(one_device), AXIS)
@@ -325,12 +382,12 @@ class DataParallel:
                 shard_batch(pulled, self.mesh, axis=1), replicated(key, self.mesh), replicated(scalars, self.mesh))
             params, history = replicas.keep((params, history))
             loss, updates, shared, norm = jax.tree.map(replicas.root_copy, (loss, updates, shared, norm))
-            return params, history, loss, updates, {**jax.tree.map(process_rows, split), **shared}, norm
+            return params, history, loss, updates, {**jax.tree.map(local_value, split), **shared}, norm
 
         return run
 
 
-# ---- inference --------------------------------------------------------------------------------------------------------
+# ---- inference ---------------------------------------------------------------------------------------------------
 
 def data_parallel_forward(net, devices: Devices, blobs: Sequence[str] = ()) -> Callable[..., dict[str, np.ndarray]]:
     """``forward(**arrays)``: the net's forward with the batch split over ``devices``, one program per shapes.
@@ -352,18 +409,16 @@ def data_parallel_forward(net, devices: Devices, blobs: Sequence[str] = ()) -> C
     def compile_for(shapes):
         one_device, per_example = per_device_graph(net, shapes, local_devices)
         program = NetProgram(one_device)
-        values = {blob: one_device.blob_value[blob] for blob in wanted}
         fed = {top: value for layer in one_device.layers if layer.is_input
                for top, value in zip(layer.tops, layer.top_values)}
 
-        def on_device(params, arrays, key):
+        def on_device(shared, arrays):
+            params, key = shared
             env, _ = program.forward(params, {fed[top]: arrays[top] for top in tops},
                                      jax.random.fold_in(key, jax.lax.axis_index(AXIS)))
-            return _split_by_layout({blob: env[value] for blob, value in values.items()}, per_example)
+            return {blob: env[one_device.blob_value[blob]] for blob in wanted}
 
-        return jax.jit(jax.shard_map(on_device, mesh=mesh, check_vma=False,
-                                     in_specs=(REPLICATED, PER_DEVICE, REPLICATED),
-                                     out_specs=(PER_DEVICE, REPLICATED)))
+        return data_parallel(on_device, mesh, {blob: per_example[blob] for blob in wanted})
 
     def forward(**arrays) -> dict[str, np.ndarray]:
         if set(arrays) != set(tops):
@@ -374,10 +429,8 @@ def data_parallel_forward(net, devices: Devices, blobs: Sequence[str] = ()) -> C
         fn = programs.get(signature)
         if fn is None:
             fn = programs[signature] = compile_for(shapes)
-        split, shared = fn(replicas.place(net.param_arrays()), shard_batch(arrays, mesh),
-                           replicated(net._next_key(), mesh))
-        out = {blob: np.asarray(process_rows(value)) for blob, value in split.items()}
-        out.update((blob, np.asarray(replicas.root_copy(value))) for blob, value in shared.items())
-        return out
+        shared = (replicas.place(net.param_arrays()), replicated(net._next_key(), mesh))
+        outputs = fn(shared, shard_batch(arrays, mesh))
+        return {blob: np.asarray(local_value(value)) for blob, value in outputs.items()}
 
     return forward

@@ -35,6 +35,7 @@ class _Program:
     plan: Plan
     params: dict[str, list[jax.Array]]
     run: Callable[..., dict[str, jax.Array]]
+    feeds: list[tuple[str, str]]  # (input blob, value id) pairs of the graph's fed layers
 
 
 class InferenceFunction:
@@ -64,25 +65,23 @@ class InferenceFunction:
         return self._program(self._signature(shapes)).plan
 
     def __call__(self, inputs: Mapping[str, Any]) -> dict[str, jax.Array]:
-        if set(inputs) != set(self.inputs):
+        if inputs.keys() != set(self.inputs):
             raise CaffejaxError(f"inputs {sorted(inputs)} do not match the net's inputs {self.inputs}")
         program = self._program(self._signature({name: np.shape(x) for name, x in inputs.items()}))
-        fed = {}
-        for layer in program.plan.graph.layers:
-            if layer.is_input:
-                for blob, value in zip(layer.tops, layer.top_values):
-                    fed[value] = jnp.asarray(inputs[blob], self.dtype)
+        fed = {value: _as_dtype(inputs[blob], self.dtype) for blob, value in program.feeds}
         return program.run(program.params, fed)
 
     def _signature(self, shapes: Mapping[str, Sequence[int]]) -> Shapes:
-        return tuple(sorted((name, tuple(int(d) for d in shape)) for name, shape in shapes.items()))
+        return tuple((name, tuple(int(d) for d in shapes[name])) for name in sorted(shapes))
 
     def _program(self, signature: Shapes) -> _Program:
         program = self._programs.get(signature)
         if program is None:
             plan = optimize(make_plan(self._graph(dict(signature)), self._weights), self.passes)
             params = prepare_params(plan, self.dtype)
-            program = self._programs[signature] = _Program(plan, params, jax.jit(_outputs_as_float32(plan)))
+            feeds = [(blob, value) for layer in plan.graph.layers if layer.is_input
+                     for blob, value in zip(layer.tops, layer.top_values)]
+            program = self._programs[signature] = _Program(plan, params, jax.jit(_outputs_as_float32(plan)), feeds)
         return program
 
     def _graph(self, shapes: Mapping[str, tuple[int, ...]]) -> Graph:
@@ -99,6 +98,11 @@ class InferenceFunction:
         except ShapeError as error:
             raise ShapeError(f"compile_inference: the net does not accept inputs of shapes {dict(shapes)}: "
                              f"{error}") from None
+
+
+def _as_dtype(x, dtype):
+    """An input in the compute dtype; arrays already in it go to the program as they are."""
+    return x if getattr(x, "dtype", None) == dtype else jnp.asarray(x, dtype)
 
 
 def _outputs_as_float32(plan: Plan) -> Callable[..., dict[str, jax.Array]]:

@@ -89,9 +89,8 @@ class Net:
         graph = getattr(self, "_graph", None)
         if graph is None or not graph.concrete:
             return {}
-        fed = {value: top for layer in graph.layers if layer.is_input
-               for top, value in zip(layer.tops, layer.top_values)}
-        return {value: fed[value] for value in graph.concrete}
+        blob_of = {value: blob for blob, value in graph.fed.items()}
+        return {value: blob_of[value] for value in graph.concrete}
 
     def _concrete_data(self) -> dict[str, np.ndarray]:
         return {blob: np.array(self.blobs[blob].data) for blob in self._concrete_blobs().values()}
@@ -304,7 +303,7 @@ class Net:
 
         def outputs_only(params, env, key):
             values, updates = program.run_layers(layers, params, env, key)
-            return {v: values[v] for v in returned}, updates
+            return {v: values[v] for v in returned}, updates, program.loss(values, layers)
 
         fn = self._jitted("forward", start, end, self._with_concrete(outputs_only))
         key = self._next_key()
@@ -312,7 +311,7 @@ class Net:
         # Device snapshots: a deferred blob recomputes from exactly what this pass saw.
         params = jax.tree.map(jnp.asarray, self.param_arrays())
         env = {v: jnp.asarray(x) for v, x in self._feed(layers).items()}
-        values, updates = fn(params, env, key)
+        values, updates, loss = fn(params, env, key)
         final = {}  # blob -> the value it holds after this pass
         for layer in layers:
             if not layer.is_input:
@@ -336,7 +335,7 @@ class Net:
         for owner, changed in updates.items():
             for i, value in changed.items():
                 self._param_blobs[(owner, i)]._data.set(value)
-        return float(program.loss(values, layers))
+        return float(loss)
 
     def forward(self, blobs: Iterable[str] | None = None, start: str | None = None, end: str | None = None,
                 **kwargs) -> dict[str, np.ndarray]:

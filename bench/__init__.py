@@ -1,0 +1,1 @@
+"""Benchmarks of caffejax against OpenCV DNN and Caffe (``python -m bench.run --help``; README "Benchmarks")."""

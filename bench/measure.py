@@ -1,0 +1,62 @@
+"""Timing, FLOP counting and the machine's GEMM rate, as the benchmark uses them."""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+
+def timed(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> dict[str, float]:
+    """Median and min wall ms of ``fn()`` (results blocked on) over ``repeats`` runs after ``warmup``."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append((time.perf_counter() - start) * 1e3)
+    return {"median_ms": statistics.median(times), "min_ms": min(times), "runs": len(times)}
+
+
+def once(fn: Callable[[], Any]) -> tuple[Any, float]:
+    start = time.perf_counter()
+    result = jax.block_until_ready(fn())
+    return result, time.perf_counter() - start
+
+
+def gemm_gflops(n: int = 2048, repeats: int = 5) -> dict[str, float]:
+    """Dense fp32 n x n matmul: OpenBLAS through NumPy and XLA's dot, GFLOP/s of the median run."""
+    import jax.numpy as jnp
+
+    a = np.random.default_rng(0).random((n, n), dtype=np.float32)
+    flops = 2.0 * n ** 3
+    blas = timed(lambda: a @ a, repeats)
+    ja = jnp.asarray(a)
+    xla_dot = jax.jit(lambda x: x @ x)
+    xla = timed(lambda: xla_dot(ja), repeats)
+    return {"numpy_openblas": flops / blas["median_ms"] / 1e6, "xla": flops / xla["median_ms"] / 1e6,
+            "numpy_openblas_best": flops / blas["min_ms"] / 1e6, "xla_best": flops / xla["min_ms"] / 1e6}
+
+
+def model_flops(graph) -> int:
+    """Multiply-adds x 2 of the net's direct convolutions and inner products, from the IR's shapes."""
+    from caffejax.lower.registry import count
+
+    total = 0
+    for layer in graph.layers:
+        if layer.type == "Convolution":  # each output element: C/g x k... multiply-adds
+            filters = layer.params[0].shape
+            total += sum(2 * count(graph.value_shapes[top]) * count(filters, 1) for top in layer.top_values)
+        elif layer.type == "InnerProduct":  # (M x K) @ (K x N)
+            total += 2 * count(graph.value_shapes[layer.bottom_values[0]]) * layer.proto.inner_product_param.num_output
+    return total
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set size (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0

@@ -1,0 +1,319 @@
+"""caffejax vs OpenCV DNN (measured in this run) and Caffe (the issue's anchors), on six classic nets.
+
+    python -m bench.run                     # all nets, batch 1 and 16 (long on 2 cores)
+    python -m bench.run --quick             # LeNet and SqueezeNet at batch 1: a few minutes
+    python -m bench.run --nets resnet50 --batches 16 --repeats 7
+
+For each net and batch, in one run: caffejax's optimised inference (``compile_inference``, steady state),
+its opt-in bf16 mode (speed, and top-1 agreement with fp32 on the same random inputs), one training step
+(forward + backward + SGD update, one jitted program built on ``NetProgram.loss_and_grads``), OpenCV's
+``cv2.dnn`` forward on the same prototxt and caffemodel, caffemodel load speed, and, in fresh processes, the
+cold compile and the warm start from JAX's persistent compilation cache with the peak RSS. Achieved GFLOP/s
+(direct convolutions + inner products, counted from the IR) are set against a GEMM measured in the same run.
+Times are the median of ``--repeats`` (>= 5) runs after two warm-up runs; the minimum is recorded too.
+Prints a table of ratios and writes JSON to bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.measure import gemm_gflops, model_flops, once, timed
+from bench.nets import NETS, ROOT, BenchNet, randomize_weights, training_net_param
+
+RESULTS = ROOT / "bench" / "results"
+QUICK_NETS = ("lenet", "squeezenet_v1.1")
+
+# The issue's targets, checked against every run.
+TARGET_FWD_RATIO = {1: 1.2, 16: 1.0}     # caffejax / OpenCV forward
+TARGET_TRAIN_RATIO = 0.5                 # train step / Caffe fwd+bwd, batch 16
+TARGET_GEMM_FRACTION = 0.6               # ResNet-50 batch 16 forward GFLOP/s / in-run GEMM
+TARGET_COLD_S, TARGET_WARM_S = 10.0, 1.0
+TARGET_LOAD_GBS = 1.0
+TARGET_BF16_SPEEDUP, TARGET_BF16_TOP1 = 1.5, 0.99
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nets", help=f"comma-separated, from {', '.join(NETS)} (default: all)")
+    parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,16)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (>= 5)")
+    parser.add_argument("--quick", action="store_true", help=f"{', '.join(QUICK_NETS)} at batch 1")
+    parser.add_argument("--no-opencv", action="store_true")
+    parser.add_argument("--no-train", action="store_true")
+    parser.add_argument("--no-bf16", action="store_true")
+    parser.add_argument("--no-coldstart", action="store_true", help="skip the fresh-process compile runs")
+    parser.add_argument("--out", type=pathlib.Path, default=None, help="JSON path (default bench/results/)")
+    args = parser.parse_args(argv)
+    names = args.nets.split(",") if args.nets else list(QUICK_NETS if args.quick else NETS)
+    unknown = [n for n in names if n not in NETS]
+    if unknown:
+        parser.error(f"unknown nets {unknown}; known: {list(NETS)}")
+    batches = [int(b) for b in (args.batches or ("1" if args.quick else "1,16")).split(",")]
+    repeats = max(args.repeats, 5)
+
+    report = {"started": datetime.datetime.now().isoformat(timespec="seconds"), "jax": jax.__version__,
+              "cpu_count": os.cpu_count(), "load_average": os.getloadavg(), "repeats": repeats,
+              "gemm_gflops": gemm_gflops(), "nets": {}}
+    print(f"in-run GEMM 2048^2 fp32: OpenBLAS {report['gemm_gflops']['numpy_openblas']:.0f} GFLOP/s, "
+          f"XLA {report['gemm_gflops']['xla']:.0f} GFLOP/s (load average {report['load_average'][0]:.1f})",
+          flush=True)
+    for name in names:
+        report["nets"][name] = bench_net(NETS[name], batches, repeats, args)
+    report["gemm_gflops_end"] = gemm_gflops()
+    report["load_average_end"] = os.getloadavg()
+    print_table(report)
+    out = args.out or RESULTS / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"\nwrote {out}")
+    return 0
+
+
+def bench_net(spec: BenchNet, batches, repeats: int, args) -> dict:
+    import caffejax
+
+    with tempfile.TemporaryDirectory(prefix=f"bench-{spec.name}-") as tmp:
+        net = caffejax.Net(str(spec.prototxt), caffejax.TEST,
+                           **({"weights": str(spec.weights)} if spec.weights else {}))
+        if spec.weights is None:
+            randomize_weights(net)
+        weights = pathlib.Path(tmp) / f"{spec.name}.caffemodel"
+        net.save(str(weights))
+        result = {"weights": "trained" if spec.weights else "random", "load": measure_load(spec, net, weights),
+                  "batches": {}}
+        print(f"{spec.name}: caffemodel {result['load']['file_mb']:.1f} MB, load "
+              f"{result['load']['copy_from_gbs']:.2f} GB/s", flush=True)
+        for batch in batches:
+            result["batches"][str(batch)] = bench_batch(spec, net, weights, batch, repeats, args, tmp)
+    return result
+
+
+def measure_load(spec: BenchNet, net, weights: pathlib.Path) -> dict:
+    """read_weights alone (memory-mapped parse), copy_from (parse + install in the net's blobs), and a
+    whole Net construction with weights (graph build included)."""
+    import caffejax
+    from caffejax.frontend.caffemodel import read_weights
+
+    size = weights.stat().st_size
+    read = timed(lambda: sum(float(np.asarray(a).reshape(-1)[-1]) for arrays in read_weights(str(weights)).blobs.values()
+                             for a in arrays if a is not None and a.size), 5, warmup=1)
+    copy = timed(lambda: net.copy_from(str(weights)), 5, warmup=1)
+    _, construct = once(lambda: caffejax.Net(str(spec.prototxt), str(weights), caffejax.TEST))
+    return {"file_mb": size / 1e6, "read_weights_ms": read["median_ms"], "read_weights_gbs": size / read["median_ms"] / 1e6,
+            "copy_from_ms": copy["median_ms"], "copy_from_gbs": size / copy["median_ms"] / 1e6,
+            "net_with_weights_s": construct}
+
+
+def bench_batch(spec: BenchNet, net, weights: pathlib.Path, batch: int, repeats: int, args, tmp: str) -> dict:
+    import caffejax
+
+    name = net.inputs[0]
+    shape = (batch,) + tuple(net.blobs[name].shape[1:])
+    x = np.random.default_rng(batch).random(shape, dtype=np.float32) * 2 - 1
+    out: dict = {"input_shape": list(shape)}
+
+    infer = caffejax.compile_inference(net)
+    fp32, out["compile_in_process_s"] = once(lambda: infer({name: x}))
+    out["fwd"] = timed(lambda: infer({name: x}), repeats)
+    plan = infer.plan({name: shape})
+    flops = model_flops(plan.graph)  # folding BatchNorm leaves the convolutions' shapes as they were
+    out["gflop"] = flops / 1e9
+    out["gflops"] = flops / out["fwd"]["median_ms"] / 1e6
+    out["kernels"] = _kernel_counts(plan)
+    line = f"  b{batch}: fwd {out['fwd']['median_ms']:.1f} ms ({out['gflops']:.0f} GFLOP/s)"
+
+    if not args.no_bf16:
+        infer16 = caffejax.compile_inference(net, dtype=jnp.bfloat16)
+        bf16, _ = once(lambda: infer16({name: x}))
+        out["bf16"] = timed(lambda: infer16({name: x}), repeats)
+        out["bf16"].update(_agreement(fp32, bf16))
+        line += f", bf16 {out['bf16']['median_ms']:.1f} ms (top-1 {out['bf16']['top1_agree']}/{batch})"
+        del infer16
+
+    if not args.no_opencv:
+        out["opencv"] = opencv_forward(spec, weights, x, repeats)
+        if "median_ms" in out["opencv"]:
+            ref = np.asarray(next(iter(fp32.values())))
+            out["opencv"]["max_abs_diff_vs_caffejax"] = float(np.max(np.abs(out["opencv"].pop("output").reshape(ref.shape) - ref)))
+            line += f", OpenCV {out['opencv']['median_ms']:.1f} ms"
+    del infer
+
+    if not args.no_train:
+        out["train"] = train_step(spec, weights, batch, repeats)
+        line += f", train step {out['train']['median_ms']:.1f} ms"
+
+    if not args.no_coldstart:
+        cache = tempfile.mkdtemp(prefix="jaxcache-", dir=tmp)
+        out["cold"] = coldstart(spec, weights, batch, cache)
+        out["warm"] = coldstart(spec, weights, batch, cache)
+        line += (f", cold compile {out['cold'].get('first_call_s', float('nan')):.1f} s, warm start "
+                 f"{out['warm'].get('first_call_s', float('nan')):.2f} s")
+    print(line, flush=True)
+    return out
+
+
+def _kernel_counts(plan) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for layer in plan.graph.layers:
+        kernel = plan.kernels.get(layer.name)
+        key = kernel.name if kernel is not None else f"caffe:{layer.type}"
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def _agreement(reference: dict, other: dict) -> dict:
+    """Top-1 agreement and the largest absolute difference of the first output (class scores)."""
+    ref = np.asarray(next(iter(reference.values()))).reshape(len(np.asarray(next(iter(reference.values())))), -1)
+    got = np.asarray(next(iter(other.values()))).reshape(ref.shape)
+    agree = int(np.sum(ref.argmax(1) == got.argmax(1)))
+    return {"top1_agree": agree, "top1_total": len(ref), "max_abs_diff": float(np.max(np.abs(ref - got)))}
+
+
+def opencv_forward(spec: BenchNet, weights: pathlib.Path, x: np.ndarray, repeats: int) -> dict:
+    try:
+        import cv2
+    except ImportError:
+        return {"error": 'OpenCV is not installed: pip install "opencv-python-headless>=4.10,<5"'}
+    dnn = cv2.dnn.readNetFromCaffe(str(spec.prototxt), str(weights))
+    dnn.setPreferableBackend(cv2.dnn.DNN_BACKEND_OPENCV)
+    dnn.setPreferableTarget(cv2.dnn.DNN_TARGET_CPU)
+
+    def forward():
+        dnn.setInput(x)
+        return dnn.forward()
+
+    output = forward()
+    result = timed(forward, repeats)
+    result.update(version=cv2.__version__, threads=cv2.getNumThreads(), output=np.asarray(output))
+    return result
+
+
+def train_step(spec: BenchNet, weights: pathlib.Path, batch: int, repeats: int, lr: float = 1e-4) -> dict:
+    """Forward + backward + SGD update as one jitted program (params donated), on the deploy net with a
+    SoftmaxWithLoss appended (TRAIN phase: Dropout active; BatchNorm as the prototxt says)."""
+    import caffejax
+    from caffejax.lower.program import NetProgram
+
+    net = caffejax.Net(training_net_param(spec.prototxt, batch), caffejax.TRAIN)
+    net.copy_from(str(weights))
+    data = [n for n in net.inputs if n != "label"][0]
+    net.blobs[data].reshape(batch, *net.blobs[data].shape[1:])
+    net.reshape()
+    program = NetProgram(net.graph)
+    rng = np.random.default_rng(0)
+    fed = {}
+    for layer in net.graph.layers:
+        if layer.is_input:
+            for blob, value in zip(layer.tops, layer.top_values):
+                shape = net.graph.value_shapes[value]
+                fed[value] = (rng.integers(0, 10, shape).astype(np.float32) if blob == "label"
+                              else rng.random(shape, dtype=np.float32))
+    learnable = {slot.storage for slot in net.graph.learnable_slots if slot.lr_mult != 0}
+
+    def step(params, inputs, key):
+        loss, grads, (_, updates) = program.loss_and_grads(params, inputs, key)
+        new = {owner: [p - lr * g if (owner, i) in learnable else p for i, (p, g) in enumerate(zip(ps, grads[owner]))]
+               for owner, ps in params.items()}
+        for owner, changed in updates.items():
+            for i, value in changed.items():
+                new[owner][i] = value
+        return new, loss
+
+    jitted = jax.jit(step, donate_argnums=0)
+    state = {"params": net.param_arrays(), "step": 0}
+    inputs = {v: jnp.asarray(a) for v, a in fed.items()}
+
+    def one():
+        state["step"] += 1
+        state["params"], loss = jitted(state["params"], inputs, jax.random.key(state["step"]))
+        return loss
+
+    _, compile_s = once(one)
+    result = timed(one, repeats)
+    result["compile_s"] = compile_s
+    return result
+
+
+def coldstart(spec: BenchNet, weights: pathlib.Path, batch: int, cache: str) -> dict:
+    command = [sys.executable, "-m", "bench.coldstart", "--prototxt", str(spec.prototxt), "--weights", str(weights),
+               "--batch", str(batch), "--cache-dir", cache]
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    if done.returncode:
+        return {"error": done.stderr[-2000:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# ---- the table ------------------------------------------------------------------------------------------
+
+def _fmt(value, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(report: dict) -> None:
+    gemm = report["gemm_gflops"]["numpy_openblas"]
+    print(f"\nmedian ms; ratios < 1 mean caffejax is faster. In-run GEMM (OpenBLAS 2048^2): {gemm:.0f} GFLOP/s")
+    header = ("net", "batch", "fwd ms", "OpenCV ms", "cj/OCV", "GFLOP/s", "%GEMM", "bf16 ms", "bf16 x", "top1",
+              "train ms", "train/Caffe", "cold s", "warm s", "load GB/s", "RSS MB")
+    rows = [header]
+    misses = []
+    for name, result in report["nets"].items():
+        spec = NETS[name]
+        for batch_key, b in result["batches"].items():
+            batch = int(batch_key)
+            fwd = b["fwd"]["median_ms"]
+            ocv = b.get("opencv", {}).get("median_ms")
+            ratio = fwd / ocv if ocv else None
+            bf16 = b.get("bf16", {})
+            speedup = fwd / bf16["median_ms"] if bf16 else None
+            top1 = bf16["top1_agree"] / bf16["top1_total"] if bf16 else None
+            train = b.get("train", {}).get("median_ms")
+            train_ratio = train / spec.caffe_fwd_bwd[batch] if train and batch in spec.caffe_fwd_bwd else None
+            cold, warm = b.get("cold", {}).get("first_call_s"), b.get("warm", {}).get("first_call_s")
+            rss = b.get("cold", {}).get("peak_rss_mb")
+            load = result["load"]["copy_from_gbs"]
+            rows.append((name, batch_key, _fmt(fwd, ".1f"), _fmt(ocv, ".1f"), _fmt(ratio), _fmt(b["gflops"], ".0f"),
+                         _fmt(100 * b["gflops"] / gemm, ".0f"), _fmt(bf16.get("median_ms"), ".1f"), _fmt(speedup),
+                         _fmt(top1, ".3f"), _fmt(train, ".1f"), _fmt(train_ratio), _fmt(cold, ".1f"), _fmt(warm, ".2f"),
+                         _fmt(load, ".2f"), _fmt(rss, ".0f")))
+            limit = TARGET_FWD_RATIO.get(batch)
+            if ratio is not None and limit is not None and ratio > limit:
+                misses.append(f"{name} b{batch}: fwd caffejax/OpenCV {ratio:.2f} > {limit}")
+            if train_ratio is not None and batch == 16 and train_ratio > TARGET_TRAIN_RATIO:
+                misses.append(f"{name} b16: train step / Caffe fwd+bwd {train_ratio:.2f} > {TARGET_TRAIN_RATIO}")
+            if name == "resnet50" and batch == 16 and b["gflops"] / gemm < TARGET_GEMM_FRACTION:
+                misses.append(f"resnet50 b16: {100 * b['gflops'] / gemm:.0f}% of GEMM < {100 * TARGET_GEMM_FRACTION:.0f}%")
+            if name == "resnet50" and cold is not None and cold > TARGET_COLD_S:
+                misses.append(f"resnet50 b{batch}: cold compile {cold:.1f} s > {TARGET_COLD_S} s")
+            if warm is not None and warm > TARGET_WARM_S:
+                misses.append(f"{name} b{batch}: warm start {warm:.2f} s > {TARGET_WARM_S} s")
+            if batch == 16 and speedup is not None and speedup < TARGET_BF16_SPEEDUP:
+                misses.append(f"{name} b16: bf16 speedup {speedup:.2f} < {TARGET_BF16_SPEEDUP}")
+            if top1 is not None and top1 < TARGET_BF16_TOP1:
+                misses.append(f"{name} b{batch}: bf16 top-1 agreement {top1:.3f} < {TARGET_BF16_TOP1}")
+        if result["load"]["copy_from_gbs"] < TARGET_LOAD_GBS:
+            misses.append(f"{name}: caffemodel load {result['load']['copy_from_gbs']:.2f} GB/s < {TARGET_LOAD_GBS}")
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
+    for row in rows:
+        print("  ".join(str(cell).rjust(width) for cell, width in zip(row, widths)))
+    print("\ntargets missed:" if misses else "\nall targets met")
+    for miss in misses:
+        print("  " + miss)
+    report["targets_missed"] = misses
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""compile_inference and its optimisation passes: each pass keeps the outputs of the unoptimised program.
+
+One small net exercises every rewrite and kernel (BatchNorm folding into a convolution and into an inner
+product, a lone BatchNorm + Scale, channels-last convolutions with pad/stride/dilation/groups, 1x1 GEMMs at
+stride 1 and 2, depthwise, Winograd on odd sizes with and without padding, MAX/AVE pooling with overhang,
+global pooling, LRN, Concat, Eltwise, an InnerProduct over a channels-last 4-D input, and layers with no
+channels-last kernel). Each pass runs alone (with ``nhwc`` where it refines its kernels) and all together,
+compared with ``passes=()`` at Caffe's forward tolerance.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import caffejax
+from caffejax.lower import optimize
+from conftest import FORWARD_ATOL, FORWARD_RTOL, assert_close
+
+CONV = 'type: "Convolution" convolution_param {{ num_output: {n} kernel_size: {k} {extra} weight_filler {{ type: "gaussian" std: 0.2 }} bias_filler {{ type: "gaussian" std: 0.1 }} }}'
+
+
+def _layer(name, type_, bottoms, tops, body=""):
+    bottoms = " ".join(f'bottom: "{b}"' for b in bottoms)
+    tops = " ".join(f'top: "{t}"' for t in tops)
+    return f'layer {{ name: "{name}" type: "{type_}" {bottoms} {tops} {body} }}\n'
+
+
+def _conv(name, bottom, top, n, k, extra=""):
+    body = CONV.format(n=n, k=k, extra=extra)[len('type: "Convolution" '):]
+    return _layer(name, "Convolution", [bottom], [top], body)
+
+
+def _bn_scale(name, blob, scale=True):
+    text = _layer(f"{name}_bn", "BatchNorm", [blob], [blob], "batch_norm_param { use_global_stats: true }")
+    if scale:
+        text += _layer(f"{name}_scale", "Scale", [blob], [blob],
+                       'scale_param { bias_term: true filler { type: "uniform" min: 0.5 max: 1.5 } '
+                       'bias_filler { type: "gaussian" std: 0.1 } }')
+    return text
+
+
+ZOO = (
+    'name: "zoo" input: "data" input_shape { dim: 2 dim: 8 dim: 9 dim: 9 }\n'
+    # conv + BN + Scale + in-place ReLU: folded; 3x3 pad 1 on 9x9: Winograd with a cropped last tile
+    + _conv("a", "data", "a", 16, 3, "pad: 1") + _bn_scale("a", "a")
+    + _layer("a_relu", "ReLU", ["a"], ["a"])
+    # 1x1 stride 2 without bias + BN without Scale: folded, bias created; GEMM on a strided view
+    + _conv("b", "a", "b", 12, 1, "stride: 2 bias_term: false") + _bn_scale("b", "b", scale=False)
+    # depthwise 3x3, stride 1 and stride 2 (pad 1)
+    + _conv("dw", "a", "dw", 16, 3, "pad: 1 group: 16")
+    + _conv("dw2", "a", "dw2", 16, 3, "pad: 1 stride: 2 group: 16")
+    # grouped, dilated: the direct NHWC convolution
+    + _conv("gd", "dw", "gd", 16, 3, "pad: 2 dilation: 2 group: 4")
+    + _layer("sum", "Eltwise", ["gd", "dw"], ["sum"], "eltwise_param { operation: SUM coeff: 1 coeff: -0.5 }")
+    + _layer("cat", "Concat", ["sum", "a"], ["cat"])
+    + _layer("lrn", "LRN", ["cat"], ["lrn"], "lrn_param { local_size: 3 alpha: 0.5 beta: 0.75 k: 2 }")
+    # MAX 2x2/2 over 9x9 (ceil mode: the last window overhangs), AVE 3x3/2 pad 1: both 5x5
+    + _layer("maxp", "Pooling", ["lrn"], ["maxp"], "pooling_param { pool: MAX kernel_size: 2 stride: 2 }")
+    + _layer("avep", "Pooling", ["lrn"], ["avep"], "pooling_param { pool: AVE kernel_size: 3 stride: 2 pad: 1 }")
+    # a BatchNorm + Scale after a pooling: one per-channel affine Scale
+    + _bn_scale("p", "maxp")
+    # 3x3 without pad on 5x5: Winograd without padding, the last tile cropped
+    + _conv("c", "maxp", "c", 8, 3)
+    + _conv("c5", "avep", "c5", 8, 3)
+    + _layer("c5_relu", "ReLU", ["c5"], ["c5"])
+    # 1x1 stride 1 (GEMM) on the stride-2 branch
+    + _conv("e", "b", "e", 8, 1)
+    + _layer("gpool", "Pooling", ["e"], ["gpool"], "pooling_param { pool: AVE global_pooling: true }")
+    + _layer("gmax", "Pooling", ["c5"], ["gmax"], "pooling_param { pool: MAX global_pooling: true }")
+    # an InnerProduct over a 4-D channels-last value (weights permuted), then BN folded into it
+    + _layer("fc", "InnerProduct", ["c"], ["fc"],
+             'inner_product_param { num_output: 6 weight_filler { type: "gaussian" std: 0.2 } '
+             'bias_filler { type: "gaussian" std: 0.1 } }')
+    + _bn_scale("fc", "fc")
+    + _layer("fct", "InnerProduct", ["dw2"], ["fct"],
+             'inner_product_param { num_output: 5 transpose: true weight_filler { type: "gaussian" std: 0.1 } }')
+    # no channels-last kernel: Flatten and Softmax read NCHW
+    + _layer("flat", "Flatten", ["gpool"], ["flat"])
+    + _layer("gflat", "Flatten", ["gmax"], ["gflat"])
+    + _layer("joined", "Concat", ["flat", "gflat", "fc", "fct"], ["joined"])
+    + _layer("prob", "Softmax", ["joined"], ["prob"])
+)
+
+
+def _randomize_batchnorm(net, seed=0):
+    rng = np.random.default_rng(seed)
+    for name, blobs in net.params.items():
+        if net.layer_dict[name].type == "BatchNorm":
+            channels = blobs[0].shape
+            blobs[0].data[...] = rng.normal(0, 0.5, channels) * 4     # sums, divided by the factor 4
+            blobs[1].data[...] = rng.uniform(0.5, 2.0, channels) * 4
+            blobs[2].data[...] = 4
+
+
+@pytest.fixture(scope="module")
+def zoo():
+    caffejax.set_random_seed(3)
+    net = caffejax.Net(ZOO, caffejax.TEST)
+    _randomize_batchnorm(net)
+    x = np.random.default_rng(1).normal(size=(2, 8, 9, 9)).astype(np.float32)
+    reference = caffejax.compile_inference(net, passes=())({"data": x})
+    return net, x, reference
+
+
+def _check(got, reference, what):
+    assert set(got) == set(reference)
+    for blob in reference:
+        assert_close(got[blob], reference[blob], FORWARD_RTOL, FORWARD_ATOL, f"{what}: {blob}")
+
+
+def test_unoptimised_program_is_net_forward(zoo):
+    net, x, reference = zoo
+    out = net.forward(data=x)
+    _check(reference, {blob: out[blob] for blob in reference}, "passes=() vs Net.forward")
+
+
+@pytest.mark.parametrize("passes", [("fold_batchnorm",), ("nhwc",), ("nhwc", "conv_gemm"), ("nhwc", "depthwise"),
+                                    ("nhwc", "winograd"), optimize.DEFAULT_PASSES])
+def test_pass_keeps_outputs(zoo, passes):
+    net, x, reference = zoo
+    infer = caffejax.compile_inference(net, passes=passes)
+    _check(infer({"data": x}), reference, "+".join(passes))
+
+
+def test_every_rewrite_and_kernel_is_exercised(zoo):
+    net, x, _ = zoo
+    plan = caffejax.compile_inference(net).plan({"data": x.shape})
+    types = [layer.type for layer in plan.graph.layers]
+    assert "BatchNorm" not in types                       # all four folded away
+    assert types.count("Scale") == 1                      # the one after the pooling, BN + Scale as one
+    kernels = {name: kernel.name for name, kernel in plan.kernels.items()}
+    assert kernels["a"] == kernels["c"] == kernels["c5"] == "conv_winograd_f2x2_3x3"
+    assert kernels["b"] == kernels["e"] == "conv_1x1_gemm"
+    assert kernels["dw"] == kernels["dw2"] == "conv_depthwise_taps"
+    assert kernels["gd"] == "conv_nhwc"
+    assert kernels["fc"] == kernels["fct"] == "inner_product_nhwc"
+    assert kernels["maxp"] == kernels["avep"] == kernels["gpool"] == "pool_nhwc"
+    assert kernels["lrn"] == "lrn_nhwc" and kernels["cat"] == "concat_nhwc"
+    assert kernels["p_bn"] == "per_channel_nhwc"
+    assert "flat" not in kernels and "prob" not in kernels
+
+
+def test_fold_keeps_values_other_layers_read():
+    """A convolution whose output is read besides its BatchNorm keeps its output: the BatchNorm (and its
+    Scale) become one Scale instead. A BatchNorm whose output is a net output still folds."""
+    text = ('input: "data" input_shape { dim: 1 dim: 3 dim: 5 dim: 5 }\n'
+            + _conv("a", "data", "a", 4, 3, "pad: 1")
+            + _layer("bn", "BatchNorm", ["a"], ["bn"]) + _layer("sc", "Scale", ["bn"], ["sc"], "scale_param { bias_term: true }")
+            + _layer("sum", "Eltwise", ["sc", "a"], ["sum"])
+            + _conv("b", "sum", "b", 4, 1) + _layer("bn2", "BatchNorm", ["b"], ["out"]))
+    caffejax.set_random_seed(5)
+    net = caffejax.Net(text, caffejax.TEST)
+    _randomize_batchnorm(net, seed=2)
+    x = np.random.default_rng(0).normal(size=(1, 3, 5, 5)).astype(np.float32)
+    reference = caffejax.compile_inference(net, passes=())({"data": x})
+    infer = caffejax.compile_inference(net, passes=("fold_batchnorm",))
+    _check(infer({"data": x}), reference, "fold_batchnorm")
+    layers = infer.plan({"data": x.shape}).graph.layers
+    assert [layer.type for layer in layers] == ["Input", "Convolution", "Split", "Scale", "Eltwise", "Convolution"]
+
+
+def test_bf16_mode_agrees_with_fp32(zoo):
+    net, x, reference = zoo
+    infer = caffejax.compile_inference(net, dtype=jnp.bfloat16)
+    got = infer({"data": x})["prob"]
+    assert got.dtype == jnp.float32
+    ref = np.asarray(reference["prob"])
+    np.testing.assert_allclose(np.asarray(got), ref, atol=0.05 * float(np.abs(ref).max()))
+    plan = infer.plan({"data": x.shape})
+    params = infer._programs[infer._signature({"data": x.shape})].params
+    assert all(a.dtype == jnp.bfloat16 for arrays in params.values() for a in arrays)
+    del plan
+
+
+def test_one_program_per_input_shape_and_weights_snapshot(zoo):
+    net, x, reference = zoo
+    infer = caffejax.compile_inference(net)
+    first = infer({"data": x})
+    infer({"data": x + 1})
+    assert infer.compile_count == 1
+    single = infer({"data": x[:1]})                       # another batch size: a second program
+    assert infer.compile_count == 2
+    assert_close(single["prob"], first["prob"][:1], FORWARD_RTOL, FORWARD_ATOL, "batch of one")
+    saved = net.params["a"][0].data.copy()
+    net.params["a"][0].data[...] = 0                     # surgery after compiling is not seen
+    try:
+        _check(infer({"data": x}), first, "after net surgery")
+    finally:
+        net.params["a"][0].data[...] = saved
+
+
+def test_bad_passes_and_inputs_raise(zoo):
+    net, x, _ = zoo
+    with pytest.raises(caffejax.CaffejaxError, match="unknown optimisation pass"):
+        caffejax.compile_inference(net, passes=("fold_batchnorm", "turbo"))
+    infer = caffejax.compile_inference(net)
+    with pytest.raises(caffejax.CaffejaxError, match="do not match the net's inputs"):
+        infer({"image": x})
+    with pytest.raises(caffejax.ShapeError):
+        infer({"data": x[:, :3]})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prototxt", ["resnet/ResNet-50-deploy.prototxt", "mobilenet/mobilenet_v2_deploy.prototxt",
+                                      "bvlc/models/bvlc_googlenet/deploy.prototxt"])
+def test_published_nets_keep_outputs(prototxt):
+    from conftest import MODELS
+    import sys, pathlib
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+    from bench.nets import randomize_weights
+
+    net = caffejax.Net(str(MODELS / prototxt), caffejax.TEST)
+    randomize_weights(net)
+    x = np.random.default_rng(0).random((1,) + tuple(net.blobs[net.inputs[0]].shape[1:]), dtype=np.float32)
+    reference = caffejax.compile_inference(net, passes=())({net.inputs[0]: x})
+    _check(caffejax.compile_inference(net)({net.inputs[0]: x}), reference, prototxt)
