@@ -46,8 +46,10 @@ def _constant_filler(value: float) -> Any:
     return caffe_pb2.FillerParameter(type="constant", value=value)
 
 
-def _keys(key: jax.Array, n: int) -> list[jax.Array]:
-    return list(jax.random.split(key, max(n, 1)))
+def _keys(key, n: int) -> list:
+    from caffejax.lower.fillers import split
+
+    return split(key, n)
 
 
 def _gather_rows(table: jax.Array, index: jax.Array) -> jax.Array:
@@ -189,7 +191,7 @@ def _batch_norm_param_shapes(layer_param, bottom_shapes):
 
 
 def _batch_norm_init(layer_param, shapes, key):
-    return [jnp.zeros(shape, jnp.float32) for shape in shapes]
+    return [np.zeros(shape, np.float32) for shape in shapes]
 
 
 @layer("BatchNorm", param_shapes=_batch_norm_param_shapes, init_params=_batch_norm_init,
@@ -651,7 +653,7 @@ def _parameter_param_shapes(layer_param, bottom_shapes):
 
 
 def _parameter_init(layer_param, shapes, key):
-    return [jnp.zeros(s, jnp.float32) for s in shapes]  # a fresh Blob is zero-filled; there is no filler
+    return [np.zeros(s, np.float32) for s in shapes]  # a fresh Blob is zero-filled; there is no filler
 
 
 @layer("Parameter", param_shapes=_parameter_param_shapes, init_params=_parameter_init,

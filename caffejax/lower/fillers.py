@@ -23,8 +23,38 @@ Shape = tuple[int, ...]
 FAN_IN, FAN_OUT, AVERAGE = 0, 1, 2
 
 
-def fill(filler_param: Any, shape: Sequence[int], key: jax.Array, dtype=np.float32) -> jax.Array:
-    """Caffe's ``GetFiller(filler_param)->Fill(blob)`` for a blob of ``shape``."""
+class HostKey:
+    """A NumPy random stream standing in for a ``jax.random`` key.
+
+    Initialising a net runs every layer's fillers once, on the host: drawing with NumPy there costs
+    nothing to compile, where the same draws in JAX cost an XLA compilation per net. Fillers and
+    ``init_params`` accept either kind of key; use :func:`split` and :func:`fold_in` to derive keys.
+    """
+
+    def __init__(self, seed: np.random.SeedSequence | int):
+        self.seed = seed if isinstance(seed, np.random.SeedSequence) else np.random.SeedSequence(seed)
+        self.rng = np.random.default_rng(self.seed)
+
+
+def split(key, n: int) -> list:
+    """``n`` independent keys from ``key`` (a jax key or a HostKey)."""
+    if isinstance(key, HostKey):
+        return [HostKey(s) for s in key.seed.spawn(max(n, 1))]
+    return list(jax.random.split(key, max(n, 1)))
+
+
+def fold_in(key, data: int):
+    """A key for item ``data`` of ``key`` (a jax key or a HostKey)."""
+    if isinstance(key, HostKey):
+        return HostKey(np.random.SeedSequence(list(key.seed.generate_state(2)) + [int(data)]))
+    return jax.random.fold_in(key, data)
+
+
+def fill(filler_param: Any, shape: Sequence[int], key, dtype=np.float32):
+    """Caffe's ``GetFiller(filler_param)->Fill(blob)`` for a blob of ``shape``.
+
+    With a jax key the result is a ``jax.Array`` (traceable); with a :class:`HostKey`, a NumPy array.
+    """
     shape = tuple(int(d) for d in shape)
     kind = filler_param.type
     if kind not in _FILLERS:
@@ -36,7 +66,13 @@ def fill(filler_param: Any, shape: Sequence[int], key: jax.Array, dtype=np.float
     if kind != "gaussian" and filler_param.sparse != -1:
         raise SchemaError(f"{kind} filler: sparsity is only supported by the gaussian filler "
                           f"(sparse: {filler_param.sparse})")
-    return jnp.asarray(_FILLERS[kind](filler_param, shape, key, dtype), dtype=dtype)
+    values = _FILLERS[kind](filler_param, shape, key, dtype)
+    return np.asarray(values, dtype) if isinstance(key, HostKey) else jnp.asarray(values, dtype=dtype)
+
+
+def _xp(key):
+    """The array module for ``key``'s side: NumPy on the host, jax.numpy in a program."""
+    return np if isinstance(key, HostKey) else jnp
 
 
 def count(shape: Shape) -> int:
@@ -52,7 +88,7 @@ def _leading(kind: str, shape: Shape) -> int:
 
 def _constant(p, shape: Shape, key, dtype):
     """x = value."""
-    return jnp.full(shape, p.value, dtype)
+    return _xp(key).full(shape, p.value, dtype)
 
 
 def _uniform(p, shape: Shape, key, dtype):
@@ -62,7 +98,7 @@ def _uniform(p, shape: Shape, key, dtype):
 
 def _gaussian(p, shape: Shape, key, dtype):
     """x ~ N(mean, std^2); with sparse >= 0 each weight survives with probability sparse / shape(0)."""
-    value_key, mask_key = jax.random.split(key)
+    value_key, mask_key = split(key, 2)
     data = _rng_gaussian("gaussian", shape, value_key, dtype, p.mean, p.std)
     if p.sparse >= 0:
         # filler.hpp: "the mean number of non-zero input weights for a given output", num_outputs = shape(0).
@@ -70,15 +106,15 @@ def _gaussian(p, shape: Shape, key, dtype):
         if probability > 1:
             raise SchemaError(f"gaussian filler: sparse {p.sparse} exceeds the blob's {shape[0]} outputs "
                               f"(keep probability {probability} > 1)")
-        data = data * jax.random.bernoulli(mask_key, probability, shape).astype(dtype)
+        data = data * _rng_bernoulli(mask_key, probability, shape).astype(dtype)
     return data
 
 
 def _positive_unitball(p, shape: Shape, key, dtype):
     """x ~ U(0, 1), then every row (the count / shape(0) values of one output) is divided by its sum."""
     rows = _leading("positive_unitball", shape)
-    data = jax.random.uniform(key, (rows, count(shape) // rows), dtype)
-    return (data / jnp.sum(data, axis=1, keepdims=True)).reshape(shape)
+    data = _rng_uniform("positive_unitball", (rows, count(shape) // rows), key, dtype, 0.0, 1.0)
+    return (data / data.sum(axis=1, keepdims=True)).reshape(shape)
 
 
 def _xavier(p, shape: Shape, key, dtype):
@@ -105,7 +141,8 @@ def _bilinear(p, shape: Shape, key, dtype):
     t = np.arange(k, dtype=np.float32)
     profile = (np.float32(1) - np.abs(t / np.float32(f) - np.float32(c))).astype(np.float32)
     kernel = np.outer(profile, profile).astype(np.float32)
-    return jnp.broadcast_to(jnp.asarray(kernel, dtype), shape)
+    xp = _xp(key)
+    return xp.broadcast_to(xp.asarray(kernel, dtype), shape)
 
 
 def _fan(kind: str, p, shape: Shape) -> float:
@@ -122,13 +159,23 @@ def _fan(kind: str, p, shape: Shape) -> float:
 def _rng_uniform(kind: str, shape: Shape, key, dtype, low: float, high: float):
     if not low <= high:  # caffe_rng_uniform: CHECK_LE(a, b)
         raise SchemaError(f"{kind} filler: min {low} must not exceed max {high}")
+    if isinstance(key, HostKey):
+        return key.rng.uniform(low, high, shape).astype(dtype)
     return jax.random.uniform(key, shape, dtype, low, high)
 
 
 def _rng_gaussian(kind: str, shape: Shape, key, dtype, mean: float, std: float):
     if not std > 0:  # caffe_rng_gaussian: CHECK_GT(sigma, 0)
         raise SchemaError(f"{kind} filler: std must be > 0, got {std}")
+    if isinstance(key, HostKey):
+        return (mean + std * key.rng.standard_normal(shape)).astype(dtype)
     return mean + std * jax.random.normal(key, shape, dtype)
+
+
+def _rng_bernoulli(key, probability: float, shape: Shape):
+    if isinstance(key, HostKey):
+        return key.rng.random(shape) < probability
+    return jax.random.bernoulli(key, probability, shape)
 
 
 _FILLERS: dict[str, Callable[[Any, Shape, jax.Array, Any], jax.Array]] = {

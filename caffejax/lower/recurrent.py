@@ -120,9 +120,10 @@ def _recurrent_param_shapes(layer_param, bottom_shapes, gates: int, num_hidden: 
 
 def _recurrent_init(layer_param, shapes, key):
     """weight_filler for the matrices, bias_filler for the vectors (every InnerProduct of the unrolled net)."""
-    from caffejax.lower.fillers import fill  # lazily: the fillers module belongs to another family
+    from caffejax.lower.fillers import fill, split  # lazily: the fillers module belongs to another family
+
     p = layer_param.recurrent_param
-    keys = jax.random.split(key, len(shapes))
+    keys = split(key, len(shapes))
     return [fill(p.weight_filler if len(s) == 2 else p.bias_filler, s, k) for s, k in zip(shapes, keys)]
 
 

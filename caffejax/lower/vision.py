@@ -192,12 +192,12 @@ def _conv_param_shapes(layer_param, bottom_shapes: Sequence[Shape], reverse: boo
     return shapes
 
 
-def _conv_init_params(layer_param, shapes: Sequence[Shape], key: jax.Array) -> list[jax.Array]:
-    from caffejax.lower.fillers import fill
+def _conv_init_params(layer_param, shapes: Sequence[Shape], key) -> list:
+    from caffejax.lower.fillers import fill, split
 
     p = layer_param.convolution_param
     fillers = [p.weight_filler, p.bias_filler][:len(shapes)]
-    keys = jax.random.split(key, len(shapes))
+    keys = split(key, len(shapes))
     return [fill(f, s, k) for f, s, k in zip(fillers, shapes, keys)]
 
 

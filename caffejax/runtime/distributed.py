@@ -209,11 +209,6 @@ class _Replicas:
 
 # ---- one device's share of a global batch ---------------------------------------------------------------------
 
-def fed_tops(graph: Graph) -> list[str]:
-    """The blobs fed from outside the program: Input tops and data layers' tops."""
-    return [top for layer in graph.layers if layer.is_input for top in layer.tops]
-
-
 def per_device_shapes(shapes: Mapping[str, Sequence[int]], devices: int) -> dict[str, tuple[int, ...]]:
     """The fed shapes one of ``devices`` devices sees: axis 0 divided evenly (DataError where it cannot be)."""
     out = {}
@@ -343,7 +338,7 @@ class DataParallel:
 
     def use_global_batch(self, net) -> None:
         """Grow every fed blob of known shape along axis 0 to this process's part of the global batch."""
-        for top in fed_tops(net.graph):
+        for top in net.graph.fed:
             shape = net.blobs[top].shape
             if shape:
                 net.blobs[top].reshape((shape[0] * self.local_devices,) + tuple(shape[1:]))
@@ -360,9 +355,7 @@ class DataParallel:
         ``axis``. The callable returned takes and gives what the one-device iteration does (``pulled``
         stacked along a leading iter_size axis), as one-device arrays, with the blobs of the global batch.
         """
-        graph = net.graph
-        shapes = {top: graph.value_shapes[value] for layer in graph.layers if layer.is_input
-                  for top, value in zip(layer.tops, layer.top_values)}
+        shapes = {top: net.graph.value_shapes[value] for top, value in net.graph.fed.items()}
         one_device, per_example = per_device_graph(net, shapes, self.local_devices)
         step = make_step(NetProgram(one_device), AXIS)
 
@@ -403,14 +396,13 @@ def data_parallel_forward(net, devices: Devices, blobs: Sequence[str] = ()) -> C
     local_devices = len(devices_of_this_process(mesh))
     replicas = _Replicas(mesh)
     wanted = list(dict.fromkeys(list(net.outputs) + list(blobs)))
-    tops = fed_tops(net.graph)
+    tops = list(net.graph.fed)
     programs: dict[Any, Callable] = {}
 
     def compile_for(shapes):
         one_device, per_example = per_device_graph(net, shapes, local_devices)
         program = NetProgram(one_device)
-        fed = {top: value for layer in one_device.layers if layer.is_input
-               for top, value in zip(layer.tops, layer.top_values)}
+        fed = one_device.fed
 
         def on_device(shared, arrays):
             params, key = shared

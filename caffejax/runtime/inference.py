@@ -79,17 +79,14 @@ class InferenceFunction:
         if program is None:
             plan = optimize(make_plan(self._graph(dict(signature)), self._weights), self.passes)
             params = prepare_params(plan, self.dtype)
-            feeds = [(blob, value) for layer in plan.graph.layers if layer.is_input
-                     for blob, value in zip(layer.tops, layer.top_values)]
+            feeds = list(plan.graph.fed.items())
             program = self._programs[signature] = _Program(plan, params, jax.jit(_outputs_as_float32(plan)), feeds)
         return program
 
     def _graph(self, shapes: Mapping[str, tuple[int, ...]]) -> Graph:
         """The net's graph with its inputs at ``shapes`` (Caffe's Reshape of every layer)."""
         graph = self._net.graph
-        current = {blob: graph.value_shapes[value] for layer in graph.layers if layer.is_input
-                   for blob, value in zip(layer.tops, layer.top_values)}
-        if all(current.get(name) == shape for name, shape in shapes.items()):
+        if all(graph.value_shapes.get(graph.fed.get(name)) == shape for name, shape in shapes.items()):
             return graph
         net = self._net
         try:

@@ -9,7 +9,6 @@ range, so repeated passes at one shape never recompile.
 from __future__ import annotations
 
 import collections
-import functools
 import os
 from typing import Any, Iterable, Sequence
 
@@ -22,6 +21,7 @@ from caffejax.fileio import atomic_write
 from caffejax.frontend.build import build_graph, load_net_param
 from caffejax.frontend.caffemodel import encode_net, read_weights, write_hdf5
 from caffejax.frontend.ir import Graph
+from caffejax.lower.fillers import HostKey, fold_in
 from caffejax.lower.program import NetProgram
 from caffejax.lower.registry import TRAIN, TEST, get_rule
 from caffejax.runtime import mode
@@ -120,7 +120,7 @@ class Net:
         return shapes + tuple((value, data.tobytes()) for value, data in sorted(graph.concrete.items()))
 
     def _init_params(self, skip: set[str] = frozenset()) -> None:
-        """Allocate every learnable blob and run Caffe's fillers (one jitted program for all of them)."""
+        """Allocate every learnable blob and run Caffe's fillers."""
         self.params: collections.OrderedDict[str, list[Blob]] = collections.OrderedDict()
         self._param_blobs: dict[tuple[str, int], Blob] = {}
         for layer in self._graph.layers:
@@ -138,13 +138,14 @@ class Net:
         if not to_fill:
             return
 
-        description = tuple((position, layer.type, layer.proto.SerializeToString(),
-                             tuple(slot.shape for slot in layer.params)) for position, layer in to_fill)
-        filled = _filler_program(description)(jax.random.key(mode.random_seed()))
-        for (_, layer), arrays in zip(to_fill, filled):
+        # Fillers run on the host (NumPy): no XLA compilation just to initialise a net.
+        key = HostKey(mode.random_seed())
+        for position, layer in to_fill:
+            arrays = get_rule(layer.type).init_params(layer.proto, [slot.shape for slot in layer.params],
+                                                      fold_in(key, position))
             for slot, array in zip(layer.params, arrays):
                 if slot.is_owner:
-                    self._param_blobs[slot.key]._data.set(jnp.asarray(array, self._dtype))
+                    self._param_blobs[slot.key]._data.set(np.asarray(array, self._dtype))
 
     # -- pycaffe's introspection ----------------------------------------------------------------------------
     @property
@@ -528,23 +529,6 @@ class Net:
 
     def load_hdf5(self, path: str) -> None:
         self.copy_from(path)
-
-
-@functools.lru_cache(maxsize=16)
-def _filler_program(description):
-    """One jitted program running the fillers of every listed layer: (position, type, LayerParameter bytes,
-    blob shapes) each. Cached, so nets of one prototxt (a solver's train and test nets, repeated
-    constructions) compile it once."""
-    from caffejax.proto import caffe_pb2
-
-    layers = [(position, get_rule(type_name), caffe_pb2.LayerParameter.FromString(proto), shapes)
-              for position, type_name, proto, shapes in description]
-
-    def fill_all(key):
-        return [list(rule.init_params(proto, list(shapes), jax.random.fold_in(key, position)))
-                for position, rule, proto, shapes in layers]
-
-    return jax.jit(fill_all)
 
 
 def _shape_matches(net_shape, file_shape) -> bool:
