@@ -1,11 +1,13 @@
 """caffejax: Caffe nets compiled by XLA through JAX, with pycaffe's API (``import caffejax as caffe``)."""
 
-from caffejax.errors import (CaffejaxError, DataError, GraphError, ParseError, SchemaError, ShapeError,
-                             SolverError, UnsupportedError, WeightsError)
+from caffejax.errors import (CaffejaxError, DataError, GraphError, NumericalError, ParseError, SchemaError,
+                             ShapeError, SolverError, UnsupportedError, WeightsError)
 from caffejax.grad import value_and_grad
-from caffejax.lower.registry import TEST, TRAIN
+from caffejax.lower.python_layer import Layer  # pycaffe's caffe.Layer, for (trusted) Python layers
+from caffejax.lower.registry import TEST, TRAIN, register_layer
 from caffejax.net_spec import NetSpec, layers, params, to_proto
 from caffejax.runtime.mode import set_device, set_mode_cpu, set_mode_gpu, set_random_seed
+from caffejax.runtime.debug_nans import find_first_nan
 from caffejax.runtime.inference import compile_inference
 from caffejax.runtime.net import Net
 from caffejax.runtime.solver import (AdaDeltaSolver, AdaGradSolver, AdamSolver, NesterovSolver, RMSPropSolver,
@@ -19,4 +21,5 @@ __all__ = ["Net", "TRAIN", "TEST", "CaffejaxError", "ParseError", "SchemaError",
            "WeightsError", "DataError", "SolverError", "UnsupportedError", "set_mode_cpu", "set_mode_gpu",
            "set_device", "set_random_seed", "value_and_grad", "get_solver", "SGDSolver", "NesterovSolver",
            "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver", "AdamSolver", "NetSpec", "layers", "params",
-           "to_proto", "io", "Classifier", "Detector", "compile_inference"]
+           "to_proto", "io", "Classifier", "Detector", "compile_inference", "NumericalError", "register_layer",
+           "find_first_nan", "Layer"]

@@ -9,7 +9,14 @@ from __future__ import annotations
 
 
 class CaffejaxError(Exception):
-    """Base class of every error caffejax raises for bad input."""
+    """Base class of every error caffejax raises for bad input.
+
+    ``layer`` names the layer the error is about (set by :func:`layer_error`), so the frontend can put the
+    prototxt's ``file:line`` of that layer in front of the message (:func:`at_location`).
+    """
+
+    layer: str | None = None
+    located = False
 
 
 class ParseError(CaffejaxError):
@@ -64,6 +71,19 @@ class SolverError(CaffejaxError):
     """A solver definition or solver state is invalid."""
 
 
+class NumericalError(CaffejaxError):
+    """A pass produced NaN or Inf (raised when NaN debugging is on; names the first layer that did)."""
+
+
 def layer_error(cls: type[CaffejaxError], layer_name: str, layer_type: str, message: str) -> CaffejaxError:
     """Build an error that names the layer the way every layer-level message does."""
-    return cls(f"layer '{layer_name}' (type {layer_type}): {message}")
+    error = cls(f"layer '{layer_name}' (type {layer_type}): {message}")
+    error.layer = layer_name
+    return error
+
+
+def at_location(error: CaffejaxError, where: str) -> CaffejaxError:
+    """The same kind of error with ``where`` (``file:line``) in front of its message."""
+    located = type(error)(f"{where}: {error}")
+    located.layer, located.located = error.layer, True
+    return located

@@ -2,7 +2,7 @@
 
 One small net exercises every rewrite and kernel (BatchNorm folding into a convolution and into an inner
 product, a lone BatchNorm + Scale, channels-last convolutions with pad/stride/dilation/groups, 1x1 GEMMs at
-stride 1 and 2, depthwise, Winograd on odd sizes with and without padding, MAX/AVE pooling with overhang,
+stride 1 and 2, depthwise and split-group convolutions, Winograd on odd sizes with and without padding, MAX/AVE pooling with overhang,
 global pooling, LRN, Concat, Eltwise, an InnerProduct over a channels-last 4-D input, and layers with no
 channels-last kernel). Each pass runs alone (with ``nhwc`` where it refines its kernels) and all together,
 compared with ``passes=()`` at Caffe's forward tolerance.
@@ -116,8 +116,31 @@ def test_unoptimised_program_is_net_forward(zoo):
     _check(reference, {blob: out[blob] for blob in reference}, "passes=() vs Net.forward")
 
 
-@pytest.mark.parametrize("passes", [("fold_batchnorm",), ("nhwc",), ("nhwc", "conv_gemm"), ("nhwc", "depthwise"),
-                                    ("nhwc", "winograd"), optimize.DEFAULT_PASSES])
+@pytest.mark.parametrize("group, channels_last", [(16, False), (16, True), (4, False), (4, True), (2, True)])
+def test_grouped_convolution_is_xla_grouped_convolution(group, channels_last):
+    """Depthwise as shifted multiply-adds and few groups as one convolution each: XLA's grouped convolution's
+    values, in both layouts (stride 2, dilation 2, uneven padding)."""
+    from jax import lax
+    from caffejax.lower import vision
+
+    rng = np.random.default_rng(group)
+    x = rng.normal(size=(2, 16, 9, 8)).astype(np.float32)
+    w = rng.normal(size=(16, 16 // group, 3, 3)).astype(np.float32)
+    g = vision.ConvGeometry(1, (3, 3), (2, 2), (1, 2), (2, 1))
+    padding, out = [(1, 2), (2, 2)], (4, 5)
+    expected = lax.conv_general_dilated(x, w, g.stride, padding, rhs_dilation=g.dilation, feature_group_count=group,
+                                        precision=lax.Precision.HIGHEST)
+    if channels_last:
+        got = vision.grouped_convolution(x.transpose(0, 2, 3, 1), w.transpose(2, 3, 1, 0), g, padding, out, group,
+                                         channels_last=True, precision=lax.Precision.HIGHEST)
+        got = np.asarray(got).transpose(0, 3, 1, 2)
+    else:
+        got = vision.grouped_convolution(x, w, g, padding, out, group, precision=lax.Precision.HIGHEST)
+    assert_close(got, expected, FORWARD_RTOL, FORWARD_ATOL, f"group {group}")
+
+
+@pytest.mark.parametrize("passes", [("fold_batchnorm",), ("nhwc",), ("nhwc", "conv_gemm"), ("nhwc", "winograd"),
+                                    optimize.DEFAULT_PASSES])
 def test_pass_keeps_outputs(zoo, passes):
     net, x, reference = zoo
     infer = caffejax.compile_inference(net, passes=passes)
@@ -133,8 +156,7 @@ def test_every_rewrite_and_kernel_is_exercised(zoo):
     kernels = {name: kernel.name for name, kernel in plan.kernels.items()}
     assert kernels["a"] == kernels["c"] == kernels["c5"] == "conv_winograd_f2x2_3x3"
     assert kernels["b"] == kernels["e"] == "conv_1x1_gemm"
-    assert kernels["dw"] == kernels["dw2"] == "conv_depthwise_taps"
-    assert kernels["gd"] == "conv_nhwc"
+    assert kernels["dw"] == kernels["dw2"] == kernels["gd"] == "conv_nhwc"
     assert kernels["fc"] == kernels["fct"] == "inner_product_nhwc"
     assert kernels["maxp"] == kernels["avep"] == kernels["gpool"] == "pool_nhwc"
     assert kernels["lrn"] == "lrn_nhwc" and kernels["cat"] == "concat_nhwc"

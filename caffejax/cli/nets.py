@@ -34,6 +34,7 @@ def add_commands(commands, parents) -> None:
     p.add_argument("--devices", type=int, default=1, metavar="N",
                    help="train data-parallel on the first N devices JAX sees (default 1); each device runs the "
                         "prototxt's batch, as caffe train -gpu 0,1,... does")
+    _debug_nans_flag(p)
 
     p = command("test", test, "score a model",
                 "Run the TEST-phase net for -iterations batches and print every output averaged over them "
@@ -43,6 +44,7 @@ def add_commands(commands, parents) -> None:
     _flag(p, "iterations", type=int, default=50, help="the number of batches to score (default 50)")
     _flag(p, "phase", type=_phase, default=1, help="TRAIN or TEST (default TEST)")
     _net_state_flags(p)
+    _debug_nans_flag(p)
 
     p = command("time", time, "benchmark model execution time",
                 "Time the net's forward and backward passes (Caffe's 'caffe time'): the whole compiled net, and "
@@ -98,6 +100,12 @@ def _net_state_flags(parser) -> None:
     _flag(parser, "stage", default="", help="the net's stages, separated by ','")
 
 
+def _debug_nans_flag(parser) -> None:
+    parser.add_argument("--debug-nans", action="store_true",
+                        help="stop at the first NaN/Inf and name the layer that produced it (slower: checks every "
+                             "pass)")
+
+
 def _phase(text: str) -> int:
     try:
         return PHASES[text.upper()]
@@ -120,7 +128,7 @@ def _make_net(args):
     import caffejax
 
     return caffejax.Net(_model_file(args.model), args.phase, weights=args.weights, level=args.level,
-                        stages=_stages(args))
+                        stages=_stages(args), debug_nans=getattr(args, "debug_nans", False))
 
 
 def _positive_iterations(args) -> int:
@@ -153,6 +161,7 @@ def train(args) -> int:
         solver = get_solver(param, devices=devices)
     else:
         solver = get_solver(args.solver, devices=devices)
+    solver.debug_nans = args.debug_nans
     if args.snapshot:
         log.info("Resuming from %s", args.snapshot)
         solver.restore(args.snapshot)

@@ -239,9 +239,15 @@ class _Builder:
             raise
         except Exception as e:  # a rule's shape code tripped on a configuration it did not anticipate
             raise layer_error(ShapeError, lp.name, lp.type,
-                              f"cannot allocate learnable blobs for bottom shapes {bottom_shapes}: {e}") from None
-        for s in param_shapes:
+                              f"cannot allocate learnable blobs for bottom shapes {bottom_shapes}: "
+                              f"{type(e).__name__}: {_first_line(e)}") from None
+        for i, s in enumerate(param_shapes):
             _check_shape(lp, s)
+            if rule.init_params is not None and 0 in s:
+                # Caffe's fillers CHECK that a blob has elements; say which blob before any filler runs.
+                raise layer_error(ShapeError, lp.name, lp.type,
+                                  f"learnable blob {i} would have shape {tuple(s)}, with no elements (bottom "
+                                  f"shapes {[tuple(b) for b in bottom_shapes]}); is num_output or a dim 0?")
         top_shapes = self._infer_top_shapes(lp, rule, bottom_shapes, param_shapes, len(tops), concrete)
         for s in top_shapes:
             _check_shape(lp, s)
@@ -397,8 +403,9 @@ def infer_top_shapes(lp, rule: LayerRule, phase: int, bottom_shapes, param_shape
     except CaffejaxError:
         raise
     except Exception as e:
+        bottoms_named = ", ".join(f"'{b}' {tuple(s)}" for b, s in zip(lp.bottom, bottom_shapes))
         raise layer_error(ShapeError, lp.name, lp.type,
-                          f"shapes do not fit: bottoms {[tuple(s) for s in bottom_shapes]}, learnable blobs "
+                          f"shapes do not fit: bottoms {bottoms_named or 'none'}, learnable blobs "
                           f"{[tuple(s) for s in param_shapes]}: {type(e).__name__}: {_first_line(e)}") from None
     if len(tops) != num_tops:
         raise layer_error(SchemaError, lp.name, lp.type, f"produces {len(tops)} tops but {num_tops} are named")

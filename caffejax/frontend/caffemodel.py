@@ -58,11 +58,12 @@ def blobproto_to_array(blob: caffe_pb2.BlobProto, return_diff: bool = False) -> 
     else:
         values = blob.double_data if len(blob.double_data) else blob.data
     dtype = np.float64 if (len(blob.double_diff) if return_diff else len(blob.double_data)) else np.float32
-    arr = np.asarray(values, dtype=dtype)
-    if arr.size != int(np.prod(shape, dtype=np.int64)):
-        raise WeightsError(f"BlobProto holds {arr.size} values but its shape {shape} needs "
-                           f"{int(np.prod(shape, dtype=np.int64))}")
-    return arr.reshape(shape)
+    if any(d < 0 for d in shape):
+        raise WeightsError(f"BlobProto has a negative dimension in its shape {shape}")
+    expected = math.prod(shape)  # exact: a corrupted dim must not wrap around to a plausible count
+    if len(values) != expected:
+        raise WeightsError(f"BlobProto holds {len(values)} values but its shape {shape} needs {expected}")
+    return np.asarray(values, dtype=dtype).reshape(shape)
 
 
 def array_to_blobproto(arr: np.ndarray, diff: np.ndarray | None = None) -> caffe_pb2.BlobProto:
@@ -108,8 +109,11 @@ def read_weights(path: str) -> Weights:
 
 def read_binary_net(path: str) -> caffe_pb2.NetParameter:
     """A whole binary NetParameter, blobs included (for files that are small or must be edited as protos)."""
-    with open(path, "rb") as f:
-        data = f.read()
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise WeightsError(f"{path}: cannot read: {e.strerror}") from None
     net = caffe_pb2.NetParameter()
     try:
         net.ParseFromString(data)
@@ -352,6 +356,8 @@ def _read_hdf5(path: str) -> Weights:
 
     A layer name holding '/' (``inception_3a/1x1``) is a nested group path in HDF5, so layers are found by
     walking the whole ``data`` tree: every group holding numbered datasets (or nothing at all) is a layer.
+    A corrupted file fails with a WeightsError (HDF5's own errors come as OSError, RuntimeError, KeyError or
+    ValueError), and a dataset's declared size is checked before it is read.
     """
     h5py = _h5py()
     blobs: dict[str, list[np.ndarray]] = {}
@@ -364,14 +370,33 @@ def _read_hdf5(path: str) -> Weights:
             f["data"].visititems(lambda name, obj: _collect_layer_group(h5py, name, obj, layer_groups))
             for layer_name, group in layer_groups:
                 indices = sorted(int(k) for k in group if k.isdigit())
+                if indices and indices[-1] >= _MAX_LAYER_BLOBS:
+                    raise WeightsError(f"{path}: layer '{layer_name}' has a blob numbered {indices[-1]} (corrupted?)")
                 arrays: list[np.ndarray | None] = [None] * (indices[-1] + 1 if indices else 0)
                 for j in indices:  # gaps are shared blobs, which Caffe writes only under their owner
-                    arrays[j] = np.asarray(group[str(j)], dtype=np.float32)
+                    arrays[j] = hdf5_blob(h5py, group[str(j)], f"{path}: layer '{layer_name}', blob {j}")
                 blobs[layer_name] = arrays
                 net.layer.add(name=layer_name)
-    except OSError as e:
-        raise WeightsError(f"{path}: cannot read HDF5 weights: {e}") from None
+    except (OSError, RuntimeError, KeyError, ValueError, TypeError) as e:
+        raise WeightsError(f"{path}: cannot read HDF5 weights (corrupted or truncated?): {e}") from None
     return Weights(net=net, blobs=blobs, path=path, is_hdf5=True)
+
+
+# No Caffe layer has more than a handful of learnable blobs; a bigger index is a corrupted name.
+_MAX_LAYER_BLOBS = 1024
+
+
+def hdf5_blob(h5py, dataset, where: str) -> np.ndarray:
+    """An HDF5 dataset holding a blob, as float32, after checking what it declares (kind, element count);
+    ``where`` names it in errors."""
+    from caffejax.frontend.build import MAX_BLOB_ELEMENTS
+
+    if not isinstance(dataset, h5py.Dataset) or dataset.dtype.kind not in "fiu":
+        raise WeightsError(f"{where}: not a numeric dataset")
+    if dataset.size > MAX_BLOB_ELEMENTS:
+        raise WeightsError(f"{where}: declares shape {dataset.shape} ({dataset.size} elements), more than caffejax "
+                           f"allows ({MAX_BLOB_ELEMENTS}); the file is corrupted")
+    return np.asarray(dataset, dtype=np.float32)
 
 
 def _collect_layer_group(h5py, name: str, obj, layer_groups: list) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from caffejax.errors import SchemaError
+from caffejax.errors import SchemaError, layer_error
 from caffejax.proto import caffe_pb2
 
 
@@ -30,8 +30,8 @@ def state_meets_rule(state: caffe_pb2.NetState, rule: caffe_pb2.NetStateRule) ->
 def layer_included(layer, state: caffe_pb2.NetState) -> bool:
     """No include rules: kept unless an exclude rule matches. Include rules: kept iff one matches."""
     if len(layer.include) and len(layer.exclude):
-        raise SchemaError(f"layer '{layer.name}' has both include and exclude rules; "
-                          "specify only include or only exclude")
+        raise layer_error(SchemaError, layer.name, layer.type, "has both include and exclude rules; specify only "
+                          "include or only exclude")
     if len(layer.include):
         return any(state_meets_rule(state, rule) for rule in layer.include)
     return not any(state_meets_rule(state, rule) for rule in layer.exclude)

@@ -8,7 +8,7 @@ An explicit nonzero loss_weight on a top counts as one more use: the Split carri
 
 from __future__ import annotations
 
-from caffejax.errors import GraphError
+from caffejax.errors import GraphError, layer_error
 from caffejax.proto import caffe_pb2
 
 
@@ -29,8 +29,8 @@ def insert_splits(net: caffe_pb2.NetParameter) -> caffe_pb2.NetParameter:
     for i, layer in enumerate(net.layer):
         for j, blob in enumerate(layer.bottom):
             if blob not in last_top:
-                raise GraphError(f"layer '{layer.name}' (type {layer.type}): unknown bottom blob '{blob}' "
-                                 f"(bottom index {j}); no earlier layer produces it")
+                raise layer_error(GraphError, layer.name, layer.type, f"unknown bottom blob '{blob}' (bottom index "
+                                  f"{j}); no earlier layer produces it")
             source_of_bottom[(i, j)] = last_top[blob]
             uses[last_top[blob]] = uses.get(last_top[blob], 0) + 1
         for j, blob in enumerate(layer.top):

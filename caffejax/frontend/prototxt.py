@@ -4,19 +4,26 @@ Parsing goes through protobuf's ``text_format`` against caffejax's own ``caffe.p
 and nothing else, so an untrusted prototxt can never execute code. Errors carry the file, line and column
 and the offending source line.
 
-Fields that only exist in popular Caffe forks are reported, except where their meaning in BVLC terms is
-unambiguous; those are rewritten to the BVLC field before parsing (see ``FORK_FIELDS``).
+Fields that only exist in popular Caffe forks are handled in two ways. A fork's spelling of something BVLC
+has (``ceil_mode`` for ``round_mode``) is rewritten to the BVLC field before parsing (``FORK_FIELDS``). A
+fork's own layer parameters (SSD's ``norm_param``, YOLO's ``upsample_param``...) are declared with
+:func:`register_fork_param` by whoever supplies the layer's rule (``caffejax.lower.forks``): the parser then
+accepts them, keeps them inside the LayerParameter (as protobuf unknown fields, so they travel with the layer
+through upgrades, filtering and caching) and rules read them with :func:`fork_param`. Any other field is a
+ParseError naming the file, line and column, with a hint when it looks like a fork's layer parameter.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import re
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
-from google.protobuf import message, text_format
+from google.protobuf import descriptor_pb2, descriptor_pool, message, message_factory, text_format
 
-from caffejax.errors import ParseError
+from caffejax.errors import CaffejaxError, ParseError, SchemaError, at_location
 from caffejax.proto import caffe_pb2
 
 M = TypeVar("M", bound=message.Message)
@@ -32,6 +39,10 @@ FORK_FIELDS: dict[tuple[str, str], Callable[[str], str | None]] = {
         True: "round_mode: CEIL", False: "round_mode: FLOOR"}.get(_BOOL_SPELLINGS.get(value)),
 }
 
+# Real prototxts are well under 1 MiB (ResNet-152's deploy file is 0.2 MiB); anything this big is hostile or
+# not a prototxt, and protobuf's pure-Python text parser would take minutes over it.
+MAX_TEXT_BYTES = 16 * 2 ** 20
+
 # protobuf's messages look like '12:5 : Message type "caffe.X" has no field named "y".'
 _POSITION = re.compile(r"^(\d+):(\d+) : (.*)$", re.S)
 _NO_FIELD = re.compile(r'Message type "([\w.]+)" has no field named "(\w+)"')
@@ -40,9 +51,12 @@ _NO_FIELD = re.compile(r'Message type "([\w.]+)" has no field named "(\w+)"')
 def read_text(path: str) -> str:
     try:
         with open(path, "rb") as f:
-            raw = f.read()
+            raw = f.read(MAX_TEXT_BYTES + 1)
     except OSError as e:
         raise ParseError(f"cannot read file: {e.strerror}", path=path) from None
+    if len(raw) > MAX_TEXT_BYTES:
+        raise ParseError(f"file is larger than {MAX_TEXT_BYTES >> 20} MiB: not a prototxt caffejax will parse",
+                         path=path)
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -51,22 +65,34 @@ def read_text(path: str) -> str:
 
 
 def parse_text(text: str, msg: M, path: str | None = None) -> M:
-    """Parse ``text`` into ``msg`` (a fresh message), rewriting known fork fields; errors name the location."""
+    """Parse ``text`` into ``msg`` (a fresh message), rewriting known fork fields; errors name the location.
+
+    Registered fork parameters are parsed through a copy of caffe.proto that declares them, then carried into
+    ``msg`` as unknown fields (see the module docstring).
+    """
+    where = path or "<string>"
+    if len(text) > MAX_TEXT_BYTES:
+        raise ParseError(f"text is larger than {MAX_TEXT_BYTES >> 20} MiB: not a prototxt caffejax will parse",
+                         path=where)
+    target = _fork_aware(msg)
     fork_rewrites = 0
     while True:
         try:
-            text_format.Parse(text, msg, allow_unknown_extension=False)
-            return msg
+            text_format.Parse(text, target, allow_unknown_extension=False)
+            break
         except text_format.ParseError as e:
             line, column, reason = _split_position(str(e))
             rewritten = _rewrite_fork_field(text, line, column, reason) if line is not None else None
             if rewritten is None or fork_rewrites > 10_000:
-                raise ParseError(reason, path=path or "<string>", line=line, column=column,
+                raise ParseError(reason + _fork_hint(reason), path=where, line=line, column=column,
                                  text=_source_line(text, line)) from None
             text, fork_rewrites = rewritten, fork_rewrites + 1
-            msg.Clear()
+            target.Clear()
         except RecursionError:
-            raise ParseError("message nesting is too deep", path=path or "<string>") from None
+            raise ParseError("message nesting is too deep", path=where) from None
+    if target is not msg:
+        msg.MergeFromString(target.SerializeToString())
+    return msg
 
 
 def parse_net_text(source: str, *, is_path: bool | None = None) -> caffe_pb2.NetParameter:
@@ -124,3 +150,260 @@ def _rewrite_fork_field(text: str, line: int, column: int, reason: str) -> str |
     if replacement is None:
         return None
     return text[:offset] + replacement + text[fm.end():]
+
+
+# ---- layer parameters of Caffe forks ------------------------------------------------------------------------
+
+# protobuf's scalar types, as a fork's caffe.proto spells them.
+_SCALAR_TYPES = {
+    "double": descriptor_pb2.FieldDescriptorProto.TYPE_DOUBLE,
+    "float": descriptor_pb2.FieldDescriptorProto.TYPE_FLOAT,
+    "int64": descriptor_pb2.FieldDescriptorProto.TYPE_INT64,
+    "uint64": descriptor_pb2.FieldDescriptorProto.TYPE_UINT64,
+    "int32": descriptor_pb2.FieldDescriptorProto.TYPE_INT32,
+    "uint32": descriptor_pb2.FieldDescriptorProto.TYPE_UINT32,
+    "bool": descriptor_pb2.FieldDescriptorProto.TYPE_BOOL,
+    "string": descriptor_pb2.FieldDescriptorProto.TYPE_STRING,
+}
+_MAX_FIELD_NUMBER = 2 ** 29 - 1
+_RESERVED_NUMBERS = range(19000, 20000)  # protobuf's own
+
+
+@dataclasses.dataclass(frozen=True)
+class ForkParamField:
+    """One field of a fork's parameter message, as its caffe.proto declares it.
+
+    ``type`` is a protobuf scalar type (``"int32"``, ``"float"``, ``"bool"``, ``"string"``...) or the name of
+    one of caffe.proto's messages (``"FillerParameter"``). ``default`` is the ``[default = ...]`` value.
+    """
+
+    name: str
+    type: str
+    number: int
+    default: Any = None
+    repeated: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ForkParam:
+    """A parameter message a Caffe fork added to LayerParameter, e.g. SSD's
+    ``optional NormalizeParameter norm_param = 206``: ``field`` "norm_param", ``message``
+    "NormalizeParameter", ``number`` 206 and the message's ``fields``. ``origin`` names the fork for messages.
+
+    ``number`` only matters on the wire (caffemodels caffejax writes carry it); it must not collide with a BVLC
+    field, so a fork number that does (DeepLab's interp_param = 143 is BVLC's input_param) is replaced by a
+    free one.
+    """
+
+    field: str
+    message: str
+    number: int
+    fields: tuple[ForkParamField, ...]
+    origin: str = ""
+
+
+_FORK_PARAMS: dict[str, ForkParam] = {}  # part of the layer registry: field name -> its declaration
+
+
+def register_fork_param(fork: ForkParam) -> ForkParam:
+    """Let prototxts use ``fork.field`` in a layer; rules read it with :func:`fork_param`.
+
+    Registering the same declaration twice is a no-op; a different declaration under a registered name, a
+    BVLC field name or number, or an unknown field type is a SchemaError.
+    """
+    registered = _FORK_PARAMS.get(fork.field)
+    if registered == fork:
+        return fork
+    if registered is not None:
+        raise SchemaError(f"fork field '{fork.field}' is already registered with another declaration "
+                          f"({registered.message} from {registered.origin or 'an earlier registration'})")
+    _check_fork_param(fork)
+    _FORK_PARAMS[fork.field] = fork
+    return fork
+
+
+def registered_fork_params() -> tuple[ForkParam, ...]:
+    return tuple(_FORK_PARAMS[name] for name in sorted(_FORK_PARAMS))
+
+
+def fork_param(layer_param: caffe_pb2.LayerParameter, field: str):
+    """The fork parameter message ``field`` of a layer: what its prototxt said, defaults elsewhere."""
+    if field not in _FORK_PARAMS:
+        raise SchemaError(f"fork field '{field}' is not registered (register_fork_param)")
+    extended = _extended_class(caffe_pb2.LayerParameter.DESCRIPTOR.full_name, registered_fork_params())
+    return getattr(extended.FromString(layer_param.SerializeToString()), field)
+
+
+def _check_fork_param(fork: ForkParam) -> None:
+    layer = caffe_pb2.LayerParameter.DESCRIPTOR
+    taken_numbers = {f.number: f.name for f in layer.fields}
+    taken_numbers.update({f.number: f.field for f in _FORK_PARAMS.values()})
+    problems = []
+    if not re.fullmatch(r"[A-Za-z_]\w*", fork.field) or fork.field in layer.fields_by_name:
+        problems.append(f"'{fork.field}' is not a new LayerParameter field name")
+    if fork.number in taken_numbers:
+        problems.append(f"number {fork.number} is LayerParameter's '{taken_numbers[fork.number]}'")
+    if not 0 < fork.number <= _MAX_FIELD_NUMBER or fork.number in _RESERVED_NUMBERS:
+        problems.append(f"number {fork.number} is not a usable protobuf field number")
+    messages = set(caffe_pb2.DESCRIPTOR.message_types_by_name) | {f.message for f in _FORK_PARAMS.values()}
+    if not re.fullmatch(r"[A-Za-z_]\w*", fork.message) or fork.message in messages:
+        problems.append(f"message name '{fork.message}' is taken or invalid")
+    names, numbers = set(), set()
+    for f in fork.fields:
+        if f.name in names or f.number in numbers or not 0 < f.number <= _MAX_FIELD_NUMBER:
+            problems.append(f"field '{f.name}' = {f.number} repeats a name or number, or the number is invalid")
+        names.add(f.name)
+        numbers.add(f.number)
+        if f.type not in _SCALAR_TYPES and f.type not in caffe_pb2.DESCRIPTOR.message_types_by_name:
+            problems.append(f"field '{f.name}' has unknown type '{f.type}'")
+        elif f.default is not None and (f.repeated or f.type not in _SCALAR_TYPES):
+            problems.append(f"field '{f.name}' cannot have a default (repeated or message-typed)")
+    if problems:
+        raise SchemaError(f"cannot register fork field '{fork.field}' ({fork.message}): " + "; ".join(problems))
+
+
+def _field_proto(f: ForkParamField) -> descriptor_pb2.FieldDescriptorProto:
+    proto = descriptor_pb2.FieldDescriptorProto(
+        name=f.name, number=f.number,
+        label=(descriptor_pb2.FieldDescriptorProto.LABEL_REPEATED if f.repeated
+               else descriptor_pb2.FieldDescriptorProto.LABEL_OPTIONAL))
+    if f.type in _SCALAR_TYPES:
+        proto.type = _SCALAR_TYPES[f.type]
+        if f.default is not None:
+            proto.default_value = (str(f.default).lower() if isinstance(f.default, bool) else
+                                   repr(float(f.default)) if f.type in ("float", "double") else str(f.default))
+    else:
+        proto.type = descriptor_pb2.FieldDescriptorProto.TYPE_MESSAGE
+        proto.type_name = f".caffe.{f.type}"
+    return proto
+
+
+@functools.lru_cache(maxsize=8)
+def _extended_pool(forks: tuple[ForkParam, ...]) -> descriptor_pool.DescriptorPool:
+    """A private copy of caffe.proto whose LayerParameter also declares ``forks``."""
+    file = descriptor_pb2.FileDescriptorProto.FromString(caffe_pb2.DESCRIPTOR.serialized_pb)
+    layer = next(m for m in file.message_type if m.name == "LayerParameter")
+    for fork in forks:
+        file.message_type.add(name=fork.message, field=[_field_proto(f) for f in fork.fields])
+        layer.field.add(name=fork.field, number=fork.number,
+                        label=descriptor_pb2.FieldDescriptorProto.LABEL_OPTIONAL,
+                        type=descriptor_pb2.FieldDescriptorProto.TYPE_MESSAGE, type_name=f".caffe.{fork.message}")
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file)
+    return pool
+
+
+def _extended_class(full_name: str, forks: tuple[ForkParam, ...]):
+    return message_factory.GetMessageClass(_extended_pool(forks).FindMessageTypeByName(full_name))
+
+
+def _fork_aware(msg: M):
+    """The message to parse into: ``msg`` itself, or (with fork fields registered) a fresh instance of the same
+    message from the extended caffe.proto."""
+    forks = registered_fork_params()
+    if not forks or msg.DESCRIPTOR.file is not caffe_pb2.DESCRIPTOR:
+        return msg
+    return _extended_class(msg.DESCRIPTOR.full_name, forks)()
+
+
+def _fork_hint(reason: str) -> str:
+    """For a LayerParameter field BVLC lacks: which fork it likely comes from and how to accept it."""
+    m = _NO_FIELD.search(reason)
+    if not m or m.group(1) != "caffe.LayerParameter":
+        return ""
+    field = m.group(2)
+    from caffejax.lower import forks  # the catalogue of fork layers caffejax ships (lazy: lower imports us)
+
+    provider = forks.provider_of(field)
+    if provider is not None:
+        return (f" It is a Caffe fork's layer parameter ({provider.origin}): call "
+                f"caffejax.lower.forks.{provider.register_name}() or caffejax.lower.forks.register_all() to use "
+                "caffejax's rule for that layer.")
+    if field.endswith("_param"):
+        return (" BVLC's caffe.proto has no such layer parameter; if it comes from a Caffe fork, declare it with "
+                "caffejax.frontend.prototxt.register_fork_param and register the layer's rule with "
+                "caffejax.register_layer.")
+    return ""
+
+
+# ---- where a layer is defined (for messages) ---------------------------------------------------------------------
+
+_TOKEN = re.compile(r"""(?P<string>"(?:[^"\\\n]|\\.)*"|'(?:[^'\\\n]|\\.)*')|(?P<comment>\#[^\n]*)"""
+                    r"|(?P<open>[{<])|(?P<close>[}>])|(?P<word>[A-Za-z_][\w.]*)|(?P<newline>\n)")
+
+
+def layer_lines(text: str) -> list[tuple[int, str]]:
+    """(line, name) of every top-level ``layer``/``layers`` block of a net prototxt, in order."""
+    found: list[tuple[int, str]] = []
+    depth, line, last_word, pending_layer = 0, 1, None, None
+    for m in _TOKEN.finditer(text):
+        kind = m.lastgroup
+        if kind == "newline":
+            line += 1
+        elif kind == "word":
+            last_word = m.group()
+            if depth == 0 and last_word in ("layer", "layers"):
+                pending_layer = line
+        elif kind == "open":
+            if depth == 0 and pending_layer is not None:
+                found.append((pending_layer, ""))
+            pending_layer = None
+            depth += 1
+        elif kind == "close":
+            depth = max(depth - 1, 0)
+        elif kind == "string" and depth == 1 and last_word == "name" and found and not found[-1][1]:
+            found[-1] = (found[-1][0], text_format.Tokenizer([m.group()]).ConsumeString())
+            last_word = None
+    return found
+
+
+def locate_layer_error(error: CaffejaxError, source) -> CaffejaxError:
+    """``error`` with ``file:line`` of its layer's definition in front, where the layer is found in ``source``
+    (a prototxt path or text; anything else, e.g. a NetParameter, leaves the error as it is)."""
+    if getattr(error, "layer", None) is None or getattr(error, "located", False):
+        return error
+    if isinstance(source, os.PathLike) or (isinstance(source, str) and "\n" not in source
+                                           and os.path.isfile(source)):
+        path = os.fspath(source)
+        try:
+            text = read_text(path)
+        except ParseError:
+            return error
+    elif isinstance(source, str):
+        path, text = "<string>", source
+    else:
+        return error
+    lines = [line for line, name in layer_lines(text) if name == error.layer]
+    return at_location(error, f"{path}:{lines[0]}") if lines else error
+
+
+def top_level_fields(text: str) -> dict[str, int]:
+    """field name -> line of its first occurrence at the top level of a prototxt (e.g. a solver's fields)."""
+    lines: dict[str, int] = {}
+    depth, line = 0, 1
+    for m in _TOKEN.finditer(text):
+        kind = m.lastgroup
+        if kind == "newline":
+            line += 1
+        elif kind == "open":
+            depth += 1
+        elif kind == "close":
+            depth = max(depth - 1, 0)
+        elif kind == "word" and depth == 0:
+            lines.setdefault(m.group(), line)
+    return lines
+
+
+def locate_solver_error(error: CaffejaxError, path: str | None) -> CaffejaxError:
+    """A solver check's error with ``file:line`` in front: the line of the first solver field the message
+    names (``iter_size should be at least 1`` -> the ``iter_size:`` line), else just the file."""
+    if path is None or error.located:
+        return error
+    try:
+        fields = top_level_fields(read_text(path))
+    except ParseError:
+        return error
+    message = str(error).lower()
+    mentions = [(m.start(), line) for name, line in fields.items() for spelling in {name, name.replace("_", " ")}
+                for m in [re.search(rf"\b{re.escape(spelling.lower())}\b", message)] if m]
+    return at_location(error, f"{path}:{min(mentions)[1]}" if mentions else path)

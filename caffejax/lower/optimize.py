@@ -12,9 +12,10 @@ per layer (sharing resolved, BatchNorm folded) and the kernel chosen for each la
   transposes around every call), NCHW at the boundary. Layers without a channels-last kernel get their
   input transposed back and run Caffe's rule; each transpose of a value is made once.
 - ``conv_gemm``: 1x1 convolutions as one matrix product over all pixels (needs ``nhwc``).
-- ``depthwise``: depthwise convolutions (group = channels = num_output) as k*k shifted multiply-adds, one
-  fused pass; XLA:CPU's grouped convolution is slow for them (needs ``nhwc``).
 - ``winograd``: 3x3 stride-1 convolutions on small images as Winograd F(2x2, 3x3) (needs ``nhwc``).
+
+Grouped and depthwise convolutions run as Caffe's rule runs them (one convolution per group; depthwise as
+shifted multiply-adds: ``vision.grouped_convolution``), in either layout.
 
 Every kernel computes in the activations' dtype and accumulates in float32 (``preferred_element_type``),
 so the same plan serves float32 and the opt-in bfloat16 mode. ``tests/test_optimize.py`` checks each pass
@@ -160,7 +161,7 @@ def _with_bias(producer: Layer, weight: np.ndarray, bias: np.ndarray) -> tuple[A
     proto.CopyFrom(producer.proto)
     field = proto.convolution_param if producer.type == "Convolution" else proto.inner_product_param
     field.bias_term = True
-    return proto, [weight.astype(np.float32), bias.astype(np.float32)]
+    return proto, [weight, bias.astype(np.float32)]
 
 
 def fold_batchnorm(plan: Plan) -> Plan:
@@ -190,11 +191,12 @@ def fold_batchnorm(plan: Plan) -> Plan:
         x = bn.bottom_values[0]
         if (producer is not None and producer.name not in replaced and _folds_into(producer, graph)
                 and _only_consumer(graph, x, users, outputs) is bn):
-            weight = np.asarray(params[producer.name][0], np.float64)
+            # The per-channel factors are worked out in float64; the weights take one float32 multiply each.
+            weight = np.asarray(params[producer.name][0], np.float32)
             bias = (np.asarray(params[producer.name][1], np.float64) if len(params[producer.name]) > 1
                     else np.zeros(a.shape))
             transposed = producer.type == "InnerProduct" and producer.proto.inner_product_param.transpose
-            w_scale = a.reshape((1, -1) if transposed else (-1,) + (1,) * (weight.ndim - 1))
+            w_scale = a.astype(np.float32).reshape((1, -1) if transposed else (-1,) + (1,) * (weight.ndim - 1))
             proto, params[producer.name] = _with_bias(producer, weight * w_scale, a * bias + c)
             replaced[producer.name] = dataclasses.replace(
                 producer, proto=proto, tops=[last.tops[0]], top_values=[last.top_values[0]])
@@ -207,9 +209,8 @@ def fold_batchnorm(plan: Plan) -> Plan:
                                                     top_values=[last.top_values[0]], params=bn.params[:2])
             chain = chain[1:]
         removed.update(layer.name for layer in chain)
-    layers = [replaced.get(layer.name, layer) for layer in graph.layers if layer.name not in removed
-              or layer.name in replaced]
-    for name in removed - set(replaced):
+    layers = [replaced.get(layer.name, layer) for layer in graph.layers if layer.name not in removed]
+    for name in removed:
         params.pop(name, None)
     return dataclasses.replace(plan, graph=dataclasses.replace(graph, layers=layers), params=params)
 
@@ -248,10 +249,6 @@ class ConvShape:
     padding: tuple[tuple[int, int], ...]
 
     @property
-    def is_depthwise(self) -> bool:
-        return self.group == self.channels == self.num_output and self.group > 1
-
-    @property
     def is_pointwise(self) -> bool:
         g = self.geometry
         return g.kernel == (1, 1) and g.pad == (0, 0) and self.group == 1
@@ -282,18 +279,18 @@ def _direct_conv_kernel(conv: ConvShape) -> Kernel:
 
     def forward(ctx, bottoms, params):
         (x,) = bottoms
-        y = lax.conv_general_dilated(x, params[0].astype(x.dtype), g.stride, conv.padding,
-                                     rhs_dilation=g.dilation, feature_group_count=conv.group,
-                                     dimension_numbers=("NHWC", "HWIO", "NHWC"), **_accumulating(x))
+        y = vision.grouped_convolution(x, params[0].astype(x.dtype), g, conv.padding, conv.out, conv.group,
+                                       channels_last=True, **_accumulating(x))
         return [_add_bias(y, params, x.dtype)]
 
     return Kernel("conv_nhwc", forward, NHWC, _hwio)
 
 
 def _matrix(params: ParamArrays) -> ParamArrays:
-    """1x1 filters O x C x 1 x 1 as the C x O matrix of the product pixels @ W."""
+    """1x1 filters O x C x 1 x 1 as the O x C matrix W of the product pixels @ W^T (contracting both minor
+    axes, the layout XLA:CPU's GEMM takes without a copy)."""
     w = np.asarray(params[0])
-    return [w.reshape(w.shape[0], w.shape[1]).T] + list(params[1:])
+    return [w.reshape(w.shape[0], w.shape[1])] + list(params[1:])
 
 
 def _pointwise_conv_kernel(conv: ConvShape) -> Kernel:
@@ -304,32 +301,10 @@ def _pointwise_conv_kernel(conv: ConvShape) -> Kernel:
         if stride != (1, 1):
             x = x[:, ::stride[0], ::stride[1], :]
         pixels = x.reshape(-1, x.shape[-1])
-        y = lax.dot_general(pixels, params[0].astype(x.dtype), (((1,), (0,)), ((), ())), **_accumulating(x))
+        y = lax.dot_general(pixels, params[0].astype(x.dtype), (((1,), (1,)), ((), ())), **_accumulating(x))
         return [_add_bias(y, params, x.dtype).reshape(x.shape[:3] + (conv.num_output,))]
 
     return Kernel("conv_1x1_gemm", forward, NHWC, _matrix)
-
-
-def _taps_by_channel(params: ParamArrays) -> ParamArrays:
-    """Depthwise filters C x 1 x kh x kw as (kh*kw) x C: one per-channel weight vector per kernel offset."""
-    w = np.asarray(params[0])
-    return [w.reshape(w.shape[0], -1).T] + list(params[1:])
-
-
-def _depthwise_conv_kernel(conv: ConvShape) -> Kernel:
-    g = conv.geometry
-
-    def forward(ctx, bottoms, params):
-        (x,) = bottoms
-        xpad = vision._pad(x, 1, conv.padding, 0)
-        weights = params[0].astype(jnp.float32)
-        taps = vision._taps(xpad, 1, g.kernel, g.stride, g.dilation, conv.out)
-        y = taps[0].astype(jnp.float32) * weights[0]
-        for t, tap in enumerate(taps[1:], 1):
-            y = y + tap.astype(jnp.float32) * weights[t]
-        return [_add_bias(y, params, x.dtype)]
-
-    return Kernel("conv_depthwise_taps", forward, NHWC, _taps_by_channel)
 
 
 # Winograd F(2x2, 3x3) (Lavin & Gray 2016): Y = A^T [(G g G^T) . (B^T d B)] A per 4x4 input tile d.
@@ -341,8 +316,9 @@ _WINOGRAD_AT = np.array([[1, 1, 1, 0], [0, 1, -1, -1]], np.float64)
 def _winograd_filters(params: ParamArrays) -> ParamArrays:
     """3x3 filters O x C x 3 x 3 as U = G g G^T: 16 matrices C x O, one per point of the 4x4 tile."""
     w = np.asarray(params[0], np.float64)
-    u = np.einsum("ai,ocij,bj->abco", _WINOGRAD_G, w, _WINOGRAD_G)
-    return [u.reshape(16, w.shape[1], w.shape[0]).astype(np.float32)] + list(params[1:])
+    rows = np.tensordot(w, _WINOGRAD_G, axes=([3], [1]))        # O x C x 3 x 4 (b): two plain GEMMs
+    u = np.tensordot(_WINOGRAD_G, rows, axes=([1], [2]))        # 4 (a) x O x C x 4 (b)
+    return [u.transpose(0, 3, 2, 1).reshape(16, w.shape[1], w.shape[0]).astype(np.float32)] + list(params[1:])
 
 
 def _combine(terms: Sequence[jax.Array], coefficients: np.ndarray) -> jax.Array:
@@ -539,11 +515,6 @@ def conv_gemm(plan: Plan) -> Plan:
     return _replace_conv_kernels(plan, lambda conv: _pointwise_conv_kernel(conv) if conv.is_pointwise else None)
 
 
-def depthwise(plan: Plan) -> Plan:
-    """Depthwise convolutions as kh*kw shifted multiply-adds (XLA fuses them into one pass)."""
-    return _replace_conv_kernels(plan, lambda conv: _depthwise_conv_kernel(conv) if conv.is_depthwise else None)
-
-
 # Winograd pays a transform per tile and 16 skinny products; measured on 2 AVX2 cores it beats XLA's direct
 # NHWC convolution for 3x3 layers on images up to 14x14 (ResNet stages 4-5, the tail of GoogLeNet) and loses
 # on bigger ones, where the direct convolution is already near its best.
@@ -565,17 +536,20 @@ PASSES: dict[str, Callable[[Plan], Plan]] = {
     "fold_batchnorm": fold_batchnorm,
     "nhwc": nhwc,
     "conv_gemm": conv_gemm,
-    "depthwise": depthwise,
     "winograd": winograd,
 }
 DEFAULT_PASSES: tuple[str, ...] = tuple(PASSES)
 
 
-def optimize(plan: Plan, passes: Sequence[str] = DEFAULT_PASSES) -> Plan:
-    """Run the named passes in :data:`PASSES` order (the kernel choices refine what ``nhwc`` picked)."""
+def check_passes(passes: Sequence[str]) -> None:
     unknown = [name for name in passes if name not in PASSES]
     if unknown:
         raise CaffejaxError(f"unknown optimisation pass(es) {unknown}; known: {list(PASSES)}")
+
+
+def optimize(plan: Plan, passes: Sequence[str] = DEFAULT_PASSES) -> Plan:
+    """Run the named passes in :data:`PASSES` order (the kernel choices refine what ``nhwc`` picked)."""
+    check_passes(passes)
     for name in PASSES:
         if name in passes:
             plan = PASSES[name](plan)
@@ -590,7 +564,7 @@ def prepare_params(plan: Plan, dtype) -> dict[str, list[jax.Array]]:
     for name, arrays in plan.params.items():
         kernel = plan.kernels.get(name)
         prepared = kernel.prepare(arrays) if kernel is not None else arrays
-        out[name] = [jnp.asarray(np.asarray(a), dtype) for a in prepared]
+        out[name] = [jnp.asarray(a if a.dtype == dtype else a.astype(dtype)) for a in map(np.asarray, prepared)]
     return out
 
 

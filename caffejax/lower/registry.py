@@ -6,7 +6,10 @@ A rule is what Caffe's ``Layer`` subclass is, minus the state: the learnable blo
 flags the net assembly needs (``is_loss``, ``allow_force_backward``, blob-count limits).
 
 This is the only global mutable state in caffejax: rules are registered once, at import of the family
-modules (``vision``, ``neuron``, ``common``, ``loss``, ``recurrent``, ``data``).
+modules (``vision``, ``neuron``, ``common``, ``loss``, ``recurrent``, ``data``, and ``python_layer``, whose
+rule the frontend uses only when the user allows Python layers). Users add their own layer types, written as
+pure JAX functions, with :func:`register_layer`; ``caffejax.lower.forks`` registers popular forks' layers on
+request.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any, Callable, Protocol, Sequence
 import jax
 import numpy as np
 
-from caffejax.errors import CaffejaxError, ShapeError, layer_error
+from caffejax.errors import CaffejaxError, SchemaError, ShapeError, layer_error
 
 Shape = tuple[int, ...]
 
@@ -152,6 +155,48 @@ def layer(type: str, **kwargs) -> Callable[[ForwardFn], ForwardFn]:
     return wrap
 
 
+def register_layer(type_name: str, forward: ForwardFn, param_shapes: ParamShapesFn | None = None,
+                   init_params: InitParamsFn | None = None, *, bottoms: tuple[int, int | None] = (0, None),
+                   tops: tuple[int, int | None] = (0, None), is_loss: bool = False, in_place: bool = True,
+                   allow_force_backward: Callable[[Any, int], bool] | None = None, frozen_params: bool = False,
+                   override: bool = False) -> LayerRule:
+    """Add a layer type written as a pure JAX function: the safe replacement for Caffe's Python layers.
+
+    ``forward(ctx, bottoms, params) -> tops`` must be pure and jit-able; it reads its settings from
+    ``ctx.layer`` (the LayerParameter, e.g. ``ctx.layer.python_param.param_str`` or a fork parameter, see
+    caffejax.frontend.prototxt.fork_param). ``param_shapes(layer, bottom_shapes) -> shapes`` declares learnable
+    blobs (none by default) and ``init_params(layer, shapes, key) -> arrays`` fills them (zeros if absent and no
+    weights are loaded). ``bottoms``/``tops`` are (min, max) counts, max None for unbounded. Replacing a
+    registered type, BVLC's included, needs ``override=True``.
+    """
+    _load_families()
+    problems = []
+    if not isinstance(type_name, str) or not type_name.strip():
+        problems.append(f"type name must be a non-empty string, got {type_name!r}")
+    elif type_name == "Python":
+        problems.append("'Python' is Caffe's own type for pycaffe layers (run only with allow_python_layers=True); "
+                        "give your layer its own type name")
+    for name, fn in (("forward", forward), ("param_shapes", param_shapes), ("init_params", init_params),
+                     ("allow_force_backward", allow_force_backward)):
+        if fn is not None and not callable(fn):
+            problems.append(f"{name} must be callable, got {type(fn).__name__}")
+    for name, limits in (("bottoms", bottoms), ("tops", tops)):
+        lo, hi = limits if isinstance(limits, tuple) and len(limits) == 2 else (None, None)
+        if not (isinstance(lo, int) and lo >= 0 and (hi is None or (isinstance(hi, int) and hi >= lo))):
+            problems.append(f"{name} must be (min, max) with 0 <= min <= max (max None for unbounded), got {limits!r}")
+    if not problems and type_name in _REGISTRY and not override:
+        what = "a BVLC Caffe layer type" if type_name in _BVLC_TYPES else "already registered"
+        problems.append(f"'{type_name}' is {what}; pass override=True to replace its rule")
+    if problems:
+        raise SchemaError(f"register_layer({type_name!r}): " + "; ".join(problems))
+    options = {} if allow_force_backward is None else {"allow_force_backward": allow_force_backward}
+    rule = LayerRule(type=type_name, forward=forward, param_shapes=param_shapes or no_params,
+                     init_params=init_params, is_loss=is_loss, bottoms=bottoms, tops=tops, in_place=in_place,
+                     frozen_params=frozen_params, **options)
+    _REGISTRY[type_name] = rule
+    return rule
+
+
 def get_rule(type_name: str) -> LayerRule:
     """The rule for a type name; KeyError if none is registered (the frontend turns that into a GraphError)."""
     _load_families()
@@ -163,9 +208,17 @@ def registered_types() -> list[str]:
     return sorted(_REGISTRY)
 
 
+_BVLC_TYPES: frozenset[str] = frozenset()
+
+
 def _load_families() -> None:
     # Importing a family module registers its rules; imports are cached, so this is cheap after the first call.
-    from caffejax.lower import common, data, loss, neuron, recurrent, vision  # noqa: F401
+    global _BVLC_TYPES
+    if _BVLC_TYPES:
+        return
+    from caffejax.lower import common, data, loss, neuron, python_layer, recurrent, vision  # noqa: F401
+
+    _BVLC_TYPES = frozenset(_REGISTRY)
 
 
 # ---- small helpers every family uses (Caffe's Blob::CanonicalAxisIndex and Blob::count) -------------------
@@ -173,8 +226,12 @@ def _load_families() -> None:
 def canonical_axis(ctx_or_name: LayerContext | str, axis: int, ndim: int) -> int:
     """Caffe's CanonicalAxisIndex: a negative axis counts from the end; out of range is an error."""
     if not -ndim <= axis < ndim:
-        name = ctx_or_name.name if isinstance(ctx_or_name, LayerContext) else ctx_or_name
-        raise ShapeError(f"layer '{name}': axis {axis} out of range for a {ndim}-D blob")
+        message = f"axis {axis} out of range for a {ndim}-D blob"
+        if isinstance(ctx_or_name, LayerContext):
+            raise ctx_or_name.error(message)
+        error = ShapeError(f"layer '{ctx_or_name}': {message}")
+        error.layer = ctx_or_name
+        raise error
     return axis + ndim if axis < 0 else axis
 
 

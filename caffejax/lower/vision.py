@@ -226,6 +226,51 @@ def _add_bias(y: jax.Array, params: Sequence[jax.Array], nspatial: int) -> jax.A
     return y + params[1].astype(y.dtype).reshape((1, -1) + (1,) * nspatial)
 
 
+# Caffe runs a grouped convolution as one GEMM per group. XLA:CPU's feature_group_count convolutions are far
+# slower than that (measured on 2 cores: 6x for AlexNet's two groups; 10-50x, forward and backward, for
+# MobileNet's depthwise ones), so up to this many groups run as separate convolutions, and depthwise ones
+# (one group per channel) as k*k shifted multiply-adds, which XLA fuses into one pass.
+MAX_SPLIT_GROUPS = 8
+
+
+def grouped_convolution(x: jax.Array, w: jax.Array, g: ConvGeometry, padding, out: Shape, group: int,
+                        channels_last: bool = False, **options) -> jax.Array:
+    """Caffe's convolution (no bias) of a batched x: (N, C, spatial...) with filters (O, C/g, k...), or
+    with ``channels_last`` 2-D (N, H, W, C) with filters (kh, kw, C/g, O). ``options``: dot precision and
+    accumulation dtype for lax.conv_general_dilated (products accumulate in the result's dtype)."""
+    channel_axis, out_axis = (x.ndim - 1, w.ndim - 1) if channels_last else (1, 0)
+    channels, num_output = x.shape[channel_axis], w.shape[out_axis]
+    if group > 1 and group == channels == num_output and math.prod(g.kernel) <= _MAX_TAPS:
+        return _depthwise(x, w, g, padding, out, channels_last, options.get("preferred_element_type"))
+    numbers = ("NHWC", "HWIO", "NHWC") if channels_last else None
+
+    def conv(x, w, groups):
+        return lax.conv_general_dilated(x, w, g.stride, padding, rhs_dilation=g.dilation,
+                                        feature_group_count=groups, dimension_numbers=numbers, **options)
+
+    if 1 < group <= MAX_SPLIT_GROUPS:
+        pairs = zip(jnp.split(x, group, axis=channel_axis), jnp.split(w, group, axis=out_axis))
+        return jnp.concatenate([conv(xg, wg, 1) for xg, wg in pairs], axis=channel_axis)
+    return conv(x, w, group)
+
+
+def _depthwise(x, w, g: ConvGeometry, padding, out: Shape, channels_last: bool, accumulate=None) -> jax.Array:
+    """One filter per channel: sum over the kernel offsets t (row-major, Caffe's im2col order) of the
+    shifted input times that offset's per-channel weight."""
+    dtype = accumulate or x.dtype
+    first = 1 if channels_last else 2
+    taps = _taps(_pad(x, first, padding, 0), first, g.kernel, g.stride, g.dilation, out)
+    if channels_last:                                   # (k..., 1, C) -> one (C,) row per offset
+        per_tap = w.reshape(-1, w.shape[-1]).astype(dtype)
+    else:                                               # (C, 1, k...) -> (C, 1, ...) per offset
+        per_tap = jnp.moveaxis(w.reshape(w.shape[0], -1), 1, 0).reshape((-1, w.shape[0]) + (1,) * len(out))
+        per_tap = per_tap.astype(dtype)
+    y = taps[0].astype(dtype) * per_tap[0]
+    for t, tap in enumerate(taps[1:], 1):
+        y = y + tap.astype(dtype) * per_tap[t]
+    return y
+
+
 @layer("Convolution", param_shapes=lambda lp, shapes: _conv_param_shapes(lp, shapes, reverse=False),
        init_params=_conv_init_params, bottoms=(1, None), tops=(1, None))
 def convolution(ctx: LayerContext, bottoms, params):
@@ -240,10 +285,8 @@ def convolution(ctx: LayerContext, bottoms, params):
     padding = conv_padding(g, out, spatial)
     tops = []
     for x in bottoms:
-        y = lax.conv_general_dilated(
-            _as_batched(x, g.channel_axis), params[0].astype(x.dtype), window_strides=g.stride,
-            padding=padding, rhs_dilation=g.dilation, feature_group_count=group,
-            precision=lax.Precision.HIGHEST)
+        y = grouped_convolution(_as_batched(x, g.channel_axis), params[0].astype(x.dtype), g, padding, out, group,
+                                precision=lax.Precision.HIGHEST)
         y = _add_bias(y, params, len(spatial))
         tops.append(y.reshape(shape[:g.channel_axis] + (num_output,) + out))
     return tops
@@ -399,7 +442,12 @@ def max_pool(x: jax.Array, g: PoolGeometry, first_axis: int = 2,
     each output's gradient to exactly the element Caffe's mask records (overlapping windows accumulate), and
     XLA fuses the scan into one pass over the input. ``first_axis`` is where the two spatial axes start (2
     for N, C, H, W; 1 for channels-last). The mask (flat index h * W + w) carries no gradient.
+
+    Windows of more than _MAX_TAPS elements would trace one step per element (a global max over 100 x 100
+    is 10,000 steps); they go through :func:`_large_max_pool` instead.
     """
+    if g.kernel[0] * g.kernel[1] > _MAX_TAPS and (is_global_window(g) or not with_mask):
+        return _large_max_pool(x, g, first_axis, with_mask)
     taps = _pool_taps(x, g, -jnp.inf, first_axis)
     top = jnp.full(taps[0].shape, -_FLT_MAX, x.dtype)
     mask = None
@@ -411,6 +459,34 @@ def max_pool(x: jax.Array, g: PoolGeometry, first_axis: int = 2,
             index = jnp.asarray(_window_index(g, t).reshape(index_shape), x.dtype)
             mask = jnp.where(greater, index, jnp.asarray(-1, x.dtype) if mask is None else mask)
     return top, (lax.stop_gradient(mask) if with_mask else None)
+
+
+def _large_max_pool(x: jax.Array, g: PoolGeometry, first_axis: int,
+                    with_mask: bool) -> tuple[jax.Array, jax.Array | None]:
+    """max_pool for big windows, at a trace cost independent of the window size.
+
+    A global window is an argmax over the flattened spatial axes with Caffe's rules (NaN never wins, the first
+    of equal maxima does, nothing above -FLT_MAX keeps -FLT_MAX and mask -1), and the gradient goes to the
+    chosen element through a gather. Other big windows use XLA's reduce_window (no mask); there a NaN in a
+    window propagates and ties split no gradient differently from Caffe only in XLA's choice of element.
+    """
+    floor = jnp.asarray(-_FLT_MAX, x.dtype)
+    trailing = x.shape[first_axis + 2:]
+    if not is_global_window(g):
+        ones = (1,) * len(trailing)
+        top = lax.reduce_window(_pad(x, first_axis, g.padding(), -jnp.inf), np.asarray(-np.inf, x.dtype), lax.max,
+                                (1,) * first_axis + g.kernel + ones, (1,) * first_axis + g.stride + ones, "VALID")
+        return jnp.where(top > floor, top, floor), None
+    flat = x.reshape(x.shape[:first_axis] + (-1,) + trailing)
+    index = jnp.argmax(jnp.where(jnp.isnan(flat), -jnp.inf, flat), axis=first_axis, keepdims=True)
+    best = jnp.take_along_axis(flat, index, axis=first_axis)
+    found = best > floor
+    out_shape = x.shape[:first_axis] + (1, 1) + trailing
+    top = jnp.where(found, best, floor).reshape(out_shape)
+    if not with_mask:
+        return top, None
+    mask = jnp.where(found, index.astype(x.dtype), jnp.asarray(-1, x.dtype)).reshape(out_shape)
+    return top, lax.stop_gradient(mask)
 
 
 def _select(windows: jax.Array, t: jax.Array) -> jax.Array:
@@ -536,9 +612,12 @@ def spp(ctx: LayerContext, bottoms, params):
 def lrn_across_channels(x: jax.Array, p: Any, channel_axis: int = 1) -> jax.Array:
     """x (k + alpha/n sum_{n channels} x^2)^-beta, the channel window zero padded; the n squares are added
     as shifted views in Caffe's order (one fused pass; XLA:CPU's reduce_window is slow)."""
-    n, pre_pad = p.local_size, (p.local_size - 1) // 2
+    n = p.local_size
+    # A window reaching past every channel adds only padding zeros there: summing over at most all channels is
+    # exact, and keeps the trace small for a huge local_size.
+    pre_pad = max(0, min((n - 1) // 2, x.shape[channel_axis] - 1))
     squares = _pad(x * x, channel_axis, [(pre_pad, pre_pad)], 0)
-    taps = _taps(squares, channel_axis, (n,), (1,), (1,), (x.shape[channel_axis],))
+    taps = _taps(squares, channel_axis, (2 * pre_pad + 1,), (1,), (1,), (x.shape[channel_axis],))
     window = taps[0]
     for tap in taps[1:]:
         window = window + tap

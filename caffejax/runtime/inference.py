@@ -25,7 +25,8 @@ import numpy as np
 from caffejax.errors import CaffejaxError, ShapeError
 from caffejax.frontend.build import build_graph
 from caffejax.frontend.ir import Graph
-from caffejax.lower.optimize import DEFAULT_PASSES, PASSES, Plan, make_plan, optimize, prepare_params, run_plan
+from caffejax.lower.optimize import (DEFAULT_PASSES, Plan, check_passes, make_plan, optimize, prepare_params,
+                                     run_plan)
 
 Shapes = tuple[tuple[str, tuple[int, ...]], ...]
 
@@ -43,9 +44,7 @@ class InferenceFunction:
     output blobs (float32). ``compile_count`` counts the programs built (one per input-shape signature)."""
 
     def __init__(self, net, passes: Sequence[str], dtype):
-        unknown = [name for name in passes if name not in PASSES]
-        if unknown:
-            raise CaffejaxError(f"unknown optimisation pass(es) {unknown}; known: {list(PASSES)}")
+        check_passes(passes)
         self.passes = tuple(passes)
         self.dtype = jnp.dtype(dtype)
         if not jnp.issubdtype(self.dtype, jnp.floating):

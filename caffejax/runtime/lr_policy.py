@@ -68,6 +68,7 @@ def check_policy(param) -> None:
     if param.lr_policy not in POLICIES:
         raise SolverError(f"Unknown learning rate policy: '{param.lr_policy}' (Caffe's policies: "
                           f"{', '.join(POLICIES)})")
+    learning_rate(param, 0, 0)  # runs the policy's own checks (stepsize, gamma, max_iter)
 
 
 def _pow(base: float, exponent: float) -> float:

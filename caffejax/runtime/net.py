@@ -16,10 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from caffejax.errors import CaffejaxError, ShapeError, WeightsError
+from caffejax.errors import CaffejaxError, NumericalError, ShapeError, WeightsError, layer_error
 from caffejax.fileio import atomic_write
 from caffejax.frontend.build import build_graph, load_net_param
 from caffejax.frontend.caffemodel import encode_net, read_weights, write_hdf5
+from caffejax.frontend.prototxt import locate_layer_error
 from caffejax.frontend.ir import Graph
 from caffejax.lower.fillers import HostKey, fold_in
 from caffejax.lower.program import NetProgram
@@ -43,11 +44,14 @@ class Net:
 
     ``Net(prototxt, phase)``, ``Net(prototxt, weights, phase)`` (pycaffe's order) or
     ``Net(prototxt, phase, weights=..., level=0, stages=())``. ``prototxt`` is a path, prototxt text, or a
-    ``caffe_pb2.NetParameter``.
+    ``caffe_pb2.NetParameter``. ``allow_python_layers`` lets ``Python`` layers import and run their module
+    (only for trusted models). ``debug_nans`` checks every forward's outputs and, when one holds NaN or Inf,
+    raises a NumericalError naming the first layer that produced it (caffejax.find_first_nan).
     """
 
     def __init__(self, network, *args, phase: int | None = None, weights: str | None = None, level: int = 0,
-                 stages: Sequence[str] = (), allow_python_layers: bool = False, dtype=np.float32):
+                 stages: Sequence[str] = (), allow_python_layers: bool = False, dtype=np.float32,
+                 debug_nans: bool = False):
         for arg in args:
             if isinstance(arg, (str, os.PathLike)):
                 weights = os.fspath(arg)
@@ -65,16 +69,23 @@ class Net:
         self._phase, self._level, self._stages = phase, level, tuple(stages)
         self._allow_python = allow_python_layers
         self._dtype = np.dtype(dtype)
+        if self._dtype.itemsize > 4 and not jax.config.jax_enable_x64:
+            raise CaffejaxError(f"Net(dtype={self._dtype}) needs JAX's 64-bit mode: "
+                                "jax.config.update('jax_enable_x64', True) before building the net")
+        self.debug_nans = debug_nans
         self._programs: dict[Any, NetProgram] = {}
         self._compiled: dict[Any, Any] = {}
         self.compile_count = 0  # how many times a program was traced (each trace is one XLA compile)
         self._pass_count = 0
         self._sources: dict[str, Any] = {}
         self._last_key = None
-        self._set_graph(self._build({}))
-        # Fillers run only for layers the weights file does not cover (the file would overwrite them).
-        loaded = read_weights(weights) if weights is not None else None
-        self._init_params(skip=set(loaded.blobs) if loaded else set())
+        try:
+            self._set_graph(self._build({}))
+            # Fillers run only for layers the weights file does not cover (the file would overwrite them).
+            loaded = read_weights(weights) if weights is not None else None
+            self._init_params(skip=set(loaded.blobs) if loaded else set())
+        except CaffejaxError as e:  # a layer's error gets the line of the layer's definition in front
+            raise locate_layer_error(e, network) from None
         if loaded is not None:
             self._copy_weights(loaded)
 
@@ -141,8 +152,11 @@ class Net:
         # Fillers run on the host (NumPy): no XLA compilation just to initialise a net.
         key = HostKey(mode.random_seed())
         for position, layer in to_fill:
-            arrays = get_rule(layer.type).init_params(layer.proto, [slot.shape for slot in layer.params],
-                                                      fold_in(key, position))
+            try:
+                arrays = get_rule(layer.type).init_params(layer.proto, [slot.shape for slot in layer.params],
+                                                          fold_in(key, position))
+            except CaffejaxError as e:  # a filler setting Caffe CHECK-fails on: name the layer
+                raise layer_error(type(e), layer.name, layer.type, str(e)) from None
             for slot, array in zip(layer.params, arrays):
                 if slot.is_owner:
                     self._param_blobs[slot.key]._data.set(np.asarray(array, self._dtype))
@@ -360,7 +374,19 @@ class Net:
                                          f"{self.blobs[name].shape} (reshape the blob first)")
                 self.blobs[name].data[...] = array
         self._last_loss = self._forward(start_ind, end_ind)
+        if self.debug_nans:
+            self._check_finite(outputs)
         return {name: self.blobs[name].data for name in outputs}
+
+    def _check_finite(self, blobs) -> None:
+        """With debug_nans: raise NumericalError naming the first layer that made NaN/Inf, if any output has."""
+        if all(np.all(np.isfinite(self.blobs[name].data)) for name in blobs) and np.isfinite(self._last_loss):
+            return
+        from caffejax.runtime.debug_nans import find_first_nan
+
+        found = find_first_nan(self)
+        raise NumericalError(f"forward of net '{self._graph.name}' produced NaN/Inf: "
+                             + (str(found) if found else "no single layer does when replayed eagerly"))
 
     def _backward(self, start: int, end: int) -> None:
         """Caffe's BackwardFromTo(start, end): layers start down to end (indices, start >= end)."""

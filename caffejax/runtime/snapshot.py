@@ -19,9 +19,9 @@ import os
 import numpy as np
 from google.protobuf import message
 
-from caffejax.errors import SolverError
+from caffejax.errors import SolverError, WeightsError
 from caffejax.fileio import atomic_write
-from caffejax.frontend.caffemodel import _h5py, blobproto_to_array, encode_blob, write_hdf5
+from caffejax.frontend.caffemodel import _h5py, blobproto_to_array, encode_blob, hdf5_blob, write_hdf5
 from caffejax.proto import caffe_pb2
 
 BINARY_MODEL, BINARY_STATE = ".caffemodel", ".solverstate"
@@ -160,11 +160,11 @@ def _read_state_hdf5(path: str) -> SolverStateData:
             for i in range(len(group)):
                 if str(i) not in group:
                     raise SolverError(f"{path}: history/{i} is missing")
-                history.append(np.asarray(group[str(i)], np.float32))
+                history.append(hdf5_blob(h5py, group[str(i)], f"{path}: history/{i}"))
             return SolverStateData(iter=int(f["iter"][()]), current_step=int(f["current_step"][()]),
                                    history=history, learned_net=learned_net)
-    except OSError as e:
-        raise SolverError(f"{path}: cannot read HDF5 solver state: {e}") from None
+    except (OSError, RuntimeError, KeyError, ValueError, TypeError, WeightsError) as e:
+        raise SolverError(f"{path}: cannot read HDF5 solver state (corrupted or truncated?): {e}") from None
 
 
 def resolve_learned_net(learned_net: str, state_path: str) -> str:

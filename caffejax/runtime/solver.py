@@ -39,10 +39,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from caffejax.errors import DataError, SolverError, UnsupportedError
+from caffejax.errors import CaffejaxError, DataError, NumericalError, SolverError, UnsupportedError
 from caffejax.frontend.build import load_net_param
 from caffejax.frontend.ir import Graph
-from caffejax.frontend.prototxt import parse_solver_text
+from caffejax.frontend.prototxt import locate_layer_error, locate_solver_error, parse_solver_text
 from caffejax.frontend.upgrade import upgrade_solver_as_needed
 from caffejax.lower.registry import TEST, TRAIN, get_rule
 from caffejax.proto import caffe_pb2
@@ -106,7 +106,8 @@ def get_solver(source, devices: Devices | None = None) -> "Solver":
     param, path = read_solver_param(source)
     cls = SOLVER_TYPES.get(param.type)
     if cls is None:
-        raise SolverError(f"Unknown solver type: '{param.type}' (known types: {', '.join(SOLVER_TYPES)})")
+        raise locate_solver_error(SolverError(f"Unknown solver type: '{param.type}' (known types: "
+                                              f"{', '.join(SOLVER_TYPES)})"), path)
     solver = cls.__new__(cls)
     solver._init(param, path, devices)
     return solver
@@ -130,11 +131,15 @@ class Solver:
     def _init(self, param: caffe_pb2.SolverParameter, path: str | None, devices: Devices | None = None) -> None:
         self.param, self._path = param, path
         self._dir = os.path.dirname(os.path.abspath(self._path)) if self._path else None
-        self._check_param()
-        if self.param.random_seed >= 0:
-            mode.set_random_seed(self.param.random_seed)
-        self.net = self._init_train_net()
-        self.test_nets = self._init_test_nets()
+        self.debug_nans = False  # check every iteration for NaN/Inf (caffejax train --debug-nans)
+        try:
+            self._check_param()
+            if self.param.random_seed >= 0:
+                mode.set_random_seed(self.param.random_seed)
+            self.net = self._init_train_net()
+            self.test_nets = self._init_test_nets()
+        except SolverError as e:  # name the solver file and the offending field's line
+            raise locate_solver_error(e, self._path) from None
         # Data parallelism: the train net's blobs hold the global batch (the test nets run on one device).
         self._parallel = DataParallel(devices) if devices is not None else None
         if self._parallel is not None:
@@ -153,6 +158,9 @@ class Solver:
     # -- set-up (Solver::Init) -------------------------------------------------------------------------------
     def _check_param(self) -> None:
         p = self.param
+        for field, value in p.ListFields():
+            if field.type in (field.TYPE_FLOAT, field.TYPE_DOUBLE) and not np.all(np.isfinite(value)):
+                raise SolverError(f"{field.name} must be a finite number, got {value}")
         if p.average_loss < 1:
             raise SolverError(f"average_loss should be at least 1, got {p.average_loss}")
         if p.iter_size < 1:
@@ -179,25 +187,30 @@ class Solver:
         beside = os.path.join(self._dir, path)
         if os.path.exists(beside):
             return beside
-        raise SolverError(f"{self._path}: {what} '{path}' not found (looked in the current directory and beside "
-                          "the solver file)")
+        raise SolverError(f"{what} '{path}' not found (looked in the current directory and beside the solver "
+                          "file)")
 
-    def _net_param(self, field: str, value) -> caffe_pb2.NetParameter:
+    def _net_param(self, field: str, value) -> tuple[caffe_pb2.NetParameter, Any]:
+        """The net's NetParameter, and its source (its file, for messages)."""
         if isinstance(value, caffe_pb2.NetParameter):
             copy = caffe_pb2.NetParameter()
             copy.CopyFrom(value)
-            return copy
-        return load_net_param(self._resolve(value, field), is_path=True)
+            return copy, copy
+        path = self._resolve(value, field)
+        return load_net_param(path, is_path=True), path
 
-    def _make_net(self, net_param: caffe_pb2.NetParameter, state: caffe_pb2.NetState) -> Net:
+    def _make_net(self, net_param: caffe_pb2.NetParameter, state: caffe_pb2.NetState, source=None) -> Net:
         net_param.ClearField("state")  # the merged state is given explicitly
         # LoadNetWeights: each `weights` entry is a comma-separated list of caffemodels, copied in order. The
         # first goes to the constructor, which then skips the fillers of the layers it covers.
         files = [self._resolve(name.strip(), "weights") for entry in self.param.weights for name in entry.split(",")]
         for name in files:
             log.info("Finetuning from %s", name)
-        net = Net(net_param, state.phase, weights=files[0] if files else None, level=state.level,
-                  stages=list(state.stage))
+        try:
+            net = Net(net_param, state.phase, weights=files[0] if files else None, level=state.level,
+                      stages=list(state.stage))
+        except CaffejaxError as e:  # a layer's error gets the line of its definition in the net's file
+            raise locate_layer_error(e, source) from None
         for name in files[1:]:
             net.copy_from(name)
         return net
@@ -208,9 +221,9 @@ class Solver:
         if len(fields) != 1:
             raise SolverError("SolverParameter must specify exactly one train net using one of these fields: "
                               f"net, net_param, train_net, train_net_param (found {fields or 'none'})")
-        net_param = self._net_param(fields[0], getattr(p, fields[0]))
+        net_param, source = self._net_param(fields[0], getattr(p, fields[0]))
         log.info("Creating training net from %s", fields[0])
-        return self._make_net(net_param, merged_state(TRAIN, net_param.state, p.train_state))
+        return self._make_net(net_param, merged_state(TRAIN, net_param.state, p.train_state), source)
 
     def _init_test_nets(self) -> list[Net]:
         p = self.param
@@ -230,10 +243,10 @@ class Solver:
             raise SolverError("test_interval must be positive when the solver has test nets")
         nets = []
         for i, (field, value) in enumerate(sources):
-            net_param = self._net_param(field, value)
+            net_param, source = self._net_param(field, value)
             states = [net_param.state] + ([p.test_state[i]] if len(p.test_state) else [])
             log.info("Creating test net (#%d) specified by %s", i, field)
-            nets.append(self._make_net(net_param, merged_state(TEST, *states)))
+            nets.append(self._make_net(net_param, merged_state(TEST, *states), source))
         return nets
 
     # -- the update rule (ComputeUpdateValue), overridden per solver type --------------------------------------
@@ -395,7 +408,10 @@ class Solver:
             if p.test_interval and self.iter % p.test_interval == 0 and (self.iter > 0 or p.test_initialization):
                 self.test_all()
             rate = self._learning_rate()
+            start_params = self.net.param_arrays() if self.debug_nans else None
             loss, norm = self._train_iteration(rate)
+            if self.debug_nans:
+                self._check_finite(loss, start_params)
             self._losses.append(loss)
             if self._displays(self.iter):
                 lapse = time.perf_counter() - timer
@@ -411,6 +427,20 @@ class Solver:
                 self.snapshot()
             if self._progress is not None:
                 self._progress.update(self.iter)
+
+    def _check_finite(self, loss, start_params) -> None:
+        """debug_nans: raise NumericalError naming where NaN/Inf first appeared in this iteration."""
+        from caffejax.runtime.debug_nans import find_first_nan
+
+        if not np.isfinite(float(loss)):
+            found = find_first_nan(self.net, params=start_params)
+            raise NumericalError(f"iteration {self.iter}: the loss is {float(loss)}: "
+                                 + (str(found) if found else "no single layer does when replayed eagerly"))
+        for learnable in self._learnables:
+            if not np.all(np.isfinite(np.asarray(self.net.params[learnable.layer][learnable.index].data))):
+                raise NumericalError(f"iteration {self.iter}: the update made learnable blob {learnable.index} of "
+                                     f"layer '{learnable.layer}' NaN/Inf with a finite loss (a too large base_lr? "
+                                     "try clip_gradients)")
 
     def solve(self, resume_file: str | None = None) -> None:
         """Train to ``max_iter`` (after restoring ``resume_file``), then snapshot, display and test."""
@@ -640,6 +670,13 @@ class AdamSolver(SGDSolver):
 
     type = "Adam"
     history_per_param = 2
+
+    def _check_param(self) -> None:
+        super()._check_param()
+        # Caffe does not check these; outside the ranges its bias correction divides by 0 or takes sqrt(< 0).
+        if not 0 <= self.param.momentum < 1 or not 0 <= self.param.momentum2 <= 1:
+            raise SolverError(f"Adam needs 0 <= momentum < 1 and 0 <= momentum2 <= 1 (momentum "
+                              f"{self.param.momentum}, momentum2 {self.param.momentum2})")
 
     def step_scalars(self, rate: float) -> dict[str, np.float32]:
         # Caffe computes the correction in double from float betas, then keeps it as a float.

@@ -2,132 +2,16 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from google.protobuf import text_format
 
 from caffejax.errors import CaffejaxError, ShapeError
-from caffejax.lower import registry
-from caffejax.lower.registry import TEST, TRAIN, LayerContext
-from caffejax.proto import caffe_pb2
+from caffejax.lower.registry import TEST, TRAIN, LayerContext, get_rule
+from rule_harness import assert_rejects, layer_context, layer_forward, layer_vjp, parse_layer, run_reference_case
 
-REFERENCE = Path(__file__).resolve().parent.parent / "fixtures" / "reference" / "layers"
-
-
-# ---- harness: the non-Input layers of a reference case, forward and vjp ----------------------------------------
-
-def _rule(type_name):
-    try:
-        return registry.get_rule(type_name)
-    except ImportError:  # a sibling family module is not written yet: use ours directly
-        import caffejax.lower.common  # noqa: F401
-        import caffejax.lower.recurrent  # noqa: F401
-        return registry._REGISTRY[type_name]
-
-
-def _layer(text: str) -> caffe_pb2.LayerParameter:
-    return text_format.Parse(text, caffe_pb2.LayerParameter())
-
-
-def _close(actual, expected, rtol, atol_scale, what, exact=False):
-    expected = np.asarray(expected)
-    assert np.shape(actual) == expected.shape, f"{what}: shape {np.shape(actual)} != Caffe's {expected.shape}"
-    if exact:
-        np.testing.assert_array_equal(np.asarray(actual), expected, err_msg=what)
-        return
-    atol = atol_scale * float(np.max(np.abs(expected), initial=0.0))
-    np.testing.assert_allclose(np.asarray(actual), expected, rtol=rtol, atol=atol, err_msg=what)
-
-
-def _loss_weight(lp, rule, i):
-    if i < len(lp.loss_weight):
-        return lp.loss_weight[i]
-    return 1.0 if rule.is_loss and i == 0 else 0.0
-
-
-def run_reference_case(name: str, dtype=np.float32, exact_tops=(), concrete=()) -> None:
-    """Run the non-Input layers of case NAME in order; compare tops, param shapes, loss, diffs with Caffe's.
-
-    Bottom diffs are compared where Caffe computed them: with force_backward, for bottoms the layer lets it
-    reach. Without force_backward an Input blob never needs backward in Caffe, so its reference diff is zero
-    (checked); those layers' gradients are covered by the focused tests below. Inputs named in ``concrete``
-    enter as constants, not traced arguments (Filter's selector decides the top's shape).
-    """
-    net = text_format.Parse((REFERENCE / f"{name}.prototxt").read_text(), caffe_pb2.NetParameter())
-    ref = np.load(REFERENCE / f"{name}.npz")
-    layers = [lp for lp in net.layer if lp.type != "Input"]
-    rules = [_rule(lp.type) for lp in layers]
-    phase = TRAIN if str(ref["phase"]) == "TRAIN" else TEST
-    inputs = {k[len("input/"):]: jnp.asarray(ref[k], dtype) for k in ref.files if k.startswith("input/")}
-    constants = {b: inputs.pop(b) for b in concrete}
-
-    params, shapes = {}, dict((b, v.shape) for b, v in inputs.items())
-    shapes.update((b, v.shape) for b, v in constants.items())
-    abstract = lambda b: constants[b] if b in constants else jax.ShapeDtypeStruct(shapes[b], dtype)
-    for lp, rule in zip(layers, rules):
-        keys = sorted((k for k in ref.files if k.startswith(f"param/{lp.name}/")), key=lambda k: int(k.split("/")[-1]))
-        params[lp.name] = [jnp.asarray(ref[k], dtype) for k in keys]
-        expected = [p.shape for p in params[lp.name]]
-        assert [tuple(s) for s in rule.param_shapes(lp, [shapes[b] for b in lp.bottom])] == expected
-        ctx = LayerContext(layer=lp, phase=phase, key=jax.random.key(0), num_tops=len(lp.top))
-        bottoms = [abstract(b) for b in lp.bottom]
-        traced = [i for i, b in enumerate(lp.bottom) if b not in constants]
-
-        def forward(bs, ps, rule=rule, ctx=ctx, bottoms=bottoms, traced=traced):
-            full = list(bottoms)
-            for i, b in zip(traced, bs):
-                full[i] = b
-            return list(rule.forward(ctx, full, ps))
-
-        tops = jax.eval_shape(forward, [bottoms[i] for i in traced], params[lp.name])
-        shapes.update((t, s.shape) for t, s in zip(lp.top, tops))
-
-    def run(inputs, params):
-        env = dict(inputs, **constants)
-        for lp, rule in zip(layers, rules):
-            ctx = LayerContext(layer=lp, phase=phase, key=jax.random.key(0), num_tops=len(lp.top))
-            tops = list(rule.forward(ctx, [env[b] for b in lp.bottom], params[lp.name]))
-            assert len(tops) == len(lp.top)
-            env.update(zip(lp.top, tops))
-        return {t: env[t] for lp in layers for t in lp.top}
-
-    tops, vjp = jax.vjp(run, inputs, params)
-    loss, cotangents = 0.0, {}
-    for lp, rule in zip(layers, rules):
-        for i, t in enumerate(lp.top):
-            assert tops[t].dtype == dtype, f"top {t} has dtype {tops[t].dtype}, expected {dtype}"
-            assert tops[t].shape == shapes[t], f"eval_shape {shapes[t]} != forward {tops[t].shape}"
-            _close(tops[t], ref[f"data/{t}"], 1e-4, 1e-5, f"{name}: top {t}", exact=t in exact_tops)
-            weight = _loss_weight(lp, rule, i)
-            loss += weight * float(jnp.sum(tops[t]))
-            if f"topdiff/{t}" in ref.files:
-                cotangents[t] = jnp.asarray(ref[f"topdiff/{t}"], dtype)
-            else:
-                cotangents[t] = jnp.full(tops[t].shape, weight, dtype)
-    if "loss" in ref.files:
-        _close(loss, ref["loss"], 1e-4, 1e-5, f"{name}: net loss")
-    input_diffs, param_diffs = vjp(cotangents)
-    for lp, rule in zip(layers, rules):
-        for i, b in enumerate(lp.bottom):
-            if b not in inputs and b not in constants or f"diff/{b}" not in ref.files:
-                continue
-            propagate = list(lp.propagate_down)
-            if b in constants or not (net.force_backward and rule.allow_force_backward(lp, i)
-                                      and (not propagate or propagate[i])):
-                assert not np.any(ref[f"diff/{b}"]), f"{name}: Caffe computed a diff for {b}"
-            else:
-                _close(input_diffs[b], ref[f"diff/{b}"], 1e-3, 1e-4, f"{name}: diff of bottom {b}")
-        for j, diff in enumerate(param_diffs[lp.name]):
-            key = f"paramdiff/{lp.name}/{j}"
-            if key in ref.files:
-                _close(diff, ref[key], 1e-3, 1e-4, f"{name}: diff of param {lp.name}/{j}")
-
-
-# ---- the reference cases ----------------------------------------------------------------------------------------
+# ---- the reference cases (float32 through the Net: tests/test_reference.py) ------------------------------------
 
 COMMON_CASES = ["argmax", "argmax_outmax_axis", "accuracy_topk_ignore", "batchnorm_default_test",
                 "batchnorm_global", "batchnorm_train", "batch_reindex", "bias", "scale_axis0_numaxes",
@@ -138,49 +22,17 @@ COMMON_CASES = ["argmax", "argmax_outmax_axis", "accuracy_topk_ignore", "batchno
                 "reduction_sumsq", "reshape", "reshape_axis", "slice", "slice_even", "softmax", "softmax_axis2",
                 "split", "tile"]
 
-EXACT = {"argmax": ("y",), "accuracy_topk_ignore": ("acc", "per_class")}
-
 
 @pytest.mark.parametrize("name", COMMON_CASES)
-def test_reference_case(name):
-    run_reference_case(name, exact_tops=EXACT.get(name, ()), concrete=("sel",) if name == "filter" else ())
-
-
-@pytest.mark.parametrize("name", ["batchnorm_train", "mvn", "scale_bias", "inner_product", "eltwise_max"])
 def test_reference_case_float64(name):
-    with jax.enable_x64(True):
-        run_reference_case(name, np.float64)
-
-
-# ---- helpers for the focused tests ------------------------------------------------------------------------------
-
-def _ctx(text, phase=TEST, num_tops=None):
-    lp = _layer(text)
-    return LayerContext(layer=lp, phase=phase, key=jax.random.key(0), num_tops=num_tops or len(lp.top) or 1)
-
-
-def _forward(text, bottoms, params=(), phase=TEST, num_tops=None):
-    ctx = _ctx(text, phase, num_tops)
-    return _rule(ctx.type).forward(ctx, [jnp.asarray(b) for b in bottoms], [jnp.asarray(p) for p in params])
-
-
-def _vjp(text, bottoms, cotangents, params=(), phase=TEST):
-    ctx = _ctx(text, phase)
-    f = lambda bs, ps: list(_rule(ctx.type).forward(ctx, bs, ps))
-    _, vjp = jax.vjp(f, [jnp.asarray(b) for b in bottoms], [jnp.asarray(p) for p in params])
-    return vjp([jnp.asarray(c) for c in cotangents])
-
-
-def _raises(text, bottoms, params=(), match=None, num_tops=None):
-    with pytest.raises(CaffejaxError, match=match):
-        _forward(text, bottoms, params, num_tops=num_tops)
+    run_reference_case(name, np.float64)
 
 
 # ---- ArgMax, Accuracy -------------------------------------------------------------------------------------------
 
 def test_argmax_ties_go_to_the_higher_index():
     x = np.array([[1, 3, 3, 0, 3]], np.float32)
-    (y,) = _forward('type: "ArgMax" argmax_param { top_k: 4 out_max_val: true }', [x])
+    (y,) = layer_forward('type: "ArgMax" argmax_param { top_k: 4 out_max_val: true }', [x])
     assert y.shape == (1, 2, 4)
     np.testing.assert_array_equal(y[0, 0], [4, 2, 1, 0])
     np.testing.assert_array_equal(y[0, 1], [3, 3, 3, 1])
@@ -188,12 +40,12 @@ def test_argmax_ties_go_to_the_higher_index():
 
 def test_argmax_shape_without_axis_keeps_trailing_ones_and_axis_replaces_dim():
     x = jnp.zeros((2, 3, 4, 5))
-    assert _forward('type: "ArgMax" argmax_param { top_k: 3 }', [x])[0].shape == (2, 1, 3, 1)
-    assert _forward('type: "ArgMax" argmax_param { top_k: 2 axis: -1 }', [x])[0].shape == (2, 3, 4, 2)
+    assert layer_forward('type: "ArgMax" argmax_param { top_k: 3 }', [x])[0].shape == (2, 1, 3, 1)
+    assert layer_forward('type: "ArgMax" argmax_param { top_k: 2 axis: -1 }', [x])[0].shape == (2, 3, 4, 2)
 
 
 def test_argmax_rejects_top_k_beyond_the_axis():
-    _raises('name: "a" type: "ArgMax" argmax_param { top_k: 4 axis: 1 }', [jnp.zeros((2, 3))], match="top_k")
+    assert_rejects('name: "a" type: "ArgMax" argmax_param { top_k: 4 axis: 1 }', [jnp.zeros((2, 3))], match="top_k")
 
 
 ACCURACY = 'type: "Accuracy" bottom: "x" bottom: "t" top: "a" top: "pc" accuracy_param { top_k: 2 ignore_label: 9 }'
@@ -202,18 +54,18 @@ ACCURACY = 'type: "Accuracy" bottom: "x" bottom: "t" top: "a" top: "pc" accuracy
 def test_accuracy_counts_ties_with_the_true_score_against_it():
     # Three classes tie with the true class at the top: #{>= true} = 3 > top_k 2, so it is wrong.
     x = np.array([[1, 1, 1, 0], [0, 5, 1, 1]], np.float32)
-    a, pc = _forward(ACCURACY, [x, np.array([0, 1], np.float32)])
+    a, pc = layer_forward(ACCURACY, [x, np.array([0, 1], np.float32)])
     assert float(a) == 0.5
     np.testing.assert_array_equal(pc, [0, 1, 0, 0])
-    (a, _) = _forward(ACCURACY, [x, np.array([3, 2], np.float32)])  # row 1: #{>= 1} = 3 > 2 as well
+    (a, _) = layer_forward(ACCURACY, [x, np.array([3, 2], np.float32)])  # row 1: #{>= 1} = 3 > 2 as well
     assert float(a) == 0
 
 
 def test_accuracy_ignore_label_and_zero_count():
     x = np.eye(3, dtype=np.float32)
-    a, pc = _forward(ACCURACY, [x, np.array([9, 9, 9], np.float32)])
+    a, pc = layer_forward(ACCURACY, [x, np.array([9, 9, 9], np.float32)])
     assert float(a) == 0 and not np.any(pc)
-    a, pc = _forward(ACCURACY, [x, np.array([0, 9, 1], np.float32)])
+    a, pc = layer_forward(ACCURACY, [x, np.array([0, 9, 1], np.float32)])
     assert float(a) == 0.5  # row 2: the true class scores 0, and 3 classes score >= 0 > top_k
     np.testing.assert_array_equal(pc, [1, 0, 0])
 
@@ -221,7 +73,7 @@ def test_accuracy_ignore_label_and_zero_count():
 def test_accuracy_spatial_axis():
     x = np.zeros((1, 3, 2), np.float32)
     x[0, 2, 0] = x[0, 0, 1] = 1
-    (a,) = _forward('type: "Accuracy" top: "a"', [x, np.array([[2, 1]], np.float32)])
+    (a,) = layer_forward('type: "Accuracy" top: "a"', [x, np.array([[2, 1]], np.float32)])
     assert float(a) == 0.5
 
 
@@ -232,9 +84,9 @@ BN = 'name: "bn" type: "BatchNorm" batch_norm_param { use_global_stats: false mo
 
 def test_batch_norm_train_updates_running_sums_like_caffe():
     x = np.random.RandomState(0).randn(2, 3, 2, 2).astype(np.float32)
-    ctx = _ctx(BN, TRAIN)
+    ctx = layer_context(BN, TRAIN)
     blobs = [jnp.ones(3), jnp.full(3, 2.0), jnp.array([4.0])]
-    _rule("BatchNorm").forward(ctx, [jnp.asarray(x)], blobs)
+    get_rule("BatchNorm").forward(ctx, [jnp.asarray(x)], blobs)
     mean = x.mean(axis=(0, 2, 3))
     var = x.var(axis=(0, 2, 3))
     m = x.size // 3
@@ -245,25 +97,25 @@ def test_batch_norm_train_updates_running_sums_like_caffe():
 
 def test_batch_norm_global_stats_with_zero_factor_uses_zero_statistics():
     x = np.random.RandomState(1).randn(2, 3, 4).astype(np.float32)
-    (y,) = _forward('type: "BatchNorm" batch_norm_param { eps: 0.25 }', [x], [np.ones(3), np.ones(3), [0.0]])
+    (y,) = layer_forward('type: "BatchNorm" batch_norm_param { eps: 0.25 }', [x], [np.ones(3), np.ones(3), [0.0]])
     np.testing.assert_allclose(y, x / np.sqrt(0.25), rtol=1e-6)
-    (y,) = _forward('type: "BatchNorm" batch_norm_param { eps: 0 }', [x], [[2.0, 4, 6], [8.0, 8, 8], [2.0]])
+    (y,) = layer_forward('type: "BatchNorm" batch_norm_param { eps: 0 }', [x], [[2.0, 4, 6], [8.0, 8, 8], [2.0]])
     np.testing.assert_allclose(y, (x - np.array([1, 2, 3])[:, None]) / 2, rtol=1e-6)
 
 
 def test_batch_norm_global_stats_give_no_gradient_to_the_blobs():
     x = np.ones((2, 3), np.float32)
-    _, (d_mean, d_var, d_factor) = _vjp('type: "BatchNorm"', [x], [np.ones((2, 3))],
-                                        [np.ones(3), np.ones(3), [2.0]])
+    _, _, (d_mean, d_var, d_factor) = layer_vjp('type: "BatchNorm"', [x], [np.ones((2, 3))],
+                                                [np.ones(3), np.ones(3), [2.0]])
     assert not np.any(d_mean) and not np.any(d_var) and not np.any(d_factor)
 
 
 def test_batch_norm_rejects_learnable_statistics():
-    lp = _layer('name: "bn" type: "BatchNorm" param { lr_mult: 1 }')
+    lp = parse_layer('name: "bn" type: "BatchNorm" param { lr_mult: 1 }')
     with pytest.raises(CaffejaxError, match="lr_mult"):
-        _rule("BatchNorm").param_shapes(lp, [(2, 3)])
-    lp = _layer('name: "bn" type: "BatchNorm" param { lr_mult: 1 } param { lr_mult: 1 } param { lr_mult: 1 }')
-    assert _rule("BatchNorm").param_shapes(lp, [(2, 3, 4)]) == [(3,), (3,), (1,)]
+        get_rule("BatchNorm").param_shapes(lp, [(2, 3)])
+    lp = parse_layer('name: "bn" type: "BatchNorm" param { lr_mult: 1 } param { lr_mult: 1 } param { lr_mult: 1 }')
+    assert get_rule("BatchNorm").param_shapes(lp, [(2, 3, 4)]) == [(3,), (3,), (1,)]
 
 
 # ---- BatchReindex, Filter, Embed --------------------------------------------------------------------------------
@@ -271,15 +123,15 @@ def test_batch_norm_rejects_learnable_statistics():
 def test_batch_reindex_gradient_scatter_adds():
     x = np.arange(8, dtype=np.float32).reshape(4, 2)
     index = np.array([1, 1, 3, 0, 1.7], np.float32)  # static_cast<int>(1.7) == 1
-    (y,) = _forward('type: "BatchReindex"', [x, index])
+    (y,) = layer_forward('type: "BatchReindex"', [x, index])
     np.testing.assert_array_equal(y, x[[1, 1, 3, 0, 1]])
-    (dx, di), _ = _vjp('type: "BatchReindex"', [x, index], [np.ones((5, 2))])
+    _, (dx, di), _ = layer_vjp('type: "BatchReindex"', [x, index], [np.ones((5, 2))])
     np.testing.assert_array_equal(dx, [[1, 1], [3, 3], [0, 0], [1, 1]])
     assert not np.any(di)
 
 
 def test_batch_reindex_out_of_range_index_gives_nan():
-    (y,) = _forward('type: "BatchReindex"', [np.ones((2, 3)), np.array([0, 2, -1], np.float32)])
+    (y,) = layer_forward('type: "BatchReindex"', [np.ones((2, 3)), np.array([0, 2, -1], np.float32)])
     assert not np.isnan(y[0]).any() and np.isnan(y[1:]).all()
 
 
@@ -290,37 +142,37 @@ def test_filter_selects_rows_and_routes_gradient_back():
     a = np.arange(10, dtype=np.float32).reshape(5, 2)
     b = np.arange(5, dtype=np.float32)
     s = np.array([[0], [2], [0], [-1], [0.5]], np.float32)
-    fa, fb = _forward(FILTER, [a, b, s])
+    fa, fb = layer_forward(FILTER, [a, b, s])
     np.testing.assert_array_equal(fa, a[[1, 3, 4]])
     np.testing.assert_array_equal(fb, b[[1, 3, 4]])
-    ctx = _ctx(FILTER)
+    ctx = layer_context(FILTER)
     # The selector must stay concrete: it enters as a constant, only the filtered bottoms are traced.
-    _, vjp = jax.vjp(lambda a, b: _rule("Filter").forward(ctx, [a, b, jnp.asarray(s)], []), a, b)
+    _, vjp = jax.vjp(lambda a, b: get_rule("Filter").forward(ctx, [a, b, jnp.asarray(s)], []), a, b)
     da, db = vjp([jnp.full((3, 2), 2.0), jnp.ones(3)])
     np.testing.assert_array_equal(da, [[0, 0], [2, 2], [0, 0], [2, 2], [2, 2]])
     np.testing.assert_array_equal(db, [0, 1, 0, 1, 1])
-    assert not _rule("Filter").allow_force_backward(ctx.layer, 2)
+    assert not get_rule("Filter").allow_force_backward(ctx.layer, 2)
 
 
 def test_filter_needs_a_concrete_selector():
-    lp = _layer('name: "f" type: "Filter" top: "y"')
+    lp = parse_layer('name: "f" type: "Filter" top: "y"')
     ctx = LayerContext(layer=lp, phase=TEST, num_tops=1)
     with pytest.raises(ShapeError, match="concrete"):
-        jax.eval_shape(lambda x, s: _rule("Filter").forward(ctx, [x, s], []),
+        jax.eval_shape(lambda x, s: get_rule("Filter").forward(ctx, [x, s], []),
                        jax.ShapeDtypeStruct((4, 2), jnp.float32), jax.ShapeDtypeStruct((4,), jnp.float32))
 
 
 def test_filter_rejects_non_singleton_selector():
-    _raises('name: "f" type: "Filter" top: "y"', [np.ones((4, 2)), np.ones((4, 2))], match="singleton")
+    assert_rejects('name: "f" type: "Filter" top: "y"', [np.ones((4, 2)), np.ones((4, 2))], match="singleton")
 
 
 def test_embed_has_no_input_gradient_and_scatter_adds_into_weights():
     lp = 'type: "Embed" embed_param { num_output: 2 input_dim: 3 }'
     w = np.arange(6, dtype=np.float32).reshape(3, 2)
     x = np.array([[2, 0], [2, 2]], np.float32)
-    (y,) = _forward(lp, [x], [w, [10.0, 20.0]])
+    (y,) = layer_forward(lp, [x], [w, [10.0, 20.0]])
     np.testing.assert_array_equal(y, w[[[2, 0], [2, 2]]] + [10, 20])
-    (dx,), (dw, db) = _vjp(lp, [x], [np.ones((2, 2, 2))], [w, [10.0, 20.0]])
+    _, (dx,), (dw, db) = layer_vjp(lp, [x], [np.ones((2, 2, 2))], [w, [10.0, 20.0]])
     assert not np.any(dx)
     np.testing.assert_array_equal(dw, [[1, 1], [0, 0], [3, 3]])
     np.testing.assert_array_equal(db, [4, 4])
@@ -329,41 +181,41 @@ def test_embed_has_no_input_gradient_and_scatter_adds_into_weights():
 # ---- Bias, Scale --------------------------------------------------------------------------------------------------
 
 def test_scale_param_shapes_follow_scale_layer_setup():
-    shapes = lambda text, bottoms: _rule("Scale").param_shapes(_layer(text), bottoms)
+    shapes = lambda text, bottoms: get_rule("Scale").param_shapes(parse_layer(text), bottoms)
     assert shapes('type: "Scale"', [(2, 3, 4)]) == [(3,)]
     both = 'type: "Scale" scale_param { axis: -2 num_axes: -1 bias_term: true }'
     assert shapes(both, [(2, 3, 4)]) == [(3, 4), (3, 4)]
     assert shapes('type: "Scale" scale_param { num_axes: 0 bias_term: true }', [(2, 3)]) == [(), ()]
     assert shapes('type: "Scale" scale_param { bias_term: true }', [(2, 3, 4), (3, 4)]) == [(3, 4)]
     assert shapes('type: "Scale"', [(2, 3, 4), (3,)]) == []
-    bias = _layer('type: "Bias" bias_param { axis: 0 num_axes: 2 }')
-    assert _rule("Bias").param_shapes(bias, [(2, 3, 4)]) == [(2, 3)]
+    bias = parse_layer('type: "Bias" bias_param { axis: 0 num_axes: 2 }')
+    assert get_rule("Bias").param_shapes(bias, [(2, 3, 4)]) == [(2, 3)]
     with pytest.raises(CaffejaxError):
         shapes('name: "s" type: "Scale" scale_param { axis: 2 num_axes: 2 }', [(2, 3, 4)])
 
 
 def test_scale_defaults_to_unit_init_and_bias_to_zero():
-    lp = _layer('type: "Scale" scale_param { bias_term: true }')
-    scale, bias = _rule("Scale").init_params(lp, [(3,), (3,)], jax.random.key(0))
+    lp = parse_layer('type: "Scale" scale_param { bias_term: true }')
+    scale, bias = get_rule("Scale").init_params(lp, [(3,), (3,)], jax.random.key(0))
     np.testing.assert_array_equal(scale, np.ones(3))
     np.testing.assert_array_equal(bias, np.zeros(3))
 
 
 def test_scale_scalar_bottom_applies_from_axis_zero():
     x = np.arange(6, dtype=np.float32).reshape(2, 3)
-    (y,) = _forward('type: "Scale" scale_param { axis: 1 }', [x, np.float32(3)])
+    (y,) = layer_forward('type: "Scale" scale_param { axis: 1 }', [x, np.float32(3)])
     np.testing.assert_array_equal(y, 3 * x)
-    (dx, ds), _ = _vjp('type: "Scale"', [x, np.float32(3)], [np.ones((2, 3))])
+    _, (dx, ds), _ = layer_vjp('type: "Scale"', [x, np.float32(3)], [np.ones((2, 3))])
     assert float(ds) == x.sum()
 
 
 def test_scale_second_bottom_shape_must_match():
-    _raises('name: "s" type: "Scale"', [np.ones((2, 3, 4)), np.ones((4,))], match="does not match")
+    assert_rejects('name: "s" type: "Scale"', [np.ones((2, 3, 4)), np.ones((4,))], match="does not match")
 
 
 def test_bias_two_bottoms():
     x = np.zeros((2, 3, 4), np.float32)
-    (y,) = _forward('type: "Bias" bias_param { axis: -2 }', [x, np.arange(12, dtype=np.float32).reshape(3, 4)])
+    (y,) = layer_forward('type: "Bias" bias_param { axis: -2 }', [x, np.arange(12, dtype=np.float32).reshape(3, 4)])
     np.testing.assert_array_equal(y[1], np.arange(12).reshape(3, 4))
 
 
@@ -371,37 +223,38 @@ def test_bias_two_bottoms():
 
 def test_concat_legacy_dim_and_conflicts():
     a, b = np.ones((2, 3)), np.zeros((2, 1))
-    (y,) = _forward('type: "Concat" concat_param { concat_dim: 1 }', [a, b])
+    (y,) = layer_forward('type: "Concat" concat_param { concat_dim: 1 }', [a, b])
     assert y.shape == (2, 4)
-    _raises('name: "c" type: "Concat" concat_param { concat_dim: 1 axis: 1 }', [a, b], match="not both")
-    _raises('name: "c" type: "Concat"', [a, np.zeros((3, 1))], match="same shape")
+    assert_rejects('name: "c" type: "Concat" concat_param { concat_dim: 1 axis: 1 }', [a, b], match="not both")
+    assert_rejects('name: "c" type: "Concat"', [a, np.zeros((3, 1))], match="same shape")
 
 
 def test_slice_points_and_checks():
     x = np.arange(6, dtype=np.float32)
     three = 'type: "Slice" top: "a" top: "b" top: "c" slice_param '
-    tops = _forward(three + '{ axis: 0 slice_point: 1 slice_point: 4 }', [x])
+    tops = layer_forward(three + '{ axis: 0 slice_point: 1 slice_point: 4 }', [x])
     assert [t.tolist() for t in tops] == [[0], [1, 2, 3], [4, 5]]
-    tops = _forward(three + '{ slice_dim: 0 }', [x])
+    tops = layer_forward(three + '{ slice_dim: 0 }', [x])
     assert [t.shape for t in tops] == [(2,), (2,), (2,)]
-    _raises('name: "s" type: "Slice" top: "a" top: "b" slice_param { axis: 0 slice_point: 3 slice_point: 4 }',
-            [x], match="slice_point")
-    _raises('name: "s" type: "Slice" top: "a" top: "b" top: "c" slice_param { axis: 0 slice_point: 3 slice_point: 3 }',
-            [x], match="increasing")
-    _raises('name: "s" type: "Slice" top: "a" top: "b" top: "c" top: "d" slice_param { axis: 0 }', [x], match="evenly")
+    assert_rejects('name: "s" type: "Slice" top: "a" top: "b" slice_param { axis: 0 slice_point: 3 slice_point: 4 }',
+                   [x], match="slice_point")
+    assert_rejects('name: "s" type: "Slice" top: "a" top: "b" top: "c" '
+                   'slice_param { axis: 0 slice_point: 3 slice_point: 3 }', [x], match="increasing")
+    assert_rejects('name: "s" type: "Slice" top: "a" top: "b" top: "c" top: "d" slice_param { axis: 0 }', [x],
+                   match="evenly")
 
 
 def test_tile_is_a_block_repeat():
     x = np.arange(6, dtype=np.float32).reshape(2, 3)
-    (y,) = _forward('type: "Tile" tile_param { axis: 0 tiles: 2 }', [x])
+    (y,) = layer_forward('type: "Tile" tile_param { axis: 0 tiles: 2 }', [x])
     np.testing.assert_array_equal(y, np.tile(x, (2, 1)))
-    (y,) = _forward('type: "Tile" tile_param { tiles: 2 }', [x])
+    (y,) = layer_forward('type: "Tile" tile_param { tiles: 2 }', [x])
     np.testing.assert_array_equal(y, [[0, 1, 2, 0, 1, 2], [3, 4, 5, 3, 4, 5]])
-    _raises('name: "t" type: "Tile"', [x], match="tiles")
+    assert_rejects('name: "t" type: "Tile"', [x], match="tiles")
 
 
 def test_silence_has_no_tops():
-    assert _forward('type: "Silence" bottom: "x"', [np.ones(3)], num_tops=0) == []
+    assert layer_forward('type: "Silence" bottom: "x"', [np.ones(3)], num_tops=0) == []
 
 
 # ---- Eltwise ------------------------------------------------------------------------------------------------------
@@ -413,9 +266,9 @@ def test_eltwise_max_tie_rule_routes_gradient_to_one_winner():
     a = np.array([1, 2, 3, 5], np.float32)
     b = np.array([1, 2, 0, 5], np.float32)
     c = np.array([0, 2, 3, 6], np.float32)
-    (y,) = _forward(MAX3, [a, b, c])
+    (y,) = layer_forward(MAX3, [a, b, c])
     np.testing.assert_array_equal(y, [1, 2, 3, 6])
-    (da, db, dc), _ = _vjp(MAX3, [a, b, c], [np.ones(4)])
+    _, (da, db, dc), _ = layer_vjp(MAX3, [a, b, c], [np.ones(4)])
     np.testing.assert_array_equal(da, [0, 0, 1, 0])  # tie 0-1 -> bottom 1; tie with bottom 2 keeps the earlier
     np.testing.assert_array_equal(db, [1, 1, 0, 0])
     np.testing.assert_array_equal(dc, [0, 0, 0, 1])
@@ -424,27 +277,28 @@ def test_eltwise_max_tie_rule_routes_gradient_to_one_winner():
 def test_eltwise_prod_gradients_stable_and_quotient():
     a = np.array([0.0, 2.0], np.float32)
     b = np.array([3.0, 4.0], np.float32)
-    (da, db), _ = _vjp('type: "Eltwise" eltwise_param { operation: PROD }', [a, b], [np.ones(2)])
+    _, (da, db), _ = layer_vjp('type: "Eltwise" eltwise_param { operation: PROD }', [a, b], [np.ones(2)])
     np.testing.assert_array_equal(da, [3, 4])
     np.testing.assert_array_equal(db, [0, 2])
     quotient = 'type: "Eltwise" eltwise_param { operation: PROD stable_prod_grad: false }'
-    (da, db), _ = _vjp(quotient, [a, b], [np.ones(2)])
+    _, (da, db), _ = layer_vjp(quotient, [a, b], [np.ones(2)])
     assert np.isnan(da[0]) and da[1] == 4  # top / a: 0 / 0 as in Caffe's caffe_div
     np.testing.assert_array_equal(db, [0, 2])
 
 
 def test_eltwise_config_errors():
     a = np.ones(2)
-    _raises('name: "e" type: "Eltwise" eltwise_param { coeff: 1 }', [a, a], match="one coefficient")
-    _raises('name: "e" type: "Eltwise" eltwise_param { operation: PROD coeff: 1 coeff: 2 }', [a, a], match="summation")
-    _raises('name: "e" type: "Eltwise"', [a, np.ones(3)], match="differ")
+    assert_rejects('name: "e" type: "Eltwise" eltwise_param { coeff: 1 }', [a, a], match="one coefficient")
+    assert_rejects('name: "e" type: "Eltwise" eltwise_param { operation: PROD coeff: 1 coeff: 2 }', [a, a],
+                   match="summation")
+    assert_rejects('name: "e" type: "Eltwise"', [a, np.ones(3)], match="differ")
 
 
 # ---- Flatten, Reshape, InnerProduct -------------------------------------------------------------------------------
 
 def test_reshape_rules():
     x = jnp.zeros((2, 3, 4))
-    shape = lambda text: _forward(f'name: "r" type: "Reshape" reshape_param {{ {text} }}', [x])[0].shape
+    shape = lambda text: layer_forward(f'name: "r" type: "Reshape" reshape_param {{ {text} }}', [x])[0].shape
     assert shape('shape { dim: 0 dim: -1 }') == (2, 12)
     assert shape('shape { dim: 2 dim: 2 } axis: 2') == (2, 3, 2, 2)
     assert shape('shape { dim: 1 } axis: -1 num_axes: 0') == (2, 3, 4, 1)  # -1 means ndim + axis + 1 = 3
@@ -455,25 +309,25 @@ def test_reshape_rules():
                        ('shape { dim: 1 } axis: -5', "out of range")]:
         with pytest.raises(ShapeError, match=match):
             shape(bad)
-    assert not _rule("Reshape").in_place and not _rule("Flatten").in_place and not _rule("Split").in_place
+    assert not get_rule("Reshape").in_place and not get_rule("Flatten").in_place and not get_rule("Split").in_place
 
 
 def test_flatten_axes():
     x = jnp.zeros((2, 3, 4, 5))
-    assert _forward('type: "Flatten" flatten_param { axis: -3 end_axis: 2 }', [x])[0].shape == (2, 12, 5)
-    assert _forward('type: "Flatten" flatten_param { axis: 0 }', [x])[0].shape == (120,)
+    assert layer_forward('type: "Flatten" flatten_param { axis: -3 end_axis: 2 }', [x])[0].shape == (2, 12, 5)
+    assert layer_forward('type: "Flatten" flatten_param { axis: 0 }', [x])[0].shape == (120,)
 
 
 def test_inner_product_rejects_mismatched_weights():
-    _raises('name: "ip" type: "InnerProduct" inner_product_param { num_output: 2 bias_term: false }',
-            [np.ones((2, 3))], [np.ones((2, 4))], match="incompatible")
+    assert_rejects('name: "ip" type: "InnerProduct" inner_product_param { num_output: 2 bias_term: false }',
+                   [np.ones((2, 3))], [np.ones((2, 4))], match="incompatible")
 
 
 # ---- MVN, Reduction -----------------------------------------------------------------------------------------------
 
 def test_mvn_gradient_is_caffes_and_finite_for_constant_input():
     x = np.full((1, 2, 3, 3), 4.0, np.float32)
-    (dx,), _ = _vjp('type: "MVN"', [x], [np.arange(18, dtype=np.float32).reshape(1, 2, 3, 3)])
+    _, (dx,), _ = layer_vjp('type: "MVN"', [x], [np.arange(18, dtype=np.float32).reshape(1, 2, 3, 3)])
     dy = np.arange(18, dtype=np.float32).reshape(1, 2, 3, 3)
     expected = (dy - dy.mean(axis=(2, 3), keepdims=True)) / 1e-9
     np.testing.assert_allclose(dx, expected, rtol=1e-5, atol=1e-6 * np.abs(expected).max())
@@ -481,28 +335,28 @@ def test_mvn_gradient_is_caffes_and_finite_for_constant_input():
 
 def test_mvn_eps_is_added_after_the_root():
     x = np.array([[1.0, -1.0]], np.float32)
-    (y,) = _forward('type: "MVN" mvn_param { eps: 1 across_channels: true }', [x])
+    (y,) = layer_forward('type: "MVN" mvn_param { eps: 1 across_channels: true }', [x])
     np.testing.assert_allclose(y, [[0.5, -0.5]])
 
 
 def test_reduction_asum_gradient_sign_zero_at_zero():
     x = np.array([[-2.0, 0.0, 3.0]], np.float32)
-    (dx,), _ = _vjp('type: "Reduction" reduction_param { operation: ASUM axis: 1 coeff: 2 }', [x], [np.ones(1)])
+    _, (dx,), _ = layer_vjp('type: "Reduction" reduction_param { operation: ASUM axis: 1 coeff: 2 }', [x], [np.ones(1)])
     np.testing.assert_array_equal(dx, [[-2, 0, 2]])
 
 
 def test_reduction_default_is_sum_to_scalar():
-    (y,) = _forward('type: "Reduction"', [np.ones((2, 3))])
+    (y,) = layer_forward('type: "Reduction"', [np.ones((2, 3))])
     assert y.shape == () and float(y) == 6
 
 
 # ---- Parameter ---------------------------------------------------------------------------------------------------
 
 def test_parameter_shape_and_zero_init():
-    lp = _layer('type: "Parameter" parameter_param { shape { dim: 2 dim: 5 } }')
-    shapes = _rule("Parameter").param_shapes(lp, [])
+    lp = parse_layer('type: "Parameter" parameter_param { shape { dim: 2 dim: 5 } }')
+    shapes = get_rule("Parameter").param_shapes(lp, [])
     assert shapes == [(2, 5)]
-    (blob,) = _rule("Parameter").init_params(lp, shapes, jax.random.key(0))
+    (blob,) = get_rule("Parameter").init_params(lp, shapes, jax.random.key(0))
     np.testing.assert_array_equal(blob, np.zeros((2, 5)))
 
 
@@ -513,7 +367,7 @@ def test_rules_are_jit_and_eval_shape_safe():
         ('type: "BatchNorm" batch_norm_param { use_global_stats: false }', [(2, 3, 4)], [(3,), (3,), (1,)]),
         ('type: "MVN"', [(2, 3, 4, 5)], []),
     ]:
-        ctx = _ctx(text)
-        rule = _rule(ctx.type)
+        ctx = layer_context(text)
+        rule = get_rule(ctx.type)
         args = [jnp.ones(s) for s in bottoms], [jnp.ones(s) for s in params]
         jax.jit(lambda bs, ps: rule.forward(ctx, bs, ps))(*args)

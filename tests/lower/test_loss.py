@@ -2,84 +2,17 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from google.protobuf import text_format
 
 from caffejax.errors import DataError, ShapeError
-from caffejax.lower import registry
-from caffejax.lower.registry import TEST, TRAIN, LayerContext
+from caffejax.lower.registry import TEST, TRAIN, LayerContext, get_rule
 from caffejax.proto import caffe_pb2
+from rule_harness import layer_context, parse_layer, run_reference_case
 
-REFERENCE = Path(__file__).resolve().parent.parent / "fixtures" / "reference" / "layers"
-
-
-# ---- harness: one layer of a reference case, forward and vjp ----------------------------------------------------
-
-def _rule(type_name):
-    try:
-        return registry.get_rule(type_name)
-    except ImportError:  # a sibling family module is not written yet: use ours directly
-        import caffejax.lower.loss  # noqa: F401
-        import caffejax.lower.neuron  # noqa: F401
-        return registry._REGISTRY[type_name]
-
-
-def _layer(text: str) -> caffe_pb2.LayerParameter:
-    return text_format.Parse(text, caffe_pb2.LayerParameter())
-
-
-def _close(actual, expected, rtol, atol_scale, what):
-    expected = np.asarray(expected)
-    assert np.shape(actual) == expected.shape, f"{what}: shape {np.shape(actual)} != Caffe's {expected.shape}"
-    atol = atol_scale * float(np.max(np.abs(expected), initial=0.0))
-    np.testing.assert_allclose(np.asarray(actual), expected, rtol=rtol, atol=atol, err_msg=what)
-
-
-def run_reference_case(name: str, dtype=np.float32) -> None:
-    """Run the one non-Input layer of case NAME; compare tops, loss, bottom diffs and param diffs with Caffe's."""
-    net = text_format.Parse((REFERENCE / f"{name}.prototxt").read_text(), caffe_pb2.NetParameter())
-    ref = np.load(REFERENCE / f"{name}.npz")
-    (lp,) = [lp for lp in net.layer if lp.type != "Input"]
-    rule = _rule(lp.type)
-    phase = TRAIN if str(ref["phase"]) == "TRAIN" else TEST
-    bottoms = [jnp.asarray(ref[f"input/{b}"], dtype) for b in lp.bottom]
-    param_keys = sorted((k for k in ref.files if k.startswith(f"param/{lp.name}/")),
-                        key=lambda k: int(k.split("/")[-1]))
-    params = [jnp.asarray(ref[k], dtype) for k in param_keys]
-    assert [tuple(s) for s in rule.param_shapes(lp, [b.shape for b in bottoms])] == [p.shape for p in params]
-
-    ctx = LayerContext(layer=lp, phase=phase, key=jax.random.key(0), num_tops=len(lp.top))
-    tops, vjp = jax.vjp(lambda bs, ps: list(rule.forward(ctx, bs, ps)), bottoms, params)
-    assert len(tops) == len(lp.top)
-    loss, cotangents = 0.0, []
-    for i, (name_i, top) in enumerate(zip(lp.top, tops)):
-        assert top.dtype == dtype, f"top {name_i} has dtype {top.dtype}, expected {dtype}"
-        _close(top, ref[f"data/{name_i}"], 1e-4, 1e-5, f"{name}: top {name_i}")
-        weight = lp.loss_weight[i] if i < len(lp.loss_weight) else (1.0 if rule.is_loss and i == 0 else 0.0)
-        loss += weight * float(jnp.sum(top))
-        if f"topdiff/{name_i}" in ref.files:
-            cotangents.append(jnp.asarray(ref[f"topdiff/{name_i}"], dtype))
-        else:
-            cotangents.append(jnp.full(top.shape, weight, dtype))
-    if "loss" in ref.files:
-        _close(loss, ref["loss"], 1e-4, 1e-5, f"{name}: net loss")
-    if not net.force_backward:
-        return  # Input blobs need no backward: Caffe skipped the layer's Backward, its diffs are all zero
-    bottom_diffs, param_diffs = vjp(cotangents)
-    for b, diff in zip(lp.bottom, bottom_diffs):
-        if f"diff/{b}" in ref.files:
-            _close(diff, ref[f"diff/{b}"], 1e-3, 1e-4, f"{name}: diff of bottom {b}")
-    for k, diff in zip(param_keys, param_diffs):
-        if "paramdiff/" + k[len("param/"):] in ref.files:
-            _close(diff, ref["paramdiff/" + k[len("param/"):]], 1e-3, 1e-4, f"{name}: diff of {k}")
-
-
-# ---- the reference cases ----------------------------------------------------------------------------------------
+# ---- the reference cases (float32 through the Net: tests/test_reference.py) ------------------------------------
 
 LOSS_CASES = ["contrastive_loss", "contrastive_loss_legacy", "euclidean_loss", "hinge_l1", "hinge_l2",
               "infogain_loss", "multinomial_logistic_loss", "sigmoid_xent_loss", "softmax_loss_batch_size",
@@ -88,20 +21,14 @@ LOSS_CASES = ["contrastive_loss", "contrastive_loss_legacy", "euclidean_loss", "
 
 
 @pytest.mark.parametrize("name", LOSS_CASES)
-def test_reference_case(name):
-    run_reference_case(name)
-
-
-@pytest.mark.parametrize("name", ["softmax_loss_valid_ignore", "contrastive_loss", "sigmoid_xent_loss"])
 def test_reference_case_float64(name):
-    with jax.enable_x64(True):
-        run_reference_case(name, np.float64)
+    run_reference_case(name, np.float64)
 
 
 def test_loss_weight_on_nonloss_layer():
     """A loss_weight on a non-loss top seeds its whole diff with the weight (InnerProduct is another family's)."""
     try:
-        _rule("InnerProduct")
+        get_rule("InnerProduct")
     except (KeyError, ImportError):
         pytest.skip("the InnerProduct rule is not available yet")
     run_reference_case("loss_weight_on_nonloss")
@@ -109,11 +36,10 @@ def test_loss_weight_on_nonloss_layer():
 
 # ---- helpers for the focused tests ------------------------------------------------------------------------------
 
-def _run(text, bottoms, num_tops=None):
+def _run(text, bottoms):
     """Tops of a loss layer and d top0 / d bottoms."""
-    lp = _layer(text)
-    rule = _rule(lp.type)
-    ctx = LayerContext(layer=lp, phase=TEST, key=None, num_tops=num_tops or max(1, len(lp.top)))
+    ctx = layer_context(text)
+    rule = get_rule(ctx.type)
     bottoms = [jnp.asarray(b) for b in bottoms]
     tops = rule.forward(ctx, bottoms, [])
     grads = jax.grad(lambda bs: rule.forward(ctx, bs, [])[0])(bottoms)
@@ -196,9 +122,9 @@ def test_softmax_loss_prob_top():
     (loss, prob), _ = _run(text, [LOGITS, LABELS])
     np.testing.assert_allclose(np.asarray(prob), _softmax(LOGITS, 1), rtol=1e-5)
     # Caffe's backward ignores the prob top's diff.
-    lp = _layer(text)
+    lp = parse_layer(text)
     ctx = LayerContext(lp, TEST, None, 2)
-    g = jax.grad(lambda x: jnp.sum(_rule("SoftmaxWithLoss").forward(ctx, [x, jnp.asarray(LABELS)], [])[1]))(
+    g = jax.grad(lambda x: jnp.sum(get_rule("SoftmaxWithLoss").forward(ctx, [x, jnp.asarray(LABELS)], [])[1]))(
         jnp.asarray(LOGITS))
     np.testing.assert_array_equal(np.asarray(g), 0)
     with pytest.raises(ShapeError, match="loss_weight"):
@@ -303,7 +229,7 @@ def test_infogain_third_bottom_with_ignore_and_caffe_gradient():
     np.testing.assert_allclose(np.asarray(gx), want_grad, rtol=1e-4, atol=1e-7)
     np.testing.assert_array_equal(np.asarray(gl), 0)
     np.testing.assert_array_equal(np.asarray(gh), 0)
-    rule = _rule("InfogainLoss")
+    rule = get_rule("InfogainLoss")
     assert [rule.allow_force_backward(None, i) for i in range(3)] == [True, False, False]
 
 
@@ -341,15 +267,15 @@ def test_loss_rule_flags():
         ("InfogainLoss", (2, 3), (1, 2), [1, 2]), ("ContrastiveLoss", (3, 3), (1, 1), [2]),
         ("EuclideanLoss", (2, 2), (1, 1), []),
     ]:
-        rule = _rule(t)
+        rule = get_rule(t)
         assert rule.is_loss and (rule.bottoms, rule.tops) == (bottoms, tops), t
         assert [i for i in range(bottoms[1]) if not rule.allow_force_backward(None, i)] == labels, t
 
 
 def test_losses_are_jittable():
-    lp = _layer('type: "SoftmaxWithLoss" loss_param { ignore_label: -1 }')
+    lp = parse_layer('type: "SoftmaxWithLoss" loss_param { ignore_label: -1 }')
     f = jax.jit(jax.value_and_grad(
-        lambda x, t: _rule("SoftmaxWithLoss").forward(LayerContext(lp, TRAIN, None), [x, t], [])[0]))
+        lambda x, t: get_rule("SoftmaxWithLoss").forward(LayerContext(lp, TRAIN, None), [x, t], [])[0]))
     loss, g = f(jnp.asarray(LOGITS), jnp.asarray(LABELS))
     want_loss, want_grad = _softmax_reference(5)
     np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5)
@@ -363,6 +289,6 @@ def test_loss_tops_are_scalars_under_eval_shape():
                       ("MultinomialLogisticLoss", [f32(2, 5), f32(2)]), ("HingeLoss", [f32(2, 5), f32(2)]),
                       ("InfogainLoss", [f32(2, 5), f32(2), f32(5, 5)]), ("EuclideanLoss", [f32(2, 5), f32(2, 5)]),
                       ("ContrastiveLoss", [f32(2, 5, 1, 1), f32(2, 5, 1, 1), f32(2, 1, 1, 1)])]:
-        lp = _layer(f'name: "l" type: "{t}"')
-        out = jax.eval_shape(lambda bs: _rule(t).forward(LayerContext(lp, TRAIN, None), bs, []), shapes)
+        lp = parse_layer(f'name: "l" type: "{t}"')
+        out = jax.eval_shape(lambda bs: get_rule(t).forward(LayerContext(lp, TRAIN, None), bs, []), shapes)
         assert [(o.shape, o.dtype) for o in out] == [((), jnp.float32)], t

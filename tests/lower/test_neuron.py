@@ -2,113 +2,32 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from google.protobuf import text_format
 
 from caffejax.errors import ShapeError
-from caffejax.lower import registry
-from caffejax.lower.registry import TEST, TRAIN, LayerContext
-from caffejax.proto import caffe_pb2
+from caffejax.lower.registry import TEST, TRAIN, LayerContext, get_rule
+from rule_harness import layer_context, layer_forward, parse_layer, run_reference_case
 
-REFERENCE = Path(__file__).resolve().parent.parent / "fixtures" / "reference" / "layers"
-
-
-# ---- harness: one layer of a reference case, forward and vjp ----------------------------------------------------
-
-def _rule(type_name):
-    try:
-        return registry.get_rule(type_name)
-    except ImportError:  # a sibling family module is not written yet: use ours directly
-        import caffejax.lower.loss  # noqa: F401
-        import caffejax.lower.neuron  # noqa: F401
-        return registry._REGISTRY[type_name]
-
-
-def _layer(text: str) -> caffe_pb2.LayerParameter:
-    return text_format.Parse(text, caffe_pb2.LayerParameter())
-
-
-def _close(actual, expected, rtol, atol_scale, what):
-    expected = np.asarray(expected)
-    assert np.shape(actual) == expected.shape, f"{what}: shape {np.shape(actual)} != Caffe's {expected.shape}"
-    atol = atol_scale * float(np.max(np.abs(expected), initial=0.0))
-    np.testing.assert_allclose(np.asarray(actual), expected, rtol=rtol, atol=atol, err_msg=what)
-
-
-def run_reference_case(name: str, dtype=np.float32) -> None:
-    """Run the one non-Input layer of case NAME; compare tops, loss, bottom diffs and param diffs with Caffe's."""
-    net = text_format.Parse((REFERENCE / f"{name}.prototxt").read_text(), caffe_pb2.NetParameter())
-    ref = np.load(REFERENCE / f"{name}.npz")
-    (lp,) = [lp for lp in net.layer if lp.type != "Input"]
-    rule = _rule(lp.type)
-    phase = TRAIN if str(ref["phase"]) == "TRAIN" else TEST
-    bottoms = [jnp.asarray(ref[f"input/{b}"], dtype) for b in lp.bottom]
-    param_keys = sorted((k for k in ref.files if k.startswith(f"param/{lp.name}/")),
-                        key=lambda k: int(k.split("/")[-1]))
-    params = [jnp.asarray(ref[k], dtype) for k in param_keys]
-    assert [tuple(s) for s in rule.param_shapes(lp, [b.shape for b in bottoms])] == [p.shape for p in params]
-
-    ctx = LayerContext(layer=lp, phase=phase, key=jax.random.key(0), num_tops=len(lp.top))
-    tops, vjp = jax.vjp(lambda bs, ps: list(rule.forward(ctx, bs, ps)), bottoms, params)
-    assert len(tops) == len(lp.top)
-    loss, cotangents = 0.0, []
-    for i, (name_i, top) in enumerate(zip(lp.top, tops)):
-        assert top.dtype == dtype, f"top {name_i} has dtype {top.dtype}, expected {dtype}"
-        _close(top, ref[f"data/{name_i}"], 1e-4, 1e-5, f"{name}: top {name_i}")
-        weight = lp.loss_weight[i] if i < len(lp.loss_weight) else (1.0 if rule.is_loss and i == 0 else 0.0)
-        loss += weight * float(jnp.sum(top))
-        if f"topdiff/{name_i}" in ref.files:
-            cotangents.append(jnp.asarray(ref[f"topdiff/{name_i}"], dtype))
-        else:
-            cotangents.append(jnp.full(top.shape, weight, dtype))
-    if "loss" in ref.files:
-        _close(loss, ref["loss"], 1e-4, 1e-5, f"{name}: net loss")
-    if not net.force_backward:
-        return  # Input blobs need no backward: Caffe skipped the layer's Backward, its diffs are all zero
-    bottom_diffs, param_diffs = vjp(cotangents)
-    for b, diff in zip(lp.bottom, bottom_diffs):
-        if f"diff/{b}" in ref.files:
-            _close(diff, ref[f"diff/{b}"], 1e-3, 1e-4, f"{name}: diff of bottom {b}")
-    for k, diff in zip(param_keys, param_diffs):
-        if "paramdiff/" + k[len("param/"):] in ref.files:
-            _close(diff, ref["paramdiff/" + k[len("param/"):]], 1e-3, 1e-4, f"{name}: diff of {k}")
-
-
-# ---- the reference cases ----------------------------------------------------------------------------------------
+# ---- the reference cases (float32 through the Net: tests/test_reference.py) ------------------------------------
 
 NEURON_CASES = ["absval", "bnll", "clip", "dropout_test", "elu", "exp_base", "log_base", "power", "power_one",
                 "prelu", "prelu_shared", "relu", "relu_leaky_inplace", "sigmoid", "swish", "tanh", "threshold"]
 
 
 @pytest.mark.parametrize("name", NEURON_CASES)
-def test_reference_case(name):
-    run_reference_case(name)
-
-
-@pytest.mark.parametrize("name", ["elu", "power", "prelu", "swish", "bnll"])
 def test_reference_case_float64(name):
-    with jax.enable_x64(True):
-        run_reference_case(name, np.float64)
+    run_reference_case(name, np.float64)
 
 
 # ---- helpers for the focused tests ------------------------------------------------------------------------------
 
-def _forward(text, bottoms, params=(), phase=TEST, key=None):
-    lp = _layer(text)
-    ctx = LayerContext(layer=lp, phase=phase, key=key, num_tops=len(lp.top) or 1)
-    return _rule(lp.type).forward(ctx, [jnp.asarray(b) for b in bottoms], [jnp.asarray(p) for p in params])
-
-
 def _grad(text, x, params=(), phase=TEST, key=None):
     """d Σ top / d bottom (and d/d params) for a one-bottom layer."""
-    lp = _layer(text)
-    ctx = LayerContext(layer=lp, phase=phase, key=key, num_tops=1)
-    f = lambda x, ps: jnp.sum(_rule(lp.type).forward(ctx, [x], ps)[0])
+    ctx = layer_context(text, phase, key, num_tops=1)
+    f = lambda x, ps: jnp.sum(get_rule(ctx.type).forward(ctx, [x], ps)[0])
     return jax.grad(f, argnums=(0, 1))(jnp.asarray(x), [jnp.asarray(p) for p in params])
 
 
@@ -119,7 +38,7 @@ DROPOUT = 'name: "d" type: "Dropout" bottom: "x" top: "y" dropout_param { dropou
 
 def test_dropout_train_keeps_expected_fraction_and_scales():
     x = jnp.ones((200, 500), jnp.float32)
-    (y,) = _forward(DROPOUT, [x], phase=TRAIN, key=jax.random.key(7))
+    (y,) = layer_forward(DROPOUT, [x], phase=TRAIN, key=jax.random.key(7))
     kept = np.asarray(y) != 0
     assert abs(kept.mean() - 0.7) < 0.01
     np.testing.assert_allclose(np.asarray(y)[kept], 1 / (1 - np.float32(0.3)), rtol=1e-6)
@@ -127,9 +46,9 @@ def test_dropout_train_keeps_expected_fraction_and_scales():
 
 def test_dropout_same_key_same_mask_and_gradient_uses_it():
     x = jax.random.normal(jax.random.key(1), (4, 3, 5, 5))
-    (a,) = _forward(DROPOUT, [x], phase=TRAIN, key=jax.random.key(3))
-    (b,) = _forward(DROPOUT, [x], phase=TRAIN, key=jax.random.key(3))
-    (c,) = _forward(DROPOUT, [x], phase=TRAIN, key=jax.random.key(4))
+    (a,) = layer_forward(DROPOUT, [x], phase=TRAIN, key=jax.random.key(3))
+    (b,) = layer_forward(DROPOUT, [x], phase=TRAIN, key=jax.random.key(3))
+    (c,) = layer_forward(DROPOUT, [x], phase=TRAIN, key=jax.random.key(4))
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert not np.array_equal(np.asarray(a) != 0, np.asarray(c) != 0)
     gx, _ = _grad(DROPOUT, x, phase=TRAIN, key=jax.random.key(3))
@@ -138,27 +57,27 @@ def test_dropout_same_key_same_mask_and_gradient_uses_it():
 
 def test_dropout_test_phase_is_identity_without_key():
     x = jnp.arange(12.0).reshape(3, 4)
-    (y,) = _forward(DROPOUT, [x], phase=TEST, key=None)
+    (y,) = layer_forward(DROPOUT, [x], phase=TEST, key=None)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
 
 
 def test_dropout_train_without_key_is_an_error():
     from caffejax.errors import CaffejaxError
     with pytest.raises(CaffejaxError, match="PRNG key"):
-        _forward(DROPOUT, [jnp.ones((2, 2))], phase=TRAIN, key=None)
+        layer_forward(DROPOUT, [jnp.ones((2, 2))], phase=TRAIN, key=None)
 
 
 def test_dropout_is_jittable_with_key():
-    lp = _layer(DROPOUT)
-    f = jax.jit(lambda x, k: _rule("Dropout").forward(LayerContext(lp, TRAIN, k), [x], [])[0])
+    lp = parse_layer(DROPOUT)
+    f = jax.jit(lambda x, k: get_rule("Dropout").forward(LayerContext(lp, TRAIN, k), [x], [])[0])
     y = f(jnp.ones((10, 10)), jax.random.key(0))
     assert y.shape == (10, 10)
 
 
 def test_dropout_bad_ratio():
     with pytest.raises(ShapeError, match="dropout_ratio"):
-        _forward('name: "d" type: "Dropout" dropout_param { dropout_ratio: 1 }', [jnp.ones(3)], phase=TRAIN,
-                 key=jax.random.key(0))
+        layer_forward('name: "d" type: "Dropout" dropout_param { dropout_ratio: 1 }', [jnp.ones(3)], phase=TRAIN,
+                      key=jax.random.key(0))
 
 
 # ---- gradients at the kinks, as Caffe's hand-written backward --------------------------------------------------
@@ -182,21 +101,22 @@ def test_prelu_gradients_at_zero():
 
 
 def test_prelu_channel_shared_and_shapes():
-    lp = _layer('name: "p" type: "PReLU" prelu_param { channel_shared: true }')
-    assert _rule("PReLU").param_shapes(lp, [(2, 3, 4)]) == [()]
-    assert _rule("PReLU").param_shapes(_layer('type: "PReLU"'), [(2, 3, 4)]) == [(3,)]
-    (y,) = _forward('type: "PReLU" prelu_param { channel_shared: true }', [np.full((1, 2), -2.0)], [np.float32(0.5)])
+    lp = parse_layer('name: "p" type: "PReLU" prelu_param { channel_shared: true }')
+    assert get_rule("PReLU").param_shapes(lp, [(2, 3, 4)]) == [()]
+    assert get_rule("PReLU").param_shapes(parse_layer('type: "PReLU"'), [(2, 3, 4)]) == [(3,)]
+    (y,) = layer_forward('type: "PReLU" prelu_param { channel_shared: true }', [np.full((1, 2), -2.0)],
+                         [np.float32(0.5)])
     np.testing.assert_array_equal(np.asarray(y), [[-1.0, -1.0]])
     with pytest.raises(ShapeError, match="at least 2 axes"):
-        _rule("PReLU").param_shapes(lp, [(5,)])
+        get_rule("PReLU").param_shapes(lp, [(5,)])
     with pytest.raises(ShapeError, match="expected 3"):
-        _forward('type: "PReLU"', [np.ones((1, 3, 2))], [np.ones(2)])
+        layer_forward('type: "PReLU"', [np.ones((1, 3, 2))], [np.ones(2)])
 
 
 def test_prelu_default_filler_is_quarter():
     pytest.importorskip("caffejax.lower.fillers")
-    lp = _layer('type: "PReLU"')
-    (a,) = _rule("PReLU").init_params(lp, [(3,)], jax.random.key(0))
+    lp = parse_layer('type: "PReLU"')
+    (a,) = get_rule("PReLU").init_params(lp, [(3,)], jax.random.key(0))
     np.testing.assert_array_equal(np.asarray(a), [0.25, 0.25, 0.25])
 
 
@@ -207,7 +127,7 @@ def test_elu_gradient_at_zero_is_alpha():
 
 def test_bnll_gradient_at_zero_and_large_inputs_finite():
     x = np.array([-200.0, 0.0, 200.0], np.float32)
-    (y,) = _forward('type: "BNLL"', [x])
+    (y,) = layer_forward('type: "BNLL"', [x])
     np.testing.assert_allclose(np.asarray(y), [0.0, np.log(2.0), 200.0], rtol=1e-6)
     gx, _ = _grad('type: "BNLL"', x)
     np.testing.assert_allclose(np.asarray(gx), [0.0, 0.5, 1.0], atol=1e-7)
@@ -216,13 +136,13 @@ def test_bnll_gradient_at_zero_and_large_inputs_finite():
 def test_absval_gradient_at_zero_is_zero():
     gx, _ = _grad('type: "AbsVal"', X_KINKS)
     np.testing.assert_array_equal(np.asarray(gx), [-1.0, 0.0, 1.0])
-    assert not _rule("AbsVal").in_place
+    assert not get_rule("AbsVal").in_place
 
 
 def test_clip_gradient_on_closed_interval():
     x = np.array([-0.6, -0.5, 0.0, 0.7, 0.8], np.float32)
     text = 'type: "Clip" clip_param { min: -0.5 max: 0.7 }'
-    (y,) = _forward(text, [x])
+    (y,) = layer_forward(text, [x])
     np.testing.assert_allclose(np.asarray(y), [-0.5, -0.5, 0.0, 0.7, 0.7])
     gx, _ = _grad(text, x)
     np.testing.assert_array_equal(np.asarray(gx), [0.0, 1.0, 1.0, 1.0, 0.0])
@@ -230,7 +150,7 @@ def test_clip_gradient_on_closed_interval():
 
 def test_threshold_has_no_gradient():
     x = np.array([0.1, 0.2, 0.3], np.float32)
-    (y,) = _forward('type: "Threshold" threshold_param { threshold: 0.2 }', [x])
+    (y,) = layer_forward('type: "Threshold" threshold_param { threshold: 0.2 }', [x])
     np.testing.assert_array_equal(np.asarray(y), [0.0, 0.0, 1.0])
     gx, _ = _grad('type: "Threshold" threshold_param { threshold: 0.2 }', x)
     np.testing.assert_array_equal(np.asarray(gx), [0.0, 0.0, 0.0])
@@ -244,7 +164,7 @@ def test_threshold_has_no_gradient():
 ])
 def test_power_constant_case_has_zero_gradient(text, value):
     x = np.array([-1.0, 0.0, 2.0], np.float32)
-    (y,) = _forward(f'type: "Power" {text}', [x])
+    (y,) = layer_forward(f'type: "Power" {text}', [x])
     np.testing.assert_array_equal(np.asarray(y), [value] * 3)
     gx, _ = _grad(f'type: "Power" {text}', x)
     np.testing.assert_array_equal(np.asarray(gx), [0.0, 0.0, 0.0])
@@ -254,7 +174,7 @@ def test_power_one_and_two():
     x = np.array([-1.0, 0.0, 2.0], np.float32)
     gx, _ = _grad('type: "Power" power_param { power: 1 scale: -2 shift: 1 }', x)
     np.testing.assert_array_equal(np.asarray(gx), [-2.0, -2.0, -2.0])
-    (y,) = _forward('type: "Power" power_param { power: 2 scale: 0.5 shift: 1 }', [x])
+    (y,) = layer_forward('type: "Power" power_param { power: 2 scale: 0.5 shift: 1 }', [x])
     np.testing.assert_allclose(np.asarray(y), (0.5 * x + 1) ** 2)
     gx, _ = _grad('type: "Power" power_param { power: 2 scale: 0.5 shift: 1 }', x)
     np.testing.assert_allclose(np.asarray(gx), 2 * 0.5 * (0.5 * x + 1))
@@ -262,27 +182,27 @@ def test_power_one_and_two():
 
 def test_exp_and_log_natural_base_defaults():
     x = np.array([0.5, 1.0, 2.0], np.float32)
-    (y,) = _forward('type: "Exp"', [x])
+    (y,) = layer_forward('type: "Exp"', [x])
     np.testing.assert_allclose(np.asarray(y), np.exp(x), rtol=1e-6)
-    (y,) = _forward('type: "Log"', [x])
+    (y,) = layer_forward('type: "Log"', [x])
     np.testing.assert_allclose(np.asarray(y), np.log(x), rtol=1e-6)
 
 
 def test_exp_log_bad_base():
     with pytest.raises(ShapeError, match="strictly positive"):
-        _forward('type: "Exp" exp_param { base: -2 }', [np.ones(2)])
+        layer_forward('type: "Exp" exp_param { base: -2 }', [np.ones(2)])
     with pytest.raises(ShapeError, match="strictly positive"):
-        _forward('type: "Log" log_param { base: 0 }', [np.ones(2)])
+        layer_forward('type: "Log" log_param { base: 0 }', [np.ones(2)])
     with pytest.raises(ShapeError, match="log\\(base\\) = 0"):
-        _forward('type: "Log" log_param { base: 1 }', [np.ones(2)])
+        layer_forward('type: "Log" log_param { base: 1 }', [np.ones(2)])
 
 
 def test_neuron_rules_are_one_bottom_one_top_and_eval_shape_safe():
     for t in ["AbsVal", "BNLL", "Clip", "Dropout", "ELU", "Exp", "Log", "Power", "PReLU", "ReLU", "Sigmoid",
               "Swish", "TanH", "Threshold"]:
-        rule = _rule(t)
+        rule = get_rule(t)
         assert (rule.bottoms, rule.tops) == ((1, 1), (1, 1)), t
-        lp = _layer(f'name: "l" type: "{t}"')
+        lp = parse_layer(f'name: "l" type: "{t}"')
         params = [jax.ShapeDtypeStruct(s, jnp.float32) for s in rule.param_shapes(lp, [(2, 3, 4)])]
         out = jax.eval_shape(lambda x, ps: rule.forward(LayerContext(lp, TRAIN, jax.random.key(0)), [x], ps),
                              jax.ShapeDtypeStruct((2, 3, 4), jnp.float32), params)

@@ -9,18 +9,17 @@ import pytest
 
 from caffejax.errors import CaffejaxError
 from caffejax.lower.recurrent import lstm_unit
-from test_common import _ctx, _forward, _layer, _rule, run_reference_case
+from caffejax.lower.registry import get_rule
+from rule_harness import layer_context, layer_forward, parse_layer, run_reference_case
+
+# ---- the reference cases (float32 through the Net: tests/test_reference.py) ------------------------------------
+
+RECURRENT_CASES = ["lstm", "rnn"]
 
 
-@pytest.mark.parametrize("name", ["lstm", "rnn"])
-def test_reference_case(name):
-    run_reference_case(name)
-
-
-@pytest.mark.parametrize("name", ["lstm", "rnn"])
+@pytest.mark.parametrize("name", RECURRENT_CASES)
 def test_reference_case_float64(name):
-    with jax.enable_x64(True):
-        run_reference_case(name, np.float64)
+    run_reference_case(name, np.float64)
 
 
 # ---- numpy versions of Caffe's unrolled nets ----------------------------------------------------------------------
@@ -75,10 +74,11 @@ def test_lstm_static_input_and_exposed_hidden_match_the_unrolled_net():
     x, xs = _random(rng, t_len, n, 2, 2), _random(rng, n, 5)
     cont = np.array([[1, 0], [1, 1], [0, 1], [1, 1]], np.float32)
     h0, c0 = _random(rng, 1, n, h_dim), _random(rng, 1, n, h_dim)
-    shapes = _rule("LSTM").param_shapes(_layer(LSTM_EXPOSED), [x.shape, cont.shape, xs.shape, h0.shape, c0.shape])
+    shapes = get_rule("LSTM").param_shapes(parse_layer(LSTM_EXPOSED),
+                                           [x.shape, cont.shape, xs.shape, h0.shape, c0.shape])
     assert shapes == [(12, 4), (12,), (12, 5), (12, 3)]  # W_xc, b_c, W_xc_static, W_hc
     w_x, b, w_s, w_h = (_random(rng, *s) for s in shapes)
-    h, h_t, c_t = _forward(LSTM_EXPOSED, [x, cont, xs, h0, c0], [w_x, b, w_s, w_h])
+    h, h_t, c_t = layer_forward(LSTM_EXPOSED, [x, cont, xs, h0, c0], [w_x, b, w_s, w_h])
     ref = _lstm_numpy(x, cont, w_x, b, w_h, xs, w_s, h0, c0)
     for got, want in zip((h, h_t, c_t), ref):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
@@ -90,10 +90,10 @@ def test_rnn_static_input_and_exposed_hidden_match_the_unrolled_net():
     x, xs = _random(rng, t_len, n, 4), _random(rng, n, 2, 3)
     cont = np.array([[0, 0], [1, 1], [1, 0]], np.float32)
     h0 = _random(rng, 1, n, h_dim)
-    shapes = _rule("RNN").param_shapes(_layer(RNN_EXPOSED), [x.shape, cont.shape, xs.shape, h0.shape])
+    shapes = get_rule("RNN").param_shapes(parse_layer(RNN_EXPOSED), [x.shape, cont.shape, xs.shape, h0.shape])
     assert shapes == [(3, 4), (3,), (3, 6), (3, 3), (3, 3), (3,)]  # W_xh, b_h, W_xh_static, W_hh, W_ho, b_o
     params = [_random(rng, *s) for s in shapes]
-    o, h_t = _forward(RNN_EXPOSED, [x, cont, xs, h0], params)
+    o, h_t = layer_forward(RNN_EXPOSED, [x, cont, xs, h0], params)
     w_x, b, w_s, w_h, w_o, b_o = params
     ref_o, ref_h = _rnn_numpy(x, cont, w_x, b, w_h, w_o, b_o, xs, w_s, h0)
     np.testing.assert_allclose(o, ref_o, rtol=1e-5, atol=1e-6)
@@ -106,9 +106,9 @@ def test_exposed_hidden_states_carry_data_but_no_gradient():
     x, xs, cont = _random(rng, 3, 2, 2), _random(rng, 2, 5), np.ones((3, 2), np.float32)
     h0, c0 = _random(rng, 1, 2, 3), _random(rng, 1, 2, 3)
     params = [_random(rng, 12, 2), _random(rng, 12), _random(rng, 12, 5), _random(rng, 12, 3)]
-    ctx = _ctx(LSTM_EXPOSED)
+    ctx = layer_context(LSTM_EXPOSED)
     bottoms = [jnp.asarray(b) for b in (x, cont, xs, h0, c0)]
-    _, vjp = jax.vjp(lambda bs: _rule("LSTM").forward(ctx, bs, [jnp.asarray(p) for p in params]), bottoms)
+    _, vjp = jax.vjp(lambda bs: get_rule("LSTM").forward(ctx, bs, [jnp.asarray(p) for p in params]), bottoms)
     (dx, dcont, dxs, dh0, dc0), = vjp([jnp.zeros((3, 2, 3)), jnp.ones((1, 2, 3)), jnp.ones((1, 2, 3))])
     for d in (dx, dcont, dxs, dh0, dc0):
         assert not np.any(d)
@@ -122,8 +122,8 @@ def test_cont_zero_starts_a_new_sequence():
     params = [_random(rng, 8, 3), _random(rng, 8), _random(rng, 8, 2)]
     x = _random(rng, 5, 1, 3)
     cont = np.array([[0], [1], [1], [0], [1]], np.float32)
-    (h,) = _forward(text, [x, cont], params)
-    (tail,) = _forward(text, [x[3:], cont[3:]], params)
+    (h,) = layer_forward(text, [x, cont], params)
+    (tail,) = layer_forward(text, [x[3:], cont[3:]], params)
     np.testing.assert_allclose(h[3:], tail, rtol=1e-6, atol=1e-7)
 
 
@@ -132,25 +132,25 @@ def test_recurrent_shape_checks():
     text = 'name: "l" type: "LSTM" recurrent_param { num_output: 2 }'
     params = [_random(rng, 8, 3), _random(rng, 8), _random(rng, 8, 2)]
     with pytest.raises(CaffejaxError, match="#timesteps, #streams"):
-        _forward(text, [np.ones((4, 2, 3)), np.ones((4, 3))], params)
+        layer_forward(text, [np.ones((4, 2, 3)), np.ones((4, 3))], params)
     with pytest.raises(CaffejaxError, match="at least 3 axes"):
-        _forward(text, [np.ones((4, 2)), np.ones((4, 2))], params)
+        layer_forward(text, [np.ones((4, 2)), np.ones((4, 2))], params)
     with pytest.raises(CaffejaxError, match="do not fit"):
-        _forward(text, [np.ones((4, 2, 5)), np.ones((4, 2))], params)
+        layer_forward(text, [np.ones((4, 2, 5)), np.ones((4, 2))], params)
     with pytest.raises(CaffejaxError, match="num_output"):
-        _rule("RNN").param_shapes(_layer('name: "r" type: "RNN"'), [(4, 2, 3), (4, 2)])
+        get_rule("RNN").param_shapes(parse_layer('name: "r" type: "RNN"'), [(4, 2, 3), (4, 2)])
     with pytest.raises(CaffejaxError, match="hidden state"):
         bottoms = [np.ones((4, 2, 2)), np.ones((4, 2)), np.ones((2, 5)), np.ones((1, 2, 4)), np.ones((1, 2, 3))]
-        _forward(LSTM_EXPOSED, bottoms, [np.ones((12, 2)), np.ones(12), np.ones((12, 5)), np.ones((12, 3))])
+        layer_forward(LSTM_EXPOSED, bottoms, [np.ones((12, 2)), np.ones(12), np.ones((12, 5)), np.ones((12, 3))])
     with pytest.raises(CaffejaxError, match="tops"):
-        _forward(text, [np.ones((4, 2, 3)), np.ones((4, 2))], params, num_tops=2)
+        layer_forward(text, [np.ones((4, 2, 3)), np.ones((4, 2))], params, num_tops=2)
 
 
 def test_recurrent_init_uses_weight_and_bias_fillers():
-    lp = _layer('type: "RNN" recurrent_param { num_output: 2 weight_filler { type: "constant" value: 3 } '
-                'bias_filler { type: "constant" value: 7 } }')
-    shapes = _rule("RNN").param_shapes(lp, [(4, 1, 5), (4, 1)])
-    blobs = _rule("RNN").init_params(lp, shapes, jax.random.key(0))
+    lp = parse_layer('type: "RNN" recurrent_param { num_output: 2 weight_filler { type: "constant" value: 3 } '
+                     'bias_filler { type: "constant" value: 7 } }')
+    shapes = get_rule("RNN").param_shapes(lp, [(4, 1, 5), (4, 1)])
+    blobs = get_rule("RNN").init_params(lp, shapes, jax.random.key(0))
     assert [float(np.unique(b)[0]) for b in blobs] == [3, 7, 3, 3, 7]
 
 
@@ -163,7 +163,7 @@ def test_lstm_unit_forward_and_backward_are_caffes():
     rng = np.random.RandomState(5)
     c_prev, x = _random(rng, 1, 3, 2), _random(rng, 1, 3, 8)
     cont = np.array([[1, 0, 0.5]], np.float32)
-    c, h = _forward(UNIT, [c_prev, x, cont])
+    c, h = layer_forward(UNIT, [c_prev, x, cont])
     i, f, o, g = np.split(x, 4, axis=-1)
     f_act = cont[..., None] * _sigmoid(f)
     want_c = f_act * c_prev + _sigmoid(i) * np.tanh(g)
@@ -193,8 +193,8 @@ def _true_unit(c_prev, x, cont):
 
 def test_lstm_unit_shape_checks():
     with pytest.raises(CaffejaxError, match="4 x"):
-        _forward(UNIT, [np.ones((1, 3, 2)), np.ones((1, 3, 6)), np.ones((1, 3))])
+        layer_forward(UNIT, [np.ones((1, 3, 2)), np.ones((1, 3, 6)), np.ones((1, 3))])
     with pytest.raises(CaffejaxError, match="bottom"):
-        _forward(UNIT, [np.ones((2, 3, 2)), np.ones((2, 3, 8)), np.ones((2, 3))])
-    assert not _rule("LSTMUnit").allow_force_backward(_layer(UNIT), 2)
-    assert not _rule("LSTM").allow_force_backward(_layer(UNIT), 1)
+        layer_forward(UNIT, [np.ones((2, 3, 2)), np.ones((2, 3, 8)), np.ones((2, 3))])
+    assert not get_rule("LSTMUnit").allow_force_backward(parse_layer(UNIT), 2)
+    assert not get_rule("LSTM").allow_force_backward(parse_layer(UNIT), 1)

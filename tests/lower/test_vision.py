@@ -4,22 +4,20 @@
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from google.protobuf import text_format
 
 from caffejax.errors import ShapeError
-from caffejax.lower import registry
-from caffejax.lower.registry import TEST, TRAIN, LayerContext
-from caffejax.proto import caffe_pb2
+from caffejax.lower.registry import TEST, TRAIN, LayerContext, get_rule
+from conftest import FORWARD_ATOL, FORWARD_RTOL, assert_close
+from rule_harness import layer_forward, layer_vjp, parse_layer, reference_case, run_reference_case
 
-REFERENCE = Path(__file__).resolve().parent.parent / "fixtures" / "reference" / "layers"
+# ---- the reference cases (float32 through the Net: tests/test_reference.py) ------------------------------------
 
-CASES = [
+VISION_CASES = [
     "conv_3d", "conv_basic", "conv_depthwise", "conv_dilation", "conv_group", "conv_nobias_1x1",
     "conv_pad_stride", "conv_rect", "deconv_bilinear_nobias", "deconv_group", "deconv_stride2",
     "pool_ave_ceil_overhang", "pool_ave_pad", "pool_floor", "pool_global_ave", "pool_global_max",
@@ -28,111 +26,25 @@ CASES = [
 ]
 
 
-# ---- harness: one layer of a reference case, forward and vjp ----------------------------------------------------
-
-def _rule(type_name):
-    try:
-        return registry.get_rule(type_name)
-    except ImportError:  # a sibling family module is not written yet: use ours directly
-        import caffejax.lower.vision  # noqa: F401
-        return registry._REGISTRY[type_name]
-
-
-def _layer(text: str) -> caffe_pb2.LayerParameter:
-    return text_format.Parse(text, caffe_pb2.LayerParameter())
-
-
-def _close(actual, expected, rtol, atol_scale, what):
-    expected = np.asarray(expected)
-    assert np.shape(actual) == expected.shape, f"{what}: shape {np.shape(actual)} != Caffe's {expected.shape}"
-    atol = atol_scale * float(np.max(np.abs(expected), initial=0.0))
-    np.testing.assert_allclose(np.asarray(actual), expected, rtol=rtol, atol=atol, err_msg=what)
-
-
-def _layer_fn(lp, phase=TEST, key=None, num_tops=None):
-    """The layer's forward as a jitted function of (bottoms, params) (one compile instead of one per op)."""
-    rule = _rule(lp.type)
-
-    def forward(bottoms, params):
-        ctx = LayerContext(layer=lp, phase=phase, key=jax.random.key(0) if key is None else key,
-                           num_tops=len(lp.top) if num_tops is None else num_tops)
-        return list(rule.forward(ctx, bottoms, params))
-
-    return jax.jit(forward)
-
-
-def _forward(lp, bottoms, params=(), phase=TEST, key=None, num_tops=None):
-    ctx = LayerContext(layer=lp, phase=phase, key=jax.random.key(0) if key is None else key,
-                       num_tops=len(lp.top) if num_tops is None else num_tops)
-    # Errors are raised while tracing: evaluate the shapes first, outside jit, so they surface unwrapped.
-    jax.eval_shape(lambda bs, ps: list(_rule(lp.type).forward(ctx, bs, ps)),
-                   [jnp.asarray(b) for b in bottoms], [jnp.asarray(p) for p in params])
-    return _layer_fn(lp, phase, key, num_tops)([jnp.asarray(b) for b in bottoms], [jnp.asarray(p) for p in params])
-
-
-def _vjp(lp, bottoms, params, cotangents, phase=TEST, key=None):
-    """(tops, bottom diffs, param diffs) of one layer."""
-    tops, vjp = jax.vjp(_layer_fn(lp, phase, key),
-                        [jnp.asarray(b) for b in bottoms], [jnp.asarray(p) for p in params])
-    bottom_diffs, param_diffs = vjp([jnp.asarray(c, t.dtype) for c, t in zip(cotangents, tops)])
-    return tops, bottom_diffs, param_diffs
-
-
-def run_reference_case(name: str, dtype=np.float32) -> None:
-    """Run the one non-Input layer of case NAME; compare param shapes, tops, bottom diffs and param diffs."""
-    net = text_format.Parse((REFERENCE / f"{name}.prototxt").read_text(), caffe_pb2.NetParameter())
-    ref = np.load(REFERENCE / f"{name}.npz")
-    (lp,) = [lp for lp in net.layer if lp.type != "Input"]
-    rule = _rule(lp.type)
-    phase = TRAIN if str(ref["phase"]) == "TRAIN" else TEST
-    bottoms = [jnp.asarray(ref[f"input/{b}"], dtype) for b in lp.bottom]
-    param_keys = sorted((k for k in ref.files if k.startswith(f"param/{lp.name}/")),
-                        key=lambda k: int(k.split("/")[-1]))
-    params = [jnp.asarray(ref[k], dtype) for k in param_keys]
-    assert [tuple(s) for s in rule.param_shapes(lp, [b.shape for b in bottoms])] == [p.shape for p in params]
-
-    tops, vjp = jax.vjp(_layer_fn(lp, phase), bottoms, params)
-    assert len(tops) == len(lp.top)
-    for top_name, top in zip(lp.top, tops):
-        assert top.dtype == dtype, f"top {top_name} has dtype {top.dtype}, expected {dtype}"
-        _close(top, ref[f"data/{top_name}"], 1e-4, 1e-5, f"{name}: top {top_name}")
-    if not any(k.startswith("diff/") for k in ref.files):
-        return
-    bottom_diffs, param_diffs = vjp([jnp.asarray(ref[f"topdiff/{t}"], dtype) for t in lp.top])
-    for b, diff in zip(lp.bottom, bottom_diffs):
-        if f"diff/{b}" in ref.files:
-            _close(diff, ref[f"diff/{b}"], 1e-3, 1e-4, f"{name}: diff of bottom {b}")
-    for k, diff in zip(param_keys, param_diffs):
-        _close(diff, ref["paramdiff/" + k[len("param/"):]], 1e-3, 1e-4, f"{name}: diff of {k}")
-
-
-@pytest.mark.parametrize("name", CASES)
-def test_reference_case(name):
-    run_reference_case(name)
-
-
-@pytest.mark.parametrize("name", ["conv_group", "deconv_group", "pool_max_two_tops", "pool_ave_pad",
-                                  "lrn_within", "spp", "im2col", "crop"])
+@pytest.mark.parametrize("name", VISION_CASES)
 def test_reference_case_float64(name):
-    with jax.enable_x64(True):
-        run_reference_case(name, np.float64)
+    run_reference_case(name, np.float64)
 
 
 @pytest.mark.parametrize("name", ["conv_3d", "deconv_stride2", "pool_max_two_tops", "spp", "lrn_across"])
 def test_jit_and_eval_shape_agree(name):
-    net = text_format.Parse((REFERENCE / f"{name}.prototxt").read_text(), caffe_pb2.NetParameter())
-    ref = np.load(REFERENCE / f"{name}.npz")
-    (lp,) = [lp for lp in net.layer if lp.type != "Input"]
+    case, _, (lp,) = reference_case(name)
+    ref = case.figures
     bottoms = [jnp.asarray(ref[f"input/{b}"]) for b in lp.bottom]
-    params = [jnp.asarray(ref[k]) for k in sorted(k for k in ref.files if k.startswith(f"param/{lp.name}/"))]
-    rule = _rule(lp.type)
+    params = [jnp.asarray(ref[k]) for k in sorted(k for k in ref if k.startswith(f"param/{lp.name}/"))]
+    rule = get_rule(lp.type)
     ctx = LayerContext(layer=lp, phase=TEST, key=jax.random.key(0), num_tops=len(lp.top))
     fn = lambda bs, ps: list(rule.forward(ctx, bs, ps))  # noqa: E731
     shapes = jax.eval_shape(fn, bottoms, params)
     tops = jax.jit(fn)(bottoms, params)
     assert [s.shape for s in shapes] == [ref[f"data/{t}"].shape for t in lp.top]
     for t, y in zip(lp.top, tops):
-        _close(y, ref[f"data/{t}"], 1e-4, 1e-5, f"{name}: jitted top {t}")
+        assert_close(y, ref[f"data/{t}"], FORWARD_RTOL, FORWARD_ATOL, f"{name}: jitted top {t}")
 
 
 # ---- numpy transcriptions of Caffe's loops ---------------------------------------------------------------------
@@ -237,9 +149,9 @@ POOL_CONFIGS = [
 
 def _pool_layer(method, kernel, stride, pad, round_mode, tops=("y",)):
     top = " ".join(f'top: "{t}"' for t in tops)
-    return _layer(f'name: "p" type: "Pooling" bottom: "x" {top} pooling_param {{ pool: {method} '
-                  f'kernel_h: {kernel[0]} kernel_w: {kernel[1]} stride_h: {stride[0]} stride_w: {stride[1]} '
-                  f'pad_h: {pad[0]} pad_w: {pad[1]} round_mode: {round_mode} }}')
+    return parse_layer(f'name: "p" type: "Pooling" bottom: "x" {top} pooling_param {{ pool: {method} '
+                       f'kernel_h: {kernel[0]} kernel_w: {kernel[1]} stride_h: {stride[0]} stride_w: {stride[1]} '
+                       f'pad_h: {pad[0]} pad_w: {pad[1]} round_mode: {round_mode} }}')
 
 
 @pytest.mark.parametrize("kernel,stride,pad,round_mode,size", POOL_CONFIGS)
@@ -249,29 +161,29 @@ def test_max_pool_ties_mask_and_gradient_follow_caffe(kernel, stride, pad, round
     rng = np.random.default_rng(0)
     x = rng.integers(-2, 3, size=(2, 3) + size).astype(np.float32)
     lp = _pool_layer("MAX", kernel, stride, pad, round_mode, tops=("y", "mask"))
-    y, mask = _forward(lp, [x])
+    y, mask = layer_forward(lp, [x])
     ref_y, ref_mask = caffe_pool(x, "MAX", kernel, stride, pad, y.shape[2:])
     np.testing.assert_array_equal(np.asarray(y), ref_y)
     np.testing.assert_array_equal(np.asarray(mask), ref_mask)
     dy = rng.normal(size=y.shape).astype(np.float32)
-    _, (dx,), _ = _vjp(_pool_layer("MAX", kernel, stride, pad, round_mode), [x], [], [dy])
+    _, (dx,), _ = layer_vjp(_pool_layer("MAX", kernel, stride, pad, round_mode), [x], [dy])
     np.testing.assert_allclose(np.asarray(dx), caffe_max_pool_backward(x.shape, ref_mask, dy), rtol=1e-6)
 
 
 def test_max_pool_mask_top_gets_no_gradient():
     x = np.random.default_rng(1).normal(size=(1, 2, 5, 5)).astype(np.float32)
     lp = _pool_layer("MAX", (2, 2), (2, 2), (0, 0), "CEIL", tops=("y", "mask"))
-    y, _ = _forward(lp, [x])
-    _, (dx,), _ = _vjp(lp, [x], [], [np.zeros(y.shape), np.ones(y.shape)])
+    y, _ = layer_forward(lp, [x])
+    _, (dx,), _ = layer_vjp(lp, [x], [np.zeros(y.shape), np.ones(y.shape)])
     assert not np.any(np.asarray(dx))
 
 
 def test_max_pool_all_ties_route_to_first_element():
     x = np.ones((1, 1, 4, 4), np.float32)
     lp = _pool_layer("MAX", (3, 3), (1, 1), (0, 0), "CEIL", tops=("y", "mask"))
-    y, mask = _forward(lp, [x])
+    y, mask = layer_forward(lp, [x])
     np.testing.assert_array_equal(np.asarray(mask)[0, 0], [[0, 1], [4, 5]])
-    _, (dx,), _ = _vjp(_pool_layer("MAX", (3, 3), (1, 1), (0, 0), "CEIL"), [x], [], [np.ones((1, 1, 2, 2))])
+    _, (dx,), _ = layer_vjp(_pool_layer("MAX", (3, 3), (1, 1), (0, 0), "CEIL"), [x], [np.ones((1, 1, 2, 2))])
     expected = np.zeros((4, 4), np.float32)
     expected[[0, 0, 1, 1], [0, 1, 0, 1]] = 1
     np.testing.assert_array_equal(np.asarray(dx)[0, 0], expected)
@@ -279,13 +191,13 @@ def test_max_pool_all_ties_route_to_first_element():
 
 def test_max_pool_skips_nan_like_caffe_strict_greater():
     x = np.array([[[[np.nan, 1.0], [3.0, np.nan]]]], np.float32)
-    y, mask = _forward(_pool_layer("MAX", (2, 2), (2, 2), (0, 0), "CEIL", tops=("y", "mask")), [x])
+    y, mask = layer_forward(_pool_layer("MAX", (2, 2), (2, 2), (0, 0), "CEIL", tops=("y", "mask")), [x])
     assert float(y[0, 0, 0, 0]) == 3.0 and float(mask[0, 0, 0, 0]) == 2
 
 
 def test_max_pool_window_below_minus_flt_max_keeps_caffe_initial_value():
     x = np.full((1, 1, 2, 2), -np.inf, np.float32)
-    y, mask = _forward(_pool_layer("MAX", (2, 2), (2, 2), (0, 0), "CEIL", tops=("y", "mask")), [x])
+    y, mask = layer_forward(_pool_layer("MAX", (2, 2), (2, 2), (0, 0), "CEIL", tops=("y", "mask")), [x])
     assert float(y[0, 0, 0, 0]) == -np.finfo(np.float32).max and float(mask[0, 0, 0, 0]) == -1
 
 
@@ -294,8 +206,8 @@ def test_ave_pool_divisor_and_gradient_follow_caffe(kernel, stride, pad, round_m
     rng = np.random.default_rng(2)
     x = rng.normal(size=(2, 2) + size).astype(np.float32)
     lp = _pool_layer("AVE", kernel, stride, pad, round_mode)
-    dy = rng.normal(size=(2, 2) + _forward(lp, [x])[0].shape[2:]).astype(np.float32)
-    (y,), (dx,), _ = _vjp(lp, [x], [], [dy])
+    dy = rng.normal(size=(2, 2) + layer_forward(lp, [x])[0].shape[2:]).astype(np.float32)
+    (y,), (dx,), _ = layer_vjp(lp, [x], [dy])
     ref_y, pool_size = caffe_pool(x, "AVE", kernel, stride, pad, y.shape[2:])
     np.testing.assert_allclose(np.asarray(y), ref_y, rtol=1e-5, atol=1e-6)
     # Backward_cpu: every in-image cell of a window gets top_diff / pool_size.
@@ -311,7 +223,7 @@ def test_ave_pool_divisor_and_gradient_follow_caffe(kernel, stride, pad, round_m
 def test_ave_pool_semantics_example():
     # H=6, k3, s2, p1: 4 outputs; the last row's divisor is 2 (window clipped at H+p, not at the image).
     x = np.ones((1, 1, 6, 6), np.float32)
-    (y,) = _forward(_pool_layer("AVE", (3, 3), (2, 2), (1, 1), "CEIL"), [x])
+    (y,) = layer_forward(_pool_layer("AVE", (3, 3), (2, 2), (1, 1), "CEIL"), [x])
     assert y.shape == (1, 1, 4, 4)
     rows = np.array([2, 3, 3, 1]) / np.array([3, 3, 3, 2])  # in-image cells / Caffe's pool_size per row
     np.testing.assert_allclose(np.asarray(y)[0, 0], np.outer(rows, rows), rtol=1e-6)
@@ -320,32 +232,32 @@ def test_ave_pool_semantics_example():
 def test_pool_output_sizes_ceil_floor_and_pad_clip():
     x = np.zeros((1, 1, 7, 7), np.float32)
     # CEIL: ceil((7-2)/2)+1 = 4; FLOOR: 3.
-    assert _forward(_pool_layer("MAX", (2, 2), (2, 2), (0, 0), "CEIL"), [x])[0].shape == (1, 1, 4, 4)
-    assert _forward(_pool_layer("MAX", (2, 2), (2, 2), (0, 0), "FLOOR"), [x])[0].shape == (1, 1, 3, 3)
+    assert layer_forward(_pool_layer("MAX", (2, 2), (2, 2), (0, 0), "CEIL"), [x])[0].shape == (1, 1, 4, 4)
+    assert layer_forward(_pool_layer("MAX", (2, 2), (2, 2), (0, 0), "FLOOR"), [x])[0].shape == (1, 1, 3, 3)
     # pad 1: ceil((7+2-2)/2)+1 = 5, but the last window would start at 4*2 >= H+p = 8: clipped to 4.
-    assert _forward(_pool_layer("MAX", (2, 2), (2, 2), (1, 1), "CEIL"), [x])[0].shape == (1, 1, 4, 4)
+    assert layer_forward(_pool_layer("MAX", (2, 2), (2, 2), (1, 1), "CEIL"), [x])[0].shape == (1, 1, 4, 4)
     # Padding on one axis turns the clip on for both: width ceil((5-1)/3)+1 = 3 starts at 6 >= 5 -> 2.
     x = np.zeros((1, 1, 6, 5), np.float32)
-    assert _forward(_pool_layer("MAX", (2, 1), (2, 3), (1, 0), "CEIL"), [x])[0].shape == (1, 1, 4, 2)
+    assert layer_forward(_pool_layer("MAX", (2, 1), (2, 3), (1, 0), "CEIL"), [x])[0].shape == (1, 1, 4, 2)
     # Without padding Caffe keeps that window although it lies wholly past the input: -FLT_MAX, mask -1.
-    y, mask = _forward(_pool_layer("MAX", (2, 1), (2, 3), (0, 0), "CEIL", tops=("y", "mask")), [x])
+    y, mask = layer_forward(_pool_layer("MAX", (2, 1), (2, 3), (0, 0), "CEIL", tops=("y", "mask")), [x])
     assert y.shape == (1, 1, 3, 3)
     assert np.all(np.asarray(y)[..., 2] == -np.finfo(np.float32).max) and np.all(np.asarray(mask)[..., 2] == -1)
 
 
 def test_global_pooling_kernel_is_the_input():
     x = np.random.default_rng(3).normal(size=(2, 3, 5, 4)).astype(np.float32)
-    lp = _layer('name: "g" type: "Pooling" bottom: "x" top: "y" pooling_param { pool: AVE global_pooling: true }')
-    (y,) = _forward(lp, [x])
+    lp = parse_layer('name: "g" type: "Pooling" bottom: "x" top: "y" pooling_param { pool: AVE global_pooling: true }')
+    (y,) = layer_forward(lp, [x])
     np.testing.assert_allclose(np.asarray(y), x.mean(axis=(2, 3), keepdims=True), rtol=1e-5)
 
 
 def test_stochastic_pool_test_phase_is_weighted_average():
     x = np.abs(np.random.default_rng(4).normal(size=(1, 2, 5, 5))).astype(np.float32)
     x[0, 1] = 0  # sum 0 -> 0
-    lp = _layer('name: "s" type: "Pooling" bottom: "x" top: "y" '
-                'pooling_param { pool: STOCHASTIC kernel_size: 3 stride: 2 }')
-    (y,) = _forward(lp, [x], phase=TEST)
+    lp = parse_layer('name: "s" type: "Pooling" bottom: "x" top: "y" '
+                     'pooling_param { pool: STOCHASTIC kernel_size: 3 stride: 2 }')
+    (y,) = layer_forward(lp, [x], phase=TEST)
     assert y.shape == (1, 2, 2, 2)
     for ph, pw in itertools.product(range(2), range(2)):
         win = x[0, 0, 2 * ph:2 * ph + 3, 2 * pw:2 * pw + 3]
@@ -356,9 +268,9 @@ def test_stochastic_pool_test_phase_is_weighted_average():
 def test_stochastic_pool_train_samples_by_value_and_routes_gradient():
     # One 2x2 window with values 1, 2, 3, 4 repeated over many channels: pick frequency is value / 10.
     x = np.tile(np.array([[1, 2], [3, 4]], np.float32), (1, 4000, 1, 1))
-    lp = _layer('name: "s" type: "Pooling" bottom: "x" top: "y" '
-                'pooling_param { pool: STOCHASTIC kernel_size: 2 stride: 2 }')
-    (y,), (dx,), _ = _vjp(lp, [x], [], [np.ones((1, 4000, 1, 1))], phase=TRAIN, key=jax.random.key(7))
+    lp = parse_layer('name: "s" type: "Pooling" bottom: "x" top: "y" '
+                     'pooling_param { pool: STOCHASTIC kernel_size: 2 stride: 2 }')
+    (y,), (dx,), _ = layer_vjp(lp, [x], [np.ones((1, 4000, 1, 1))], phase=TRAIN, key=jax.random.key(7))
     picks = np.asarray(y).ravel()
     freq = np.array([(picks == v).mean() for v in (1, 2, 3, 4)])
     np.testing.assert_allclose(freq, [0.1, 0.2, 0.3, 0.4], atol=0.03)
@@ -368,11 +280,11 @@ def test_stochastic_pool_train_samples_by_value_and_routes_gradient():
 
 
 def test_stochastic_pool_train_needs_a_key():
-    lp = _layer('name: "s" type: "Pooling" bottom: "x" top: "y" '
-                'pooling_param { pool: STOCHASTIC kernel_size: 2 }')
+    lp = parse_layer('name: "s" type: "Pooling" bottom: "x" top: "y" '
+                     'pooling_param { pool: STOCHASTIC kernel_size: 2 }')
     ctx = LayerContext(layer=lp, phase=TRAIN, key=None, num_tops=1)
     with pytest.raises(Exception, match="PRNG key"):
-        _rule("Pooling").forward(ctx, [jnp.ones((1, 1, 4, 4))], [])
+        get_rule("Pooling").forward(ctx, [jnp.ones((1, 1, 4, 4))], [])
 
 
 @pytest.mark.parametrize("param,tops,match", [
@@ -388,15 +300,15 @@ def test_stochastic_pool_train_needs_a_key():
     ("pool: AVE kernel_size: 2", 2, "mask"),
 ])
 def test_pooling_rejects_what_caffe_rejects(param, tops, match):
-    lp = _layer(f'name: "p" type: "Pooling" bottom: "x" top: "y" pooling_param {{ {param} }}')
+    lp = parse_layer(f'name: "p" type: "Pooling" bottom: "x" top: "y" pooling_param {{ {param} }}')
     with pytest.raises(ShapeError, match=match):
-        _forward(lp, [np.zeros((1, 1, 6, 6), np.float32)], num_tops=tops)
+        layer_forward(lp, [np.zeros((1, 1, 6, 6), np.float32)], num_tops=tops)
 
 
 def test_pooling_needs_4d_input():
     lp = _pool_layer("MAX", (2, 2), (2, 2), (0, 0), "CEIL")
     with pytest.raises(ShapeError, match="4 axes"):
-        _forward(lp, [np.zeros((1, 6, 6), np.float32)])
+        layer_forward(lp, [np.zeros((1, 6, 6), np.float32)])
 
 
 # ---- Convolution / Deconvolution / Im2col -------------------------------------------------------------------
@@ -421,11 +333,11 @@ def _conv_text(kind, cout, group, kernel, stride, pad, dilation, extra=""):
 def test_convolution_matches_caffe_im2col_gemm(spatial, cin, cout, group, kernel, stride, pad, dilation):
     rng = np.random.default_rng(5)
     x = rng.normal(size=(2, cin) + spatial).astype(np.float32)
-    lp = _layer(_conv_text("Convolution", cout, group, kernel, stride, pad, dilation))
-    shapes = _rule("Convolution").param_shapes(lp, [x.shape])
+    lp = parse_layer(_conv_text("Convolution", cout, group, kernel, stride, pad, dilation))
+    shapes = get_rule("Convolution").param_shapes(lp, [x.shape])
     assert [tuple(s) for s in shapes] == [(cout, cin // group) + kernel, (cout,)]
     w, b = (rng.normal(size=s).astype(np.float32) for s in shapes)
-    (y,) = _forward(lp, [x], [w, b])
+    (y,) = layer_forward(lp, [x], [w, b])
     np.testing.assert_allclose(np.asarray(y), caffe_conv(x, w, b, group, kernel, stride, pad, dilation),
                                rtol=1e-4, atol=1e-4)
 
@@ -435,11 +347,11 @@ def test_convolution_matches_caffe_im2col_gemm(spatial, cin, cout, group, kernel
 def test_deconvolution_matches_caffe_col2im(spatial, cin, cout, group, kernel, stride, pad, dilation):
     rng = np.random.default_rng(6)
     x = rng.normal(size=(2, cin) + spatial).astype(np.float32)
-    lp = _layer(_conv_text("Deconvolution", cout, group, kernel, stride, pad, dilation))
-    shapes = _rule("Deconvolution").param_shapes(lp, [x.shape])
+    lp = parse_layer(_conv_text("Deconvolution", cout, group, kernel, stride, pad, dilation))
+    shapes = get_rule("Deconvolution").param_shapes(lp, [x.shape])
     assert [tuple(s) for s in shapes] == [(cin, cout // group) + kernel, (cout,)]
     w, b = (rng.normal(size=s).astype(np.float32) for s in shapes)
-    (y,) = _forward(lp, [x], [w, b])
+    (y,) = layer_forward(lp, [x], [w, b])
     np.testing.assert_allclose(np.asarray(y), caffe_deconv(x, w, b, group, kernel, stride, pad, dilation),
                                rtol=1e-4, atol=1e-4)
 
@@ -448,10 +360,10 @@ def test_convolution_channel_axis_and_several_bottoms():
     # axis 2: the leading axes (2, 3) are the "num" of Caffe's loop; every bottom gets its own top.
     rng = np.random.default_rng(8)
     x1, x2 = (rng.normal(size=(2, 3, 4, 6, 5)).astype(np.float32) for _ in range(2))
-    lp = _layer('name: "c" type: "Convolution" bottom: "a" bottom: "b" top: "p" top: "q" '
-                'convolution_param { num_output: 5 kernel_size: 3 axis: 2 }')
-    w, b = (rng.normal(size=s).astype(np.float32) for s in _rule("Convolution").param_shapes(lp, [x1.shape] * 2))
-    p, q = _forward(lp, [x1, x2], [w, b])
+    lp = parse_layer('name: "c" type: "Convolution" bottom: "a" bottom: "b" top: "p" top: "q" '
+                     'convolution_param { num_output: 5 kernel_size: 3 axis: 2 }')
+    w, b = (rng.normal(size=s).astype(np.float32) for s in get_rule("Convolution").param_shapes(lp, [x1.shape] * 2))
+    p, q = layer_forward(lp, [x1, x2], [w, b])
     assert p.shape == (2, 3, 5, 4, 3)
     for x, y in ((x1, p), (x2, q)):
         ref = caffe_conv(x.reshape(6, 4, 6, 5), w, b, 1, (3, 3), (1, 1), (0, 0), (1, 1))
@@ -461,16 +373,16 @@ def test_convolution_channel_axis_and_several_bottoms():
 def test_convolution_truncating_output_size_keeps_a_partial_window():
     # (2 + 0 - 3) / 2 + 1 = 1 in C (truncation toward zero): one window reading a zero past the input.
     x = np.array([[[[1.0, 2.0]]]], np.float32)
-    lp = _layer('name: "c" type: "Convolution" bottom: "x" top: "y" '
-                'convolution_param { num_output: 1 kernel_h: 1 kernel_w: 3 stride: 2 bias_term: false }')
-    (y,) = _forward(lp, [x], [np.ones((1, 1, 1, 3), np.float32)])
+    lp = parse_layer('name: "c" type: "Convolution" bottom: "x" top: "y" '
+                     'convolution_param { num_output: 1 kernel_h: 1 kernel_w: 3 stride: 2 bias_term: false }')
+    (y,) = layer_forward(lp, [x], [np.ones((1, 1, 1, 3), np.float32)])
     np.testing.assert_array_equal(np.asarray(y), [[[[3.0]]]])
 
 
 def test_convolution_param_shapes_and_default_fillers():
-    lp = _layer('name: "c" type: "Convolution" bottom: "x" top: "y" '
-                'convolution_param { num_output: 4 kernel_size: 3 group: 2 }')
-    rule = _rule("Convolution")
+    lp = parse_layer('name: "c" type: "Convolution" bottom: "x" top: "y" '
+                     'convolution_param { num_output: 4 kernel_size: 3 group: 2 }')
+    rule = get_rule("Convolution")
     shapes = [tuple(s) for s in rule.param_shapes(lp, [(1, 6, 8, 8)])]
     assert shapes == [(4, 3, 3, 3), (4,)]
     w, b = rule.init_params(lp, shapes, jax.random.key(0))
@@ -482,13 +394,13 @@ def test_convolution_param_shapes_and_default_fillers():
 
 
 def test_deconvolution_bilinear_init_upsamples():
-    lp = _layer('name: "up" type: "Deconvolution" bottom: "x" top: "y" convolution_param { num_output: 3 '
-                'group: 3 kernel_size: 4 stride: 2 pad: 1 bias_term: false weight_filler { type: "bilinear" } }')
-    rule = _rule("Deconvolution")
+    lp = parse_layer('name: "up" type: "Deconvolution" bottom: "x" top: "y" convolution_param { num_output: 3 '
+                     'group: 3 kernel_size: 4 stride: 2 pad: 1 bias_term: false weight_filler { type: "bilinear" } }')
+    rule = get_rule("Deconvolution")
     shapes = [tuple(s) for s in rule.param_shapes(lp, [(1, 3, 5, 5)])]
     assert shapes == [(3, 1, 4, 4)]
     (w,) = rule.init_params(lp, shapes, jax.random.key(0))
-    (y,) = _forward(lp, [np.ones((1, 3, 5, 5), np.float32)], [w])
+    (y,) = layer_forward(lp, [np.ones((1, 3, 5, 5), np.float32)], [w])
     assert y.shape == (1, 3, 10, 10)
     np.testing.assert_allclose(np.asarray(y)[0, :, 1:-1, 1:-1], 1.0, rtol=1e-6)  # interior of a constant
 
@@ -505,18 +417,18 @@ def test_deconvolution_bilinear_init_upsamples():
     ("num_output: 2", (1, 4, 5, 5), "kernel_size must be specified"),
 ])
 def test_convolution_rejects_what_caffe_rejects(kind, param, shape, match):
-    lp = _layer(f'name: "c" type: "{kind}" bottom: "x" top: "y" convolution_param {{ {param} }}')
+    lp = parse_layer(f'name: "c" type: "{kind}" bottom: "x" top: "y" convolution_param {{ {param} }}')
     with pytest.raises(ShapeError, match=match):
-        _rule(kind).param_shapes(lp, [shape])
+        get_rule(kind).param_shapes(lp, [shape])
 
 
 def test_convolution_rejects_a_kernel_larger_than_the_padded_input_and_wrong_blobs():
-    lp = _layer('name: "c" type: "Convolution" bottom: "x" top: "y" convolution_param { num_output: 1 '
-                'kernel_size: 5 stride: 1 }')
+    lp = parse_layer('name: "c" type: "Convolution" bottom: "x" top: "y" convolution_param { num_output: 1 '
+                     'kernel_size: 5 stride: 1 }')
     with pytest.raises(ShapeError, match="does not fit"):
-        _forward(lp, [np.zeros((1, 1, 3, 3), np.float32)], [np.zeros((1, 1, 5, 5)), np.zeros(1)])
+        layer_forward(lp, [np.zeros((1, 1, 3, 3), np.float32)], [np.zeros((1, 1, 5, 5)), np.zeros(1)])
     with pytest.raises(ShapeError, match="learnable blobs"):
-        _forward(lp, [np.zeros((1, 1, 8, 8), np.float32)], [np.zeros((1, 1, 3, 3)), np.zeros(1)])
+        layer_forward(lp, [np.zeros((1, 1, 8, 8), np.float32)], [np.zeros((1, 1, 3, 3)), np.zeros(1)])
 
 
 @pytest.mark.parametrize("spatial,kernel,stride,pad,dilation", [
@@ -529,12 +441,12 @@ def test_convolution_rejects_a_kernel_larger_than_the_padded_input_and_wrong_blo
 def test_im2col_layout_and_col2im_gradient(spatial, kernel, stride, pad, dilation):
     rng = np.random.default_rng(9)
     x = rng.normal(size=(2, 3) + spatial).astype(np.float32)
-    lp = _layer(_conv_text("Im2col", 1, 1, kernel, stride, pad, dilation))
-    (y,) = _forward(lp, [x])
+    lp = parse_layer(_conv_text("Im2col", 1, 1, kernel, stride, pad, dilation))
+    (y,) = layer_forward(lp, [x])
     ref = np.stack([caffe_im2col(img, kernel, stride, pad, dilation, y.shape[2:]) for img in x])
     np.testing.assert_array_equal(np.asarray(y), ref)
     dy = rng.normal(size=y.shape).astype(np.float32)
-    _, (dx,), _ = _vjp(lp, [x], [], [dy])
+    _, (dx,), _ = layer_vjp(lp, [x], [dy])
     ref_dx = np.stack([caffe_col2im(c, 3, spatial, kernel, stride, pad, dilation) for c in dy])
     np.testing.assert_allclose(np.asarray(dx), ref_dx, rtol=1e-5, atol=1e-6)
 
@@ -544,8 +456,9 @@ def test_im2col_layout_and_col2im_gradient(spatial, kernel, stride, pad, dilatio
 def test_lrn_across_channels_formula():
     rng = np.random.default_rng(10)
     x = rng.normal(size=(2, 6, 3, 3)).astype(np.float32)
-    lp = _layer('name: "n" type: "LRN" bottom: "x" top: "y" lrn_param { local_size: 3 alpha: 0.5 beta: 0.6 k: 1.5 }')
-    (y,) = _forward(lp, [x])
+    lp = parse_layer('name: "n" type: "LRN" bottom: "x" top: "y" '
+                     'lrn_param { local_size: 3 alpha: 0.5 beta: 0.6 k: 1.5 }')
+    (y,) = layer_forward(lp, [x])
     sq = np.pad(x ** 2, ((0, 0), (1, 1), (0, 0), (0, 0)))
     scale = 1.5 + 0.5 / 3 * (sq[:, :-2] + sq[:, 1:-1] + sq[:, 2:])
     np.testing.assert_allclose(np.asarray(y), x * scale ** -0.6, rtol=1e-5)
@@ -556,8 +469,8 @@ def test_lrn_within_channel_ignores_k_and_uses_caffe_divisor():
     x = rng.normal(size=(1, 2, 5, 5)).astype(np.float32)
     text = 'name: "n" type: "LRN" bottom: "x" top: "y" lrn_param {{ local_size: 3 alpha: 0.3 beta: 0.75 ' \
            'norm_region: WITHIN_CHANNEL k: {} }}'
-    (y1,) = _forward(_layer(text.format(1)), [x])
-    (y2,) = _forward(_layer(text.format(7)), [x])
+    (y1,) = layer_forward(parse_layer(text.format(1)), [x])
+    (y2,) = layer_forward(parse_layer(text.format(7)), [x])
     np.testing.assert_array_equal(np.asarray(y1), np.asarray(y2))
     sq = np.pad(x ** 2, ((0, 0), (0, 0), (1, 1), (1, 1)))
     window = sum(sq[:, :, i:i + 5, j:j + 5] for i in range(3) for j in range(3))
@@ -565,9 +478,9 @@ def test_lrn_within_channel_ignores_k_and_uses_caffe_divisor():
 
 
 def test_lrn_rejects_even_local_size():
-    lp = _layer('name: "n" type: "LRN" bottom: "x" top: "y" lrn_param { local_size: 4 }')
+    lp = parse_layer('name: "n" type: "LRN" bottom: "x" top: "y" lrn_param { local_size: 4 }')
     with pytest.raises(ShapeError, match="odd"):
-        _forward(lp, [np.zeros((1, 4, 3, 3), np.float32)])
+        layer_forward(lp, [np.zeros((1, 4, 3, 3), np.float32)])
 
 
 # ---- SPP ---------------------------------------------------------------------------------------------------------
@@ -575,14 +488,14 @@ def test_lrn_rejects_even_local_size():
 def test_spp_levels_are_caffe_poolings():
     rng = np.random.default_rng(12)
     x = rng.normal(size=(2, 3, 9, 7)).astype(np.float32)
-    lp = _layer('name: "s" type: "SPP" bottom: "x" top: "y" spp_param { pyramid_height: 3 pool: AVE }')
-    (y,) = _forward(lp, [x])
+    lp = parse_layer('name: "s" type: "SPP" bottom: "x" top: "y" spp_param { pyramid_height: 3 pool: AVE }')
+    (y,) = layer_forward(lp, [x])
     parts = []
     for level in range(3):
         bins = 2 ** level
         k = [int(np.ceil(n / bins)) for n in (9, 7)]
         p = [(kk * bins - n + 1) // 2 for kk, n in zip(k, (9, 7))]
-        (pooled,) = _forward(_pool_layer("AVE", k, k, p, "CEIL"), [x])
+        (pooled,) = layer_forward(_pool_layer("AVE", k, k, p, "CEIL"), [x])
         assert pooled.shape[2:] == (bins, bins)
         parts.append(np.asarray(pooled).reshape(2, -1))
     np.testing.assert_allclose(np.asarray(y), np.concatenate(parts, axis=1), rtol=1e-6)
@@ -590,16 +503,16 @@ def test_spp_levels_are_caffe_poolings():
 
 def test_spp_pyramid_height_one_is_a_bare_4d_pool():
     x = np.random.default_rng(13).normal(size=(2, 3, 5, 4)).astype(np.float32)
-    lp = _layer('name: "s" type: "SPP" bottom: "x" top: "y" spp_param { pyramid_height: 1 }')
-    (y,) = _forward(lp, [x])
+    lp = parse_layer('name: "s" type: "SPP" bottom: "x" top: "y" spp_param { pyramid_height: 1 }')
+    (y,) = layer_forward(lp, [x])
     np.testing.assert_array_equal(np.asarray(y), x.max(axis=(2, 3), keepdims=True))
 
 
 def test_spp_rejects_pad_not_smaller_than_kernel():
     # height 1 with 2 bins: kernel 1, pad (2 - 1 + 1) / 2 = 1: Pooling's CHECK_LT(pad, kernel) fails in Caffe.
-    lp = _layer('name: "s" type: "SPP" bottom: "x" top: "y" spp_param { pyramid_height: 2 }')
+    lp = parse_layer('name: "s" type: "SPP" bottom: "x" top: "y" spp_param { pyramid_height: 2 }')
     with pytest.raises(ShapeError, match="pad"):
-        _forward(lp, [np.zeros((1, 1, 1, 8), np.float32)])
+        layer_forward(lp, [np.zeros((1, 1, 1, 8), np.float32)])
 
 
 # ---- Crop --------------------------------------------------------------------------------------------------------
@@ -607,13 +520,13 @@ def test_spp_rejects_pad_not_smaller_than_kernel():
 def test_crop_offsets_and_no_gradient_into_the_reference():
     x = np.arange(2 * 3 * 6 * 7, dtype=np.float32).reshape(2, 3, 6, 7)
     ref = np.zeros((2, 2, 3, 4), np.float32)
-    one = _layer('name: "c" type: "Crop" bottom: "x" bottom: "r" top: "y" crop_param { axis: 1 offset: 1 }')
-    (y,) = _forward(one, [x, ref])
+    one = parse_layer('name: "c" type: "Crop" bottom: "x" bottom: "r" top: "y" crop_param { axis: 1 offset: 1 }')
+    (y,) = layer_forward(one, [x, ref])
     np.testing.assert_array_equal(np.asarray(y), x[:, 1:3, 1:4, 1:5])
-    default = _layer('name: "c" type: "Crop" bottom: "x" bottom: "r" top: "y"')
-    (y,) = _forward(default, [x, ref])  # axis 2, offset 0
+    default = parse_layer('name: "c" type: "Crop" bottom: "x" bottom: "r" top: "y"')
+    (y,) = layer_forward(default, [x, ref])  # axis 2, offset 0
     np.testing.assert_array_equal(np.asarray(y), x[:, :, :3, :4])
-    _, (dx, dref), _ = _vjp(one, [x, ref], [], [np.ones((2, 2, 3, 4))])
+    _, (dx, dref), _ = layer_vjp(one, [x, ref], [np.ones((2, 2, 3, 4))])
     assert not np.any(np.asarray(dref)) and float(np.asarray(dx).sum()) == 2 * 2 * 3 * 4
 
 
@@ -624,6 +537,6 @@ def test_crop_offsets_and_no_gradient_into_the_reference():
     ("axis: 1", (2, 3, 4), "fewer axes"),
 ])
 def test_crop_rejects_what_caffe_rejects(param, ref_shape, match):
-    lp = _layer(f'name: "c" type: "Crop" bottom: "x" bottom: "r" top: "y" crop_param {{ {param} }}')
+    lp = parse_layer(f'name: "c" type: "Crop" bottom: "x" bottom: "r" top: "y" crop_param {{ {param} }}')
     with pytest.raises(ShapeError, match=match):
-        _forward(lp, [np.zeros((2, 3, 6, 6), np.float32), np.zeros(ref_shape, np.float32)])
+        layer_forward(lp, [np.zeros((2, 3, 6, 6), np.float32), np.zeros(ref_shape, np.float32)])

@@ -1,0 +1,193 @@
+"""Caffe's ``Python`` layer (python_layer.hpp): a pycaffe ``Layer`` subclass named by ``python_param``.
+
+A model file must never run code it was not asked to: the frontend (caffejax.frontend.build) refuses a
+Python layer, before anything is imported, unless the user passes ``allow_python_layers=True``. Only then does
+this rule run, and it runs the layer as pycaffe does:
+
+- ``python_param.module`` is imported and ``python_param.layer`` constructed with the LayerParameter; the
+  object gets ``param_str`` and ``phase``, then ``setup(bottom, top)`` and ``reshape(bottom, top)`` run once,
+  at net build, on host blobs of the bottom shapes (zeros, as a fresh Caffe blob holds). The tops' shapes
+  after ``reshape`` are the layer's top shapes: the compiled program has fixed shapes.
+- In the program, forward is a ``jax.pure_callback`` to ``reshape`` + ``forward`` on host copies of the
+  bottoms; backward (a ``jax.custom_vjp``) is a callback to the layer's ``backward(top, propagate_down,
+  bottom)``, which fills the bottoms' diffs.
+
+One layer object serves every net built from the same layer definition in the same phase (Caffe makes one per
+net): layers that keep state between calls, such as Python data layers, see all those nets' calls. Learnable
+blobs of Python layers (``self.blobs``) are not supported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from caffejax.errors import CaffejaxError, GraphError, ShapeError, UnsupportedError, layer_error
+from caffejax.lower.registry import LayerContext, layer
+from caffejax.runtime.blob import Blob
+
+Shape = tuple[int, ...]
+
+
+class Layer:
+    """pycaffe's ``caffe.Layer``: subclass it and override ``setup``, ``reshape``, ``forward``, ``backward``.
+
+    caffejax sets ``param_str`` (python_param.param_str) and ``phase`` (caffejax.TRAIN or TEST) before
+    ``setup``. ``bottom``/``top`` are lists of blobs with ``data``, ``diff``, ``shape``, ``count`` and
+    ``reshape(*shape)``, as in pycaffe.
+    """
+
+    def __init__(self, param: Any = None):
+        self.blobs: list = []
+        self.param_str = ""
+        self.phase = 0
+
+    def setup(self, bottom, top) -> None:
+        pass
+
+    def reshape(self, bottom, top) -> None:
+        pass
+
+    def forward(self, bottom, top) -> None:
+        pass
+
+    def backward(self, top, propagate_down, bottom) -> None:
+        pass
+
+
+@dataclasses.dataclass
+class _Instance:
+    """One user layer object and the top shapes its reshape gave, per bottom shapes."""
+
+    obj: Any
+    top_shapes: dict[tuple[Shape, ...], list[Shape]] = dataclasses.field(default_factory=dict)
+
+
+# (phase, serialized LayerParameter) -> the layer object: part of the layer registry's state, see the docstring.
+_INSTANCES: dict[tuple[int, bytes], _Instance] = {}
+
+
+@layer("Python")
+def python(ctx: LayerContext, bottoms, params):
+    """Run the user's pycaffe layer on the host (see the module docstring)."""
+    dtype = np.dtype(bottoms[0].dtype) if bottoms else np.dtype(np.float32)
+    bottom_shapes = tuple(tuple(int(d) for d in b.shape) for b in bottoms)
+    instance = _instance(ctx)
+    top_shapes = _top_shapes(ctx, instance, bottom_shapes, dtype)
+    if len(top_shapes) != ctx.num_tops:
+        raise ctx.error(f"the layer's reshape gave {len(top_shapes)} tops, the prototxt names {ctx.num_tops}",
+                        GraphError)
+    return _on_host(ctx, instance.obj, top_shapes, dtype, bottoms)
+
+
+def _instance(ctx: LayerContext) -> _Instance:
+    key = (ctx.phase, ctx.layer.SerializeToString(deterministic=True))
+    instance = _INSTANCES.get(key)
+    if instance is None:
+        p = ctx.layer.python_param
+        if not p.module or not p.layer:
+            raise ctx.error("python_param must name a module and a layer class", GraphError)
+        try:
+            module = importlib.import_module(p.module)
+        except Exception as e:  # noqa: BLE001 -- an import failure of any kind is the model's problem
+            raise ctx.error(f"cannot import module '{p.module}': {type(e).__name__}: {e}", GraphError) from None
+        cls = getattr(module, p.layer, None)
+        if not callable(cls):
+            raise ctx.error(f"module '{p.module}' has no layer class '{p.layer}'", GraphError)
+        obj = _call(ctx, f"{p.layer}(layer_param)", cls, ctx.layer)
+        obj.param_str = p.param_str
+        obj.phase = ctx.phase
+        instance = _Instance(obj)
+        _INSTANCES[key] = instance
+    return instance
+
+
+def _top_shapes(ctx: LayerContext, instance: _Instance, bottom_shapes: tuple[Shape, ...], dtype) -> list[Shape]:
+    """setup (once per layer object) and reshape on host blobs of these bottom shapes: the tops' shapes."""
+    shapes = instance.top_shapes.get(bottom_shapes)
+    if shapes is None:
+        bottom = [Blob(shape, dtype) for shape in bottom_shapes]
+        top = [Blob((), dtype) for _ in range(ctx.num_tops)]
+        if not instance.top_shapes:
+            _call(ctx, "setup", instance.obj.setup, bottom, top)
+            if getattr(instance.obj, "blobs", None):
+                raise ctx.error("the layer made learnable blobs (self.blobs): caffejax does not train Python "
+                                "layers' blobs; write it as a pure JAX rule (caffejax.register_layer)",
+                                UnsupportedError)
+        _call(ctx, "reshape", instance.obj.reshape, bottom, top)
+        shapes = instance.top_shapes[bottom_shapes] = [tuple(int(d) for d in t.shape) for t in top]
+    return shapes
+
+
+def _on_host(ctx: LayerContext, obj, top_shapes: list[Shape], dtype, bottoms: Sequence[jax.Array]):
+    """The tops of ``obj`` on ``bottoms``: a host callback, differentiable through the layer's backward."""
+    name, type_name = ctx.name, ctx.type
+    top_types = tuple(jax.ShapeDtypeStruct(shape, dtype) for shape in top_shapes)
+
+    def forward_on_host(*arrays):
+        bottom = [_holding(a, dtype) for a in arrays]
+        top = [Blob(shape, dtype) for shape in top_shapes]
+        _checked(name, type_name, "reshape", obj.reshape, bottom, top)
+        got = [tuple(t.shape) for t in top]
+        if got != list(top_shapes):
+            raise layer_error(ShapeError, name, type_name,
+                              f"reshape changed the top shapes to {got} after the net was built for {top_shapes}; "
+                              "caffejax compiles fixed shapes (reshape the net's inputs instead)")
+        _checked(name, type_name, "forward", obj.forward, bottom, top)
+        return tuple(np.asarray(t.data, dtype) for t in top)
+
+    if not bottoms:
+        return list(jax.pure_callback(forward_on_host, top_types))
+
+    def backward_on_host(*arrays):
+        n = len(bottoms)
+        xs, ys, gs = arrays[:n], arrays[n:n + len(top_shapes)], arrays[n + len(top_shapes):]
+        bottom = [_holding(x, dtype) for x in xs]
+        top = [_holding(y, dtype, diff=g) for y, g in zip(ys, gs)]
+        # Caffe passes propagate_down per bottom; bottoms that need no gradient are masked by the program.
+        _checked(name, type_name, "backward", obj.backward, top, [True] * n, bottom)
+        return tuple(np.asarray(b.diff, dtype) for b in bottom)
+
+    @jax.custom_vjp
+    def run(*xs):
+        return jax.pure_callback(forward_on_host, top_types, *xs)
+
+    def run_forward(*xs):
+        ys = run(*xs)
+        return ys, (xs, ys)
+
+    def run_backward(residuals, gs):
+        xs, ys = residuals
+        bottom_types = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs)
+        return tuple(jax.pure_callback(backward_on_host, bottom_types, *xs, *ys, *gs))
+
+    run.defvjp(run_forward, run_backward)
+    return list(run(*bottoms))
+
+
+def _holding(array, dtype, diff=None) -> Blob:
+    """A host blob holding a copy of ``array`` (and ``diff``), as the layer's pycaffe code expects."""
+    blob = Blob(np.shape(array), dtype)
+    blob.data[...] = np.asarray(array)
+    if diff is not None:
+        blob.diff[...] = np.asarray(diff)
+    return blob
+
+
+def _call(ctx: LayerContext, what: str, fn: Callable, *args):
+    return _checked(ctx.name, ctx.type, what, fn, *args)
+
+
+def _checked(name: str, type_name: str, what: str, fn: Callable, *args):
+    """Call into the user's layer; its failures name the layer (the user's own error stays the cause)."""
+    try:
+        return fn(*args)
+    except CaffejaxError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- any failure of user code
+        raise layer_error(GraphError, name, type_name, f"the Python layer's {what} failed: "
+                          f"{type(e).__name__}: {e}") from e

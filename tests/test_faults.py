@@ -1,0 +1,200 @@
+"""Faults during training: a process killed while it writes a snapshot loses nothing, and NaN/Inf is traced
+to the layer that produced it (--debug-nans, Net(debug_nans=True), caffejax.find_first_nan)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import caffejax
+from caffejax.cli import main as cli_main
+from caffejax.frontend.caffemodel import read_weights
+from caffejax.runtime import snapshot as snapshots
+from conftest import REFERENCE
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+NET = REFERENCE / "solvers" / "adagrad_fixed_net.prototxt"  # conv, relu, pool, ip, softmax loss
+MAX_ITER = 10
+
+# The child trains with a snapshot after every iteration. Its writes are slowed down (the bytes trickle through
+# caffejax.fileio.atomic_write, which stays the real one), so that a kill lands in the middle of a write.
+CHILD = textwrap.dedent("""
+    import sys, time
+    import numpy as np
+    import caffejax
+    from caffejax import fileio
+    from caffejax.runtime import net as net_module, snapshot
+
+    real_atomic_write = fileio.atomic_write
+
+    def trickling_atomic_write(path, chunks):
+        def trickle():
+            for chunk in ([chunks] if isinstance(chunks, (bytes, bytearray, memoryview)) else chunks):
+                view = memoryview(chunk).cast("B")
+                for start in range(0, len(view), 256):
+                    time.sleep(0.004)
+                    yield view[start:start + 256]
+        real_atomic_write(path, trickle())
+
+    snapshot.atomic_write = net_module.atomic_write = trickling_atomic_write
+    solver_path, resume = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)
+    solver = caffejax.get_solver(solver_path)
+    if resume:
+        solver.restore(resume)
+    sys.path.insert(0, sys.argv[3] if len(sys.argv) > 3 else ".")
+    from test_faults import feed
+    while solver.iter < solver.param.max_iter:
+        feed(solver.net, solver.iter)
+        solver.step(1)
+""")
+
+
+def feed(net, iteration: int) -> None:
+    """The batch of an iteration: a function of the iteration alone, so a resumed run sees the same data."""
+    rng = np.random.default_rng(iteration)
+    net.blobs["data"].data[...] = rng.standard_normal(net.blobs["data"].shape).astype(np.float32)
+    net.blobs["label"].data[...] = rng.integers(0, 5, net.blobs["label"].shape)
+
+
+def _solver_file(directory: pathlib.Path) -> pathlib.Path:
+    path = directory / "solver.prototxt"
+    path.write_text(f'net: "{NET}"\ntype: "Adam"\nbase_lr: 0.01\nmomentum: 0.9\nlr_policy: "multistep"\n'
+                    f'gamma: 0.5\nstepvalue: 3\nstepvalue: 7\nmax_iter: {MAX_ITER}\nsnapshot: 1\n'
+                    f'snapshot_prefix: "{directory / "snap"}"\nrandom_seed: 11\ndisplay: 0\n')
+    return path
+
+
+def _complete_pairs(directory: pathlib.Path) -> list[int]:
+    """Iterations with both a caffemodel and a solverstate on disk."""
+    iterations = []
+    for state in directory.glob("snap_iter_*.solverstate"):
+        n = int(state.name[len("snap_iter_"):-len(".solverstate")])
+        if (directory / f"snap_iter_{n}.caffemodel").exists():
+            iterations.append(n)
+    return sorted(iterations)
+
+
+def _check_every_snapshot_loads(directory: pathlib.Path) -> None:
+    for model in directory.glob("*.caffemodel"):
+        read_weights(str(model))
+    for state in directory.glob("*.solverstate"):
+        data = snapshots.read_state(str(state))
+        assert os.path.exists(snapshots.resolve_learned_net(data.learned_net, str(state)))
+
+
+def _run_child(solver: pathlib.Path, resume: str | None, kill_after_writes: int | None) -> bool:
+    """Train in a child process; with ``kill_after_writes``, SIGKILL it while it writes the snapshot file that
+    follows that many completed snapshot pairs. Returns whether it was killed."""
+    args = [sys.executable, "-c", CHILD, str(solver), resume or "", str(pathlib.Path(__file__).parent)]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+    with open(solver.parent / "child.log", "ab") as log:
+        child = subprocess.Popen(args, env=env, stdout=log, stderr=log, cwd=solver.parent)
+        try:
+            if kill_after_writes is None:
+                assert child.wait(timeout=120) == 0, (solver.parent / "child.log").read_text()
+                return False
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and child.poll() is None:
+                if len(_complete_pairs(solver.parent)) >= kill_after_writes and list(solver.parent.glob("*.tmp")):
+                    child.send_signal(signal.SIGKILL)
+                    child.wait()
+                    return True
+                time.sleep(0.002)
+            raise AssertionError(f"the child ended before it could be killed: {(solver.parent / 'child.log').read_text()}")
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+
+
+def test_sigkill_during_snapshot_loses_nothing_and_resume_continues_the_trajectory(tmp_path):
+    solver_file = _solver_file(tmp_path)
+    rng = random.Random(0)
+    resume = None
+    partial_files = 0
+    for kill_after in sorted(rng.sample(range(2, MAX_ITER - 1), 2)):
+        assert _run_child(solver_file, resume, kill_after)
+        leftovers = list(tmp_path.glob("*.tmp"))
+        partial_files += len(leftovers)
+        for partial in leftovers:  # what a crash leaves behind is a temporary file, never a snapshot
+            partial.unlink()
+        _check_every_snapshot_loads(tmp_path)
+        newest = _complete_pairs(tmp_path)[-1]
+        assert newest >= kill_after
+        resume = str(tmp_path / f"snap_iter_{newest}.solverstate")
+    assert partial_files, "the kills should land while a snapshot is being written"
+    _run_child(solver_file, resume, None)
+    _check_every_snapshot_loads(tmp_path)
+
+    # The same training without interruption, in this process: the resumed runs reached the same weights.
+    (tmp_path / "reference").mkdir()
+    solver = caffejax.get_solver(str(_solver_file(tmp_path / "reference")))
+    solver.param.snapshot = 0
+    while solver.iter < MAX_ITER:
+        feed(solver.net, solver.iter)
+        solver.step(1)
+    final = read_weights(str(tmp_path / f"snap_iter_{MAX_ITER}.caffemodel")).blobs
+    for layer, blobs in solver.net.params.items():
+        for i, blob in enumerate(blobs):
+            np.testing.assert_allclose(final[layer][i], blob.data, rtol=1e-6, atol=1e-7,
+                                       err_msg=f"{layer}/{i} after resuming twice")
+
+
+# ---- NaN / Inf -------------------------------------------------------------------------------------------------
+
+NAN_NET = """name: "nan_net"
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 2 dim: 3 } } }
+layer { name: "ip1" type: "InnerProduct" bottom: "data" top: "ip1"
+  inner_product_param { num_output: 3 weight_filler { type: "constant" value: 1 } } }
+layer { name: "log1" type: "Log" bottom: "ip1" top: "log1" }
+layer { name: "ip2" type: "InnerProduct" bottom: "log1" top: "ip2"
+  inner_product_param { num_output: 2 weight_filler { type: "constant" value: 1 } } }
+"""
+
+
+def test_find_first_nan_names_the_layer_that_produced_it():
+    net = caffejax.Net(NAN_NET, caffejax.TEST)
+    net.forward(data=np.ones((2, 3), np.float32))
+    assert caffejax.find_first_nan(net) is None
+    net.forward(data=-np.ones((2, 3), np.float32))  # log of a negative sum
+    assert np.isnan(net.blobs["ip2"].data).all()
+    found = caffejax.find_first_nan(net)
+    assert (found.layer, found.type, found.kind, found.blob, found.nans) == ("log1", "Log", "top", "log1", 6)
+    net.forward(data=np.full((2, 3), np.inf, np.float32))
+    found = caffejax.find_first_nan(net)
+    assert (found.layer, found.kind, found.blob, found.infs) == ("data", "input", "data", 6)
+
+    checked = caffejax.Net(NAN_NET, caffejax.TEST, debug_nans=True)
+    checked.forward(data=np.ones((2, 3), np.float32))
+    with pytest.raises(caffejax.NumericalError, match="layer 'log1' \\(type Log\\) produced 6 NaN"):
+        checked.forward(data=-np.ones((2, 3), np.float32))
+
+
+def test_debug_nans_in_training_and_on_the_command_line(tmp_path, capsys):
+    net = tmp_path / "net.prototxt"
+    net.write_text(NAN_NET.replace('top: "ip2"', 'top: "ip2" loss_weight: 1'))
+    solver_file = tmp_path / "solver.prototxt"
+    solver_file.write_text(f'net: "{net}" base_lr: 1e38 lr_policy: "fixed" max_iter: 3 display: 0\n')
+    solver = caffejax.get_solver(str(solver_file))
+    solver.debug_nans = True
+    solver.net.blobs["data"].data[...] = 1
+    # The first update sends the weights to -inf (base_lr 1e38 times a gradient > 1), with a finite loss.
+    with pytest.raises(caffejax.NumericalError, match="iteration 0: the update made learnable blob 0 of layer"):
+        solver.step(1)
+
+    weights = tmp_path / "w.caffemodel"
+    caffejax.Net(str(net), caffejax.TEST).save(str(weights))
+    # Input blobs start at zero: log(0) = -inf in log1.
+    assert cli_main(["test", "-model", str(net), "-weights", str(weights), "-iterations", "1", "--debug-nans"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("caffejax: error:") and "layer 'log1' (type Log) produced" in err, err
+    assert cli_main(["test", "-model", str(net), "-weights", str(weights), "-iterations", "1"]) == 0
