@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import mmap
+import pathlib
 import time
 
 import numpy as np
@@ -21,8 +22,10 @@ from caffejax.frontend.upgrade import upgrade_net_as_needed
 from caffejax.proto import caffe_pb2
 from conftest import BUNDLED, FIXTURES
 
-CAFFEMODELS = sorted(glob.glob(str(FIXTURES / "**" / "*.caffemodel"), recursive=True)
-                     + glob.glob(str(BUNDLED / "**" / "*.caffemodel"), recursive=True))
+# Every well-formed caffemodel we ship (tests/fixtures/malformed holds deliberately broken ones).
+CAFFEMODELS = sorted(p for p in glob.glob(str(FIXTURES / "**" / "*.caffemodel"), recursive=True)
+                     + glob.glob(str(BUNDLED / "**" / "*.caffemodel"), recursive=True)
+                     if "malformed" not in pathlib.Path(p).parts)
 SMALL_MODEL = FIXTURES / "reference" / "layers" / "inner_product_transpose.caffemodel"
 
 

@@ -183,11 +183,11 @@ def test_debug_nans_in_training_and_on_the_command_line(tmp_path, capsys):
     net = tmp_path / "net.prototxt"
     net.write_text(NAN_NET.replace('top: "ip2"', 'top: "ip2" loss_weight: 1'))
     solver_file = tmp_path / "solver.prototxt"
-    solver_file.write_text(f'net: "{net}" base_lr: 1e38 lr_policy: "fixed" max_iter: 3 display: 0\n')
+    solver_file.write_text(f'net: "{net}" base_lr: 3e38 lr_policy: "fixed" max_iter: 3 display: 0\n')
     solver = caffejax.get_solver(str(solver_file))
     solver.debug_nans = True
     solver.net.blobs["data"].data[...] = 1
-    # The first update sends the weights to -inf (base_lr 1e38 times a gradient > 1), with a finite loss.
+    # The first update sends the weights to -inf (base_lr 3e38 times a gradient > 2), with a finite loss.
     with pytest.raises(caffejax.NumericalError, match="iteration 0: the update made learnable blob 0 of layer"):
         solver.step(1)
 

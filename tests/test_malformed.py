@@ -122,3 +122,33 @@ def test_python_layer_is_never_imported_unless_allowed(payload_module, tmp_path,
     assert PAYLOAD in sys.modules and payload_module.exists()
     net.blobs["data"].data[...] = 1.5
     assert (net.forward()["out"] == 3.0).all()
+
+
+# ---- payloads too big to keep as fixtures ----------------------------------------------------------------------
+
+def test_gigantic_and_deeply_nested_payloads_are_refused_or_harmless(tmp_path):
+    from caffejax.frontend.caffemodel import _encode_len_field, _encode_varint, read_weights
+    from caffejax.frontend.prototxt import MAX_TEXT_BYTES
+    from caffejax.proto import caffe_pb2
+
+    huge = tmp_path / "huge.prototxt"
+    layer = 'layer { name: "relu" type: "ReLU" bottom: "x" top: "x" }\n'
+    huge.write_text(layer * (MAX_TEXT_BYTES // len(layer) + 1))
+    with pytest.raises(caffejax.ParseError, match="huge.prototxt: file is larger than 16 MiB"):
+        caffejax.Net(str(huge), caffejax.TEST)
+    with pytest.raises(caffejax.ParseError, match="<string>:1:9: .* no field named \"layer\""):
+        caffejax.Net("layer { " * 50_000 + "}" * 50_000, caffejax.TEST)
+
+    # A caffemodel field claiming 2^62 bytes is refused before anything of that size is made.
+    giant = tmp_path / "giant.caffemodel"
+    giant.write_bytes(_encode_varint((100 << 3) | 2) + _encode_varint(2 ** 62) + b"xx")
+    with pytest.raises(caffejax.WeightsError, match="runs past the end"):
+        read_weights(str(giant))
+    # caffe.proto has no recursive message, so deep nesting can only hide in unknown fields, which protobuf keeps
+    # as bytes without descending into them: a layer carrying 5000 nested levels loads at once, unharmed.
+    nested = b""
+    for _ in range(5000):
+        nested = _encode_len_field(9999, nested)
+    deep = tmp_path / "deep.caffemodel"
+    deep.write_bytes(_encode_len_field(100, caffe_pb2.LayerParameter(name="conv1").SerializeToString() + nested))
+    assert read_weights(str(deep)).blobs == {"conv1": []}

@@ -43,6 +43,10 @@ FORK_FIELDS: dict[tuple[str, str], Callable[[str], str | None]] = {
 # not a prototxt, and protobuf's pure-Python text parser would take minutes over it.
 MAX_TEXT_BYTES = 16 * 2 ** 20
 
+# Each fork-field rewrite copies the text and parses it again: a bound on the characters handled that way keeps a
+# file full of them from taking hours (a real net rewrites a handful of pooling layers).
+_MAX_REWRITE_WORK = 64 * 2 ** 20
+
 # protobuf's messages look like '12:5 : Message type "caffe.X" has no field named "y".'
 _POSITION = re.compile(r"^(\d+):(\d+) : (.*)$", re.S)
 _NO_FIELD = re.compile(r'Message type "([\w.]+)" has no field named "(\w+)"')
@@ -75,7 +79,7 @@ def parse_text(text: str, msg: M, path: str | None = None) -> M:
         raise ParseError(f"text is larger than {MAX_TEXT_BYTES >> 20} MiB: not a prototxt caffejax will parse",
                          path=where)
     target = _fork_aware(msg)
-    fork_rewrites = 0
+    fork_rewrites = reparsed = 0
     while True:
         try:
             text_format.Parse(text, target, allow_unknown_extension=False)
@@ -83,7 +87,11 @@ def parse_text(text: str, msg: M, path: str | None = None) -> M:
         except text_format.ParseError as e:
             line, column, reason = _split_position(str(e))
             rewritten = _rewrite_fork_field(text, line, column, reason) if line is not None else None
-            if rewritten is None or fork_rewrites > 10_000:
+            reparsed += len(text)  # a rewrite copies the text, and the parse starts over
+            if rewritten is not None and reparsed > _MAX_REWRITE_WORK:
+                reason += f" (caffejax rewrote {fork_rewrites} fork fields and stops there: too many for a net)"
+                rewritten = None
+            if rewritten is None:
                 raise ParseError(reason + _fork_hint(reason), path=where, line=line, column=column,
                                  text=_source_line(text, line)) from None
             text, fork_rewrites = rewritten, fork_rewrites + 1

@@ -132,12 +132,9 @@ def _on_host(ctx: LayerContext, obj, top_shapes: list[Shape], dtype, bottoms: Se
         bottom = [_holding(a, dtype) for a in arrays]
         top = [Blob(shape, dtype) for shape in top_shapes]
         _checked(name, type_name, "reshape", obj.reshape, bottom, top)
-        got = [tuple(t.shape) for t in top]
-        if got != list(top_shapes):
-            raise layer_error(ShapeError, name, type_name,
-                              f"reshape changed the top shapes to {got} after the net was built for {top_shapes}; "
-                              "caffejax compiles fixed shapes (reshape the net's inputs instead)")
+        _check_top_shapes(name, type_name, "reshape", top, top_shapes)
         _checked(name, type_name, "forward", obj.forward, bottom, top)
+        _check_top_shapes(name, type_name, "forward", top, top_shapes)
         return tuple(np.asarray(t.data, dtype) for t in top)
 
     if not bottoms:
@@ -167,6 +164,14 @@ def _on_host(ctx: LayerContext, obj, top_shapes: list[Shape], dtype, bottoms: Se
 
     run.defvjp(run_forward, run_backward)
     return list(run(*bottoms))
+
+
+def _check_top_shapes(name: str, type_name: str, what: str, top: list[Blob], expected: list[Shape]) -> None:
+    got = [tuple(t.shape) for t in top]
+    if got != list(expected):
+        raise layer_error(ShapeError, name, type_name,
+                          f"its {what} changed the top shapes to {got} after the net was built for {expected}; "
+                          "caffejax compiles fixed shapes (reshape the net's inputs instead)")
 
 
 def _holding(array, dtype, diff=None) -> Blob:

@@ -54,13 +54,17 @@ class ArraySlot:
         return self._host
 
     def value(self):
-        """What a compiled program should read: the host copy if one was handed out, else the device value."""
+        """What a compiled program should read: the host copy if one was handed out, else the device value.
+
+        The host array is handed over as a private copy: JAX may compute from a NumPy argument's memory without
+        copying it, and asynchronously, so the user's next ``blob.data[...] = x`` would otherwise race with the
+        pass still reading it (training then silently depends on timing).
+        """
         self._resolve()
-        if self._host is not None:
-            return self._host
-        if self._device is None:
+        if self._host is None and self._device is None:
             self._host = np.zeros(self._shape, self._dtype)
-            return self._host
+        if self._host is not None:
+            return np.array(self._host)
         return self._device
 
     def set(self, value) -> None:

@@ -140,8 +140,11 @@ def _read_state_binary(path: str) -> SolverStateData:
         history = [blobproto_to_array(blob) for blob in proto.history]
     except Exception as e:  # a WeightsError naming the blob's size/shape disagreement
         raise SolverError(f"{path}: bad history blob: {e}") from None
+    learned_net = proto.learned_net if proto.HasField("learned_net") else None
+    if isinstance(learned_net, bytes):  # protobuf hands back a string field that is not UTF-8 as bytes
+        raise SolverError(f"{path}: learned_net is not UTF-8 text ({learned_net[:60]!r}): corrupted?")
     return SolverStateData(iter=proto.iter, current_step=proto.current_step, history=history,
-                           learned_net=proto.learned_net if proto.HasField("learned_net") else None)
+                           learned_net=learned_net)
 
 
 def _read_state_hdf5(path: str) -> SolverStateData:

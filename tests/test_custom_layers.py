@@ -1,0 +1,286 @@
+"""Custom and fork layers: pure-JAX layer types (caffejax.register_layer), the rules for popular Caffe forks'
+layers (caffejax.lower.forks) with their prototxt fields, and pycaffe Python layers when the user allows them."""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import caffejax
+from caffejax.frontend import prototxt
+from caffejax.frontend.prototxt import ForkParam, ForkParamField, register_fork_param
+from caffejax.lower import forks, python_layer, registry
+
+
+@pytest.fixture
+def isolated_registry(monkeypatch):
+    """Registrations made by a test disappear after it (the registry is process-wide)."""
+    registry.registered_types()  # the BVLC families are in before the copy
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.setattr(prototxt, "_FORK_PARAMS", dict(prototxt._FORK_PARAMS))
+    monkeypatch.setattr(python_layer, "_INSTANCES", {})
+
+
+def _input(*shape, name="x") -> str:
+    dims = " ".join(f"dim: {d}" for d in shape)
+    return f'layer {{ name: "in_{name}" type: "Input" top: "{name}" input_param {{ shape {{ {dims} }} }} }}\n'
+
+
+# ---- register_layer ---------------------------------------------------------------------------------------------
+
+def _scaled_square(ctx, bottoms, params):
+    (x,) = bottoms
+    return [params[0] * x * x]
+
+
+def test_register_layer_adds_a_pure_jax_layer(isolated_registry):
+    caffejax.register_layer("ScaledSquare", _scaled_square, param_shapes=lambda layer, shapes: [shapes[0][1:]],
+                             init_params=lambda layer, shapes, key: [np.full(shapes[0], 3, np.float32)],
+                             bottoms=(1, 1), tops=(1, 1))
+    net = caffejax.Net("force_backward: true\n" + _input(2, 3)
+                       + 'layer { name: "sq" type: "ScaledSquare" bottom: "x" top: "y" loss_weight: 1 }',
+                       caffejax.TRAIN)
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    np.testing.assert_allclose(net.forward(x=x)["y"], 3 * x * x)
+    net.backward()
+    np.testing.assert_allclose(net.blobs["x"].diff, 6 * x)
+    np.testing.assert_allclose(net.params["sq"][0].diff, (x * x).sum(0))
+
+
+def test_register_layer_refuses_what_it_should(isolated_registry):
+    with pytest.raises(caffejax.SchemaError, match="'ReLU' is a BVLC Caffe layer type; pass override=True"):
+        caffejax.register_layer("ReLU", _scaled_square)
+    with pytest.raises(caffejax.SchemaError, match="'Python' is Caffe's own type"):
+        caffejax.register_layer("Python", _scaled_square)
+    with pytest.raises(caffejax.SchemaError, match="forward must be callable"):
+        caffejax.register_layer("Bad", "not a function")
+    with pytest.raises(caffejax.SchemaError, match="bottoms must be"):
+        caffejax.register_layer("Bad", _scaled_square, bottoms=(2, 1))
+    caffejax.register_layer("Mine", _scaled_square)
+    with pytest.raises(caffejax.SchemaError, match="'Mine' is already registered"):
+        caffejax.register_layer("Mine", _scaled_square)
+    # Replacing a BVLC rule is possible when asked for explicitly.
+    caffejax.register_layer("AbsVal", lambda ctx, bottoms, params: [-jnp.abs(bottoms[0])], override=True)
+    net = caffejax.Net(_input(3) + 'layer { name: "a" type: "AbsVal" bottom: "x" top: "y" }', caffejax.TEST)
+    np.testing.assert_array_equal(net.forward(x=np.array([-1, 2, -3], np.float32))["y"], [-1, -2, -3])
+
+
+# ---- fork fields and fork layers ---------------------------------------------------------------------------------
+
+def test_fork_fields_parse_only_once_registered(isolated_registry):
+    text = _input(1, 2, 3, 3) + 'layer { name: "up" type: "Upsample" bottom: "x" top: "y" upsample_param { scale: 2 } }'
+    with pytest.raises(caffejax.ParseError, match="register_upsample"):
+        caffejax.Net(text, caffejax.TEST)
+    forks.register_upsample()
+    forks.register_upsample()  # again: a no-op
+    assert caffejax.Net(text, caffejax.TEST).blobs["y"].shape == (1, 2, 6, 6)
+    with pytest.raises(caffejax.ParseError, match=r'<string>:2:\d+: Message type "caffe.UpsampleParameter" has no '
+                                                  r'field named "factor"'):
+        caffejax.Net(text.replace("scale", "factor"), caffejax.TEST)
+
+
+def test_register_fork_param_checks_the_declaration(isolated_registry):
+    field = (ForkParamField("k", "int32", 1, default=2),)
+    with pytest.raises(caffejax.SchemaError, match="number 143 is LayerParameter's 'input_param'"):
+        register_fork_param(ForkParam("my_param", "MyParameter", 143, field))
+    with pytest.raises(caffejax.SchemaError, match="'convolution_param' is not a new LayerParameter field"):
+        register_fork_param(ForkParam("convolution_param", "MyParameter", 9001, field))
+    with pytest.raises(caffejax.SchemaError, match="unknown type 'int33'"):
+        register_fork_param(ForkParam("my_param", "MyParameter", 9001, (ForkParamField("k", "int33", 1),)))
+    with pytest.raises(caffejax.SchemaError, match="message name 'FillerParameter' is taken"):
+        register_fork_param(ForkParam("my_param", "FillerParameter", 9001, field))
+    register_fork_param(ForkParam("my_param", "MyParameter", 9001, field))
+    with pytest.raises(caffejax.SchemaError, match="already registered with another declaration"):
+        register_fork_param(ForkParam("my_param", "MyParameter", 9002, field))
+
+    # A user's own layer reading its own fork field.
+    def times_k(ctx, bottoms, params):
+        return [bottoms[0] * prototxt.fork_param(ctx.layer, "my_param").k]
+
+    caffejax.register_layer("TimesK", times_k, bottoms=(1, 1), tops=(1, 1))
+    net = caffejax.Net(_input(2) + 'layer { name: "a" type: "TimesK" bottom: "x" top: "y" my_param { k: 5 } }\n'
+                       + 'layer { name: "b" type: "TimesK" bottom: "y" top: "z" }', caffejax.TEST)
+    np.testing.assert_array_equal(net.forward(x=np.array([1, 2], np.float32))["z"], [10, 20])  # 5, then default 2
+    # The field travels inside the layer (as a protobuf unknown field): into what Net.save writes, too.
+    saved = {layer.name: layer for layer in net.to_proto().layer}
+    assert prototxt.fork_param(saved["a"], "my_param").k == 5
+    assert prototxt.fork_param(saved["b"], "my_param").k == 2
+
+
+def _caffe_interp_axis(n_in: int, n_out: int, i: int):
+    """caffe_cpu_interp2's sampling of output index i along one axis, in its float32 arithmetic:
+    (input index, step to the next one (0 at the edge), weight of the first, weight of the second)."""
+    ratio = np.float32(n_in - 1) / np.float32(n_out - 1) if n_out > 1 else np.float32(0)
+    position = np.float32(ratio * np.float32(i))
+    first = int(position)
+    second_weight = np.float32(position - np.float32(first))
+    return first, 1 if first < n_in - 1 else 0, np.float32(1) - second_weight, second_weight
+
+
+def _caffe_interp2(x: np.ndarray, out: tuple[int, int]) -> np.ndarray:
+    """DeepLab's caffe_cpu_interp2 (unpacked, no crop), its loops as written, in float32."""
+    y = np.zeros(x.shape[:2] + tuple(out), np.float32)
+    for i in range(out[0]):
+        h, hp, h0, h1 = _caffe_interp_axis(x.shape[2], out[0], i)
+        for j in range(out[1]):
+            w, wp, w0, w1 = _caffe_interp_axis(x.shape[3], out[1], j)
+            y[:, :, i, j] = (h0 * (w0 * x[:, :, h, w] + w1 * x[:, :, h, w + wp])
+                             + h1 * (w0 * x[:, :, h + hp, w] + w1 * x[:, :, h + hp, w + wp]))
+    return y
+
+
+@pytest.mark.parametrize("param, size", [("zoom_factor: 3", (10, 13)), ("shrink_factor: 2", (2, 3)),
+                                         ("height: 7 width: 4", (7, 4)),
+                                         ("zoom_factor: 2 shrink_factor: 2", (3, 5))])
+def test_interp_is_deeplabs_bilinear_resize(isolated_registry, param, size):
+    forks.register_interp()
+    x = np.random.default_rng(0).standard_normal((2, 3, 4, 5)).astype(np.float32)
+    net = caffejax.Net("force_backward: true\n" + _input(2, 3, 4, 5)
+                       + f'layer {{ name: "i" type: "Interp" bottom: "x" top: "y" interp_param {{ {param} }} }}',
+                       caffejax.TEST)
+    y = net.forward(x=x)["y"]
+    assert y.shape[2:] == size
+    np.testing.assert_allclose(y, _caffe_interp2(x, size), rtol=1e-6, atol=1e-6)
+    # Caffe's backward is the adjoint of this linear map: <interp(x), g> = <x, interp^T(g)>.
+    g = np.random.default_rng(1).standard_normal(y.shape).astype(np.float32)
+    net.blobs["y"].diff[...] = g
+    net.backward()
+    np.testing.assert_allclose(np.sum(y * g), np.sum(x * net.blobs["x"].diff), rtol=1e-5)
+
+
+def test_interp_crops_and_resizes_to_a_second_bottom(isolated_registry):
+    forks.register_interp()
+    x = np.random.default_rng(2).standard_normal((1, 2, 6, 6)).astype(np.float32)
+    net = caffejax.Net(_input(1, 2, 6, 6) + _input(1, 1, 9, 9, name="ref")
+                       + 'layer { name: "i" type: "Interp" bottom: "x" bottom: "ref" top: "y" '
+                         'interp_param { pad_beg: -1 pad_end: -1 } }', caffejax.TEST)
+    np.testing.assert_allclose(net.forward(x=x, ref=np.zeros((1, 1, 9, 9), np.float32))["y"],
+                               _caffe_interp2(x[:, :, 1:5, 1:5], (9, 9)), rtol=1e-6, atol=1e-6)
+    with pytest.raises(caffejax.ShapeError, match="larger than caffejax allows"):
+        caffejax.Net(_input(1, 2, 6, 6) + 'layer { name: "i" type: "Interp" bottom: "x" top: "y" '
+                                          'interp_param { zoom_factor: 100000000 } }', caffejax.TEST)
+
+
+def test_ssd_normalize_permute_and_relu6(isolated_registry):
+    forks.register_all()
+    x = (np.random.default_rng(3).standard_normal((2, 3, 4, 5)) * 5).astype(np.float32)
+    net = caffejax.Net(_input(2, 3, 4, 5)
+                       + 'layer { name: "n" type: "Normalize" bottom: "x" top: "n" norm_param { across_spatial: '
+                         'false channel_shared: false scale_filler { type: "constant" value: 20 } } }\n'
+                       + 'layer { name: "s" type: "Normalize" bottom: "x" top: "s" }\n'
+                       + 'layer { name: "p" type: "Permute" bottom: "x" top: "p" permute_param { order: 0 order: 2 '
+                         'order: 3 order: 1 } }\n'
+                       + 'layer { name: "r" type: "ReLU6" bottom: "x" top: "r" }', caffejax.TEST)
+    assert net.params["n"][0].data.shape == (3,) and net.params["s"][0].data.shape == ()
+    np.testing.assert_array_equal(net.params["n"][0].data, 20)
+    out = net.forward(x=x)
+    np.testing.assert_allclose(out["n"], 20 * x / np.sqrt((x * x).sum(1, keepdims=True) + 1e-10), rtol=1e-5)
+    np.testing.assert_allclose(out["s"], x / np.sqrt((x * x).sum((1, 2, 3), keepdims=True) + 1e-10), rtol=1e-5)
+    np.testing.assert_array_equal(out["p"], x.transpose(0, 2, 3, 1))
+    np.testing.assert_array_equal(out["r"], np.clip(x, 0, 6))
+    with pytest.raises(caffejax.SchemaError, match="order lists axis 1 twice"):
+        caffejax.Net(_input(2, 3) + 'layer { name: "p" type: "Permute" bottom: "x" top: "p" '
+                                    'permute_param { order: 1 order: 1 } }', caffejax.TEST)
+
+
+def test_relu6_gradient_is_the_forks(isolated_registry):
+    forks.register_relu6()
+    rule = registry.get_rule("ReLU6")
+    x = jnp.array([-1.0, 0.0, 3.0, 6.0, 7.0, jnp.nan])
+    y, grad = jax.vjp(lambda v: rule.forward(None, [v], [])[0], x)
+    np.testing.assert_array_equal(y, [0, 0, 3, 6, 6, np.nan])
+    np.testing.assert_array_equal(grad(jnp.ones(6))[0], [0, 0, 1, 0, 0, 1])
+
+
+# ---- Python layers, when allowed -----------------------------------------------------------------------------------
+
+LAYERS_MODULE = '''
+import numpy as np
+import caffejax
+
+
+class EuclideanLoss(caffejax.Layer):
+    """pycaffe's examples/pycaffe/layers/pyloss.py."""
+
+    def setup(self, bottom, top):
+        if len(bottom) != 2:
+            raise Exception("Need two inputs to compute distance.")
+
+    def reshape(self, bottom, top):
+        self.diff = np.zeros_like(bottom[0].data, dtype=np.float32)
+        top[0].reshape(1)
+
+    def forward(self, bottom, top):
+        self.diff[...] = bottom[0].data - bottom[1].data
+        top[0].data[...] = np.sum(self.diff ** 2) / bottom[0].num / 2.
+
+    def backward(self, top, propagate_down, bottom):
+        for i in range(2):
+            sign = 1 if i == 0 else -1
+            bottom[i].diff[...] = sign * self.diff / bottom[i].num
+
+
+class Scale(caffejax.Layer):
+    def setup(self, bottom, top):
+        self.factor = float(self.param_str)
+
+    def reshape(self, bottom, top):
+        top[0].reshape(*bottom[0].data.shape)
+
+    def forward(self, bottom, top):
+        top[0].data[...] = bottom[0].data * self.factor
+
+    def backward(self, top, propagate_down, bottom):
+        bottom[0].diff[...] = top[0].diff * self.factor
+
+
+class Grows(Scale):
+    def forward(self, bottom, top):
+        top[0].reshape(7)
+
+
+class Fails(caffejax.Layer):
+    def setup(self, bottom, top):
+        raise ValueError("bad param_str")
+'''
+
+
+@pytest.fixture
+def layers_module(tmp_path, monkeypatch, isolated_registry):
+    (tmp_path / "caffejax_test_pylayers.py").write_text(LAYERS_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "caffejax_test_pylayers", raising=False)
+
+
+def _python_layer(name: str, cls: str, bottoms, top: str, extra: str = "") -> str:
+    wiring = "".join(f' bottom: "{b}"' for b in bottoms)
+    return (f'layer {{ name: "{name}" type: "Python"{wiring} top: "{top}" {extra}python_param {{ '
+            f'module: "caffejax_test_pylayers" layer: "{cls}" param_str: "2.5" }} }}\n')
+
+
+def test_allowed_python_layers_run_forward_and_backward(layers_module):
+    text = ("force_backward: true\n" + _input(2, 3, name="a") + _input(2, 3, name="b")
+            + _python_layer("scale", "Scale", ["a"], "scaled")
+            + _python_layer("loss", "EuclideanLoss", ["scaled", "b"], "loss", "loss_weight: 1 "))
+    net = caffejax.Net(text, caffejax.TRAIN, allow_python_layers=True)
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    b = np.ones((2, 3), np.float32)
+    np.testing.assert_allclose(net.forward(a=a, b=b)["loss"], [((2.5 * a - b) ** 2).sum() / 4])
+    net.backward()
+    np.testing.assert_allclose(net.blobs["a"].diff, (2.5 * a - b) / 2 * 2.5)
+    np.testing.assert_allclose(net.blobs["b"].diff, -(2.5 * a - b) / 2)
+
+
+def test_python_layer_failures_name_the_layer(layers_module):
+    with pytest.raises(caffejax.GraphError, match="layer 'f' \\(type Python\\): the Python layer's setup failed: "
+                                                  "ValueError: bad param_str"):
+        caffejax.Net(_input(2) + _python_layer("f", "Fails", ["x"], "y"), caffejax.TEST, allow_python_layers=True)
+    with pytest.raises(caffejax.GraphError, match="has no layer class 'Nope'"):
+        caffejax.Net(_input(2) + _python_layer("n", "Nope", ["x"], "y"), caffejax.TEST, allow_python_layers=True)
+    net = caffejax.Net(_input(2) + _python_layer("g", "Grows", ["x"], "y"), caffejax.TEST, allow_python_layers=True)
+    with pytest.raises(Exception, match="its forward changed the top shapes to \\[\\(7,\\)\\]"):
+        net.forward(x=np.ones(2, np.float32))
