@@ -164,13 +164,15 @@ class _Builder:
         if is_input:
             self.fed_values.update(zip(top_values, tops))
 
+        state_in, state_out = self._state_values(lp, rule, bottom_shapes)
         loss_weights = self._loss_weights(lp, rule, len(tops))
         for blob, weight in zip(tops, loss_weights):
             self.loss_weights[blob] = weight
         layer = Layer(name=lp.name, type=lp.type, proto=lp, bottoms=list(lp.bottom), tops=tops,
                       bottom_values=bottom_values, top_values=top_values, params=params,
                       loss_weights=loss_weights, need_backward=need_backward,
-                      bottom_need_backward=bottom_need, param_need_backward=param_need, is_input=is_input)
+                      bottom_need_backward=bottom_need, param_need_backward=param_need, is_input=is_input,
+                      state_in=state_in, state_out=state_out)
         if need_backward:
             for blob in tops:
                 self.blob_need_backward[blob] = True
@@ -269,6 +271,17 @@ class _Builder:
             self.top_shapes_by_config[key] = infer_top_shapes(lp, rule, self.phase, bottom_shapes, param_shapes,
                                                               num_tops)
         return list(self.top_shapes_by_config[key])
+
+    def _state_values(self, lp, rule: LayerRule, bottom_shapes) -> tuple[list[str], list[str]]:
+        """Value ids (and shapes) of the state the layer carries between forwards, if its rule has any."""
+        if rule.state_shapes is None or any(s is None for s in bottom_shapes):
+            return [], []
+        shapes = [tuple(int(d) for d in s) for s in rule.state_shapes(lp, bottom_shapes)]
+        state_in = [f"{lp.name}@@state{i}" for i in range(len(shapes))]
+        state_out = [f"{v}@@next" for v in state_in]
+        for value_in, value_out, shape in zip(state_in, state_out, shapes):
+            self.value_shapes[value_in] = self.value_shapes[value_out] = shape
+        return state_in, state_out
 
     def _append_param(self, lp, index: int, shape: Shape) -> ParamSlot:
         spec = lp.param[index] if index < len(lp.param) else caffe_pb2.ParamSpec()

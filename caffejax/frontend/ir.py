@@ -61,6 +61,10 @@ class Layer:
     bottom_need_backward: list[bool] = dataclasses.field(default_factory=list)
     param_need_backward: list[bool] = dataclasses.field(default_factory=list)
     is_input: bool = False             # tops are fed from outside the compiled program
+    # State the layer carries from one forward to the next (LayerRule.state_shapes): value ids it reads
+    # before running (absent from the inputs: Caffe's zeros) and the ids of what it leaves for the next run.
+    state_in: list[str] = dataclasses.field(default_factory=list)
+    state_out: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def in_place(self) -> list[bool]:
@@ -107,6 +111,11 @@ class Graph:
         """Blobs fed from outside the program (tops of Input and data layers): blob name -> value id."""
         return {top: value for layer in self.layers if layer.is_input
                 for top, value in zip(layer.tops, layer.top_values)}
+
+    @property
+    def state(self) -> dict[str, str]:
+        """Every layer's carried state: value read by a forward -> value it leaves for the next forward."""
+        return {v: out for layer in self.layers for v, out in zip(layer.state_in, layer.state_out)}
 
     @property
     def param_slots(self) -> list[ParamSlot]:

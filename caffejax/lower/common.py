@@ -38,12 +38,13 @@ def matmul(a: jax.Array, b: jax.Array) -> jax.Array:
 
 
 def matmul_bt(a: jax.Array, b: jax.Array) -> jax.Array:
-    """a @ b.T for 2-D a, b (Caffe's gemm with CblasTrans on B), as one product contracting both last axes.
+    """a @ b.T for a (..., K) and 2-D b (M, K) (Caffe's gemm with CblasTrans on B), as one product
+    contracting both last axes.
 
     Written as ``matmul(a, b.T)``, XLA:CPU materialises the transpose of b on every call: for AlexNet's fc6
     that is a 151 MB copy per forward, 30x the product itself.
     """
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST)
+    return lax.dot_general(a, b, (((a.ndim - 1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST)
 
 
 def _fill(filler_param: Any, shape: Shape, key: jax.Array) -> jax.Array:

@@ -101,7 +101,7 @@ def dummy_data(ctx, bottoms, params):
     if len(fillers) == 1:
         fillers = fillers * len(shapes)
     keys = jax.random.split(ctx.rng(), len(shapes))
-    return [jnp.asarray(fill(f, s, k)) for f, s, k in zip(fillers, shapes, keys)]
+    return [jnp.asarray(fill(f, s, k, ctx.dtype)) for f, s, k in zip(fillers, shapes, keys)]
 
 
 register(LayerRule("DummyData", forward=dummy_data, bottoms=(0, 0), tops=(1, None)))

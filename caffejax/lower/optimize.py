@@ -579,6 +579,7 @@ def run_plan(plan: Plan, params: Mapping[str, Sequence[jax.Array]], inputs: Mapp
     env: dict[str, jax.Array] = dict(inputs)
     layouts: dict[str, str] = {v: NCHW for v in inputs}
     moved: dict[tuple[str, str], jax.Array] = {}
+    dtype = jnp.result_type(*inputs.values()) if inputs else jnp.float32
 
     def fetch(value: str, layout: str) -> jax.Array:
         x, have = env[value], layouts[value]
@@ -595,7 +596,7 @@ def run_plan(plan: Plan, params: Mapping[str, Sequence[jax.Array]], inputs: Mapp
         layout = resolve_layout(kernel, [layouts[v] if env[v].ndim == 4 else None for v in layer.bottom_values])
         forward = kernel.forward if kernel is not None else get_rule(layer.type).forward
         ctx = LayerContext(layer=layer.proto, phase=graph.phase, key=None, num_tops=len(layer.tops),
-                           in_place=tuple(layer.in_place))
+                           in_place=tuple(layer.in_place), dtype=dtype)
         tops = forward(ctx, [fetch(v, layout) for v in layer.bottom_values], params.get(layer.name, []))
         for value, top in zip(layer.top_values, tops):
             env[value], layouts[value] = top, layout

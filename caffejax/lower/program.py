@@ -2,7 +2,8 @@
 
 ``NetProgram(graph)`` is an interpreter over the IR, like torch.fx's: ``forward(params, inputs, key)`` runs
 every layer's rule in order on an environment of values and returns all values, plus the blobs layers
-rewrote (BatchNorm's running statistics in TRAIN). The runtime wraps it in ``jax.jit``; XLA sees the whole
+rewrote (BatchNorm's running statistics in TRAIN). State a layer carries between forwards (RNN/LSTM's last
+hidden state) travels as values too: ``Graph.state`` maps the id a forward reads to the id it leaves. The runtime wraps it in ``jax.jit``; XLA sees the whole
 net as one program.
 
 Backward is ``jax.vjp`` of that same function, with Caffe's masks applied as ``stop_gradient``:
@@ -51,6 +52,7 @@ class NetProgram:
         """
         env = dict(env)
         updates: Updates = {}
+        dtype = _dtype_of(params, env)
         for layer in layers:
             index = self.position[id(layer)]
             rule = self.rules[index]
@@ -66,10 +68,15 @@ class NetProgram:
             if param_masks:
                 blobs = [_scale_gradient(p, param_masks[(layer.name, i)]) if (layer.name, i) in param_masks else p
                          for i, p in enumerate(blobs)]
+            # Carried state absent from env (a fresh net, or a caller that does not keep state) is Caffe's zeros.
+            state = [env[v] for v in layer.state_in] if all(v in env for v in layer.state_in) else None
             ctx = LayerContext(layer=layer.proto, phase=self.graph.phase,
                                key=None if key is None else jax.random.fold_in(key, index),
-                               num_tops=len(layer.tops), in_place=tuple(layer.in_place))
+                               num_tops=len(layer.tops), in_place=tuple(layer.in_place), dtype=dtype,
+                               state=state)
             tops = list(rule.forward(ctx, bottoms, blobs))
+            for i, value in ctx.state_updates.items():
+                env[layer.state_out[i]] = _no_gradient(value)
             for value, top in zip(layer.top_values, tops):
                 if perturb is not None and value in perturb:
                     top = top + perturb[value]
@@ -149,7 +156,7 @@ def _no_gradient(x):
 
 
 def _dtype_of(params: Params, inputs: Values):
-    leaves = jax.tree.leaves((params, inputs))
+    leaves = [x for x in jax.tree.leaves((params, inputs)) if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
     return jnp.result_type(*leaves) if leaves else jnp.float32
 
 

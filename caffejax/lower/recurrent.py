@@ -6,8 +6,9 @@ per time step. Here each is one ``lax.scan`` over T with the same arithmetic:
 - bottoms x (T x N x ...), cont (T x N), [x_static (N x ...)], [h_0 (1 x N x H), c_0 (LSTM) with expose_hidden];
 - the previous hidden state is multiplied by cont_t before the recurrent product (the unrolled net's
   ``h_conted_{t-1} = cont_t · h_{t-1}`` Scale layer), so cont_t = 0 starts a new sequence;
-- without expose_hidden the initial state is zero (Caffe carries h_T of the previous forward into h_0; that
-  state lives outside the pure program and is not modelled);
+- without expose_hidden, h_0 (and c_0) are what the previous forward left in h_T (c_T), as Caffe's
+  RecurrentLayer::Forward copies them before running the unrolled net; the program carries them as layer
+  state (``state_shapes``, ``ctx.state``), zeros for a fresh net as Caffe's blobs start;
 - no gradient reaches cont, h_0/c_0, nor comes back from the exposed h_T/c_T tops: Caffe's RecurrentLayer
   shares only data (not diffs) with those blobs.
 """
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from caffejax.errors import ShapeError, layer_error
-from caffejax.lower.common import matmul
+from caffejax.lower.common import matmul_bt
 from caffejax.lower.registry import LayerContext, count, layer
 
 
@@ -152,7 +153,10 @@ def _recurrent_inputs(ctx: LayerContext, bottoms, params, num_hidden: int):
         if x_static.shape[0] != n:
             raise ctx.error(f"x_static {tuple(x_static.shape)} must have {n} streams on axis 0")
         x_static = x_static.reshape(n, count(x_static.shape, 1))
-    states = [jnp.zeros((n, h), x.dtype)] * num_hidden
+    if ctx.state is not None:
+        states = [lax.stop_gradient(s[0]).astype(x.dtype) for s in ctx.state]
+    else:
+        states = [jnp.zeros((n, h), x.dtype)] * num_hidden
     if exposed:
         states = []
         for i, b in enumerate(bottoms[2 + static:]):
@@ -166,19 +170,33 @@ def _recurrent_inputs(ctx: LayerContext, bottoms, params, num_hidden: int):
 def _input_transform(x, w_x, b, x_static, w_static):
     """W_x·x_t + b for all t at once, and W_static·x_static (added at every step), as the unrolled net's
     x_transform and x_static_transform InnerProducts."""
-    x_term = matmul(x, w_x.T) + b
-    static_term = matmul(x_static, w_static.T) if x_static is not None else None
+    x_term = matmul_bt(x, w_x) + b
+    static_term = matmul_bt(x_static, w_static) if x_static is not None else None
     return x_term, static_term
 
 
 def _step_input(h_prev, cont_t, w_h, x_t, static_term):
     """W_h·(cont_t·h_{t-1}) + W_x·x_t + b [+ W_static·x_static], summed in the unrolled net's Eltwise order."""
-    total = matmul(cont_t[:, None] * h_prev, w_h.T) + x_t
+    total = matmul_bt(cont_t[:, None] * h_prev, w_h) + x_t
     return total if static_term is None else total + static_term
 
 
+def _carried_state_shapes(layer_param, bottom_shapes, num_hidden: int):
+    """Without expose_hidden, the h_T (and c_T) one forward leaves for the next: (1 x N x H) each."""
+    if layer_param.recurrent_param.expose_hidden or len(bottom_shapes[0]) < 2:
+        return []
+    return [(1, bottom_shapes[0][1], _num_output(layer_param))] * num_hidden
+
+
+def _carry(ctx: LayerContext, *last_states) -> None:
+    if not ctx.layer.recurrent_param.expose_hidden:
+        for i, s in enumerate(last_states):
+            ctx.update_state(i, lax.stop_gradient(s)[None])
+
+
 @layer("LSTM", param_shapes=lambda lp, shapes: _recurrent_param_shapes(lp, shapes, *_LAYOUT["LSTM"]),
-       init_params=_recurrent_init, bottoms=(2, 5), tops=(1, 3), allow_force_backward=lambda lp, i: i != 1)
+       init_params=_recurrent_init, bottoms=(2, 5), tops=(1, 3), allow_force_backward=lambda lp, i: i != 1,
+       state_shapes=lambda lp, shapes: _carried_state_shapes(lp, shapes, 2))
 def lstm(ctx: LayerContext, bottoms, params):
     """h_t from gates W_xc·x_t + b_c [+ W_xc_static·x_static] + W_hc·(cont_t·h_{t-1}), order i, f, o, g:
     c_t = cont_t·f·c_{t-1} + i·g, h_t = o·tanh(c_t). Blobs W_xc, b_c, [W_xc_static], W_hc.
@@ -196,6 +214,7 @@ def lstm(ctx: LayerContext, bottoms, params):
         return (h, c), h
 
     (h_last, c_last), hs = lax.scan(step, (h0, c0), (x_term, cont))
+    _carry(ctx, h_last, c_last)
     tops = [hs]
     if ctx.layer.recurrent_param.expose_hidden:
         tops += [lax.stop_gradient(h_last)[None], lax.stop_gradient(c_last)[None]]
@@ -203,7 +222,8 @@ def lstm(ctx: LayerContext, bottoms, params):
 
 
 @layer("RNN", param_shapes=lambda lp, shapes: _recurrent_param_shapes(lp, shapes, *_LAYOUT["RNN"]),
-       init_params=_recurrent_init, bottoms=(2, 4), tops=(1, 2), allow_force_backward=lambda lp, i: i != 1)
+       init_params=_recurrent_init, bottoms=(2, 4), tops=(1, 2), allow_force_backward=lambda lp, i: i != 1,
+       state_shapes=lambda lp, shapes: _carried_state_shapes(lp, shapes, 1))
 def rnn(ctx: LayerContext, bottoms, params):
     """h_t = tanh(W_hh·(cont_t·h_{t-1}) + W_xh·x_t + b_h [+ W_xh_static·x_static]), o_t = tanh(W_ho·h_t + b_o).
     Blobs W_xh, b_h, [W_xh_static], W_hh, W_ho, b_o. Tops: o (T x N x H), and with expose_hidden h_T."""
@@ -219,7 +239,8 @@ def rnn(ctx: LayerContext, bottoms, params):
         return h, h
 
     h_last, hs = lax.scan(step, h0, (x_term, cont))
-    tops = [jnp.tanh(matmul(hs, w_o.T) + b_o)]
+    _carry(ctx, h_last)
+    tops = [jnp.tanh(matmul_bt(hs, w_o) + b_o)]
     if ctx.layer.recurrent_param.expose_hidden:
         tops.append(lax.stop_gradient(h_last)[None])
     return tops

@@ -37,7 +37,10 @@ class LayerContext:
     ``layer.convolution_param.num_output``). ``key`` is a ``jax.random`` key private to this layer and
     this forward call, or None when the net runs without randomness. Layers that rewrite their own blobs
     during forward (BatchNorm's running statistics in TRAIN) call :meth:`update_param`; the program returns
-    those values as the new state.
+    those values as the new state. Layers that carry state from one forward to the next (RNN/LSTM's last
+    hidden state, see ``LayerRule.state_shapes``) read ``state`` (None: start from Caffe's zeros) and call
+    :meth:`update_state`. ``dtype`` is the net's float type, for layers that make values from nothing
+    (DummyData's fillers).
     """
 
     layer: Any
@@ -48,6 +51,9 @@ class LayerContext:
     # hand-written backwards read the overwritten bottom there; the rules reproducing that consult this.
     in_place: tuple[bool, ...] = ()
     param_updates: dict[int, jax.Array] = dataclasses.field(default_factory=dict)
+    dtype: Any = np.float32
+    state: Sequence[jax.Array] | None = None
+    state_updates: dict[int, jax.Array] = dataclasses.field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -65,6 +71,9 @@ class LayerContext:
 
     def update_param(self, index: int, value: jax.Array) -> None:
         self.param_updates[index] = value
+
+    def update_state(self, index: int, value: jax.Array) -> None:
+        self.state_updates[index] = value
 
     def error(self, message: str, cls: type[CaffejaxError] = ShapeError) -> CaffejaxError:
         """An error naming this layer; lowering code raises it for inputs Caffe would CHECK-fail on."""
@@ -118,6 +127,9 @@ class LayerRule:
       constants and compiles once per distinct value.
     - ``in_place``: False where Caffe forbids top == bottom. ``frozen_params``: blobs without a ParamSpec get
       lr_mult 0, as BatchNorm's LayerSetUp adds them (its statistics are not learned by gradient).
+    - ``state_shapes(layer, bottom_shapes) -> shapes`` of non-learnable state the layer carries from one
+      forward to the next (RNN/LSTM without expose_hidden copy the last h_T/c_T into h_0/c_0). The program
+      passes it in as ``ctx.state`` and returns what ``ctx.update_state`` wrote; the runtime keeps it.
     """
 
     type: str
@@ -133,6 +145,7 @@ class LayerRule:
     shape_from_values: Callable[[Any], Sequence[int]] | None = None
     in_place: bool = True
     frozen_params: bool = False  # learnable blobs default to lr_mult 0 (BatchNorm's statistics)
+    state_shapes: ParamShapesFn | None = None
 
 
 _REGISTRY: dict[str, LayerRule] = {}

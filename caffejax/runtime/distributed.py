@@ -351,7 +351,7 @@ class DataParallel:
         """The solver's iteration for the net's current (global) graph, over the mesh.
 
         ``make_step(program, axis)`` is the one-device iteration ``(params, history, fed, pulled, key,
-        scalars) -> (params, history, loss, updates, blobs, norm)`` of one device's graph, averaging over
+        scalars) -> (params, history, loss, updates, blobs, state, norm)`` of one device's graph, averaging over
         ``axis``. The callable returned takes and gives what the one-device iteration does (``pulled``
         stacked along a leading iter_size axis), as one-device arrays, with the blobs of the global batch.
         """
@@ -360,7 +360,7 @@ class DataParallel:
         step = make_step(NetProgram(one_device), AXIS)
 
         def on_device(params, history, fed, pulled, key, scalars):
-            params, history, loss, updates, blobs, norm = step(params, history, fed, pulled, key, scalars)
+            params, history, loss, updates, blobs, _, norm = step(params, history, fed, pulled, key, scalars)
             return (params, history, loss, updates, *_split_by_layout(blobs, per_example), norm)
 
         mapped = jax.jit(jax.shard_map(
@@ -375,7 +375,7 @@ class DataParallel:
                 shard_batch(pulled, self.mesh, axis=1), replicated(key, self.mesh), replicated(scalars, self.mesh))
             params, history = replicas.keep((params, history))
             loss, updates, shared, norm = jax.tree.map(replicas.root_copy, (loss, updates, shared, norm))
-            return params, history, loss, updates, {**jax.tree.map(local_value, split), **shared}, norm
+            return params, history, loss, updates, {**jax.tree.map(local_value, split), **shared}, {}, norm
 
         return run
 

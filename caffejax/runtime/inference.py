@@ -10,7 +10,9 @@ per input-shape signature::
     probs = infer({"data": images})["prob"]
     fast = caffejax.compile_inference(net, dtype=jnp.bfloat16)  # opt-in: bf16 storage, float32 sums
 
-Later changes to the net's weights are not seen: compile again after net surgery.
+Later changes to the net's weights are not seen: compile again after net surgery. The function is pure:
+RNN/LSTM layers without expose_hidden start every call from a zero state (``Net.forward`` carries it over
+between calls, as Caffe does); feed h_0/c_0 through expose_hidden to carry it yourself.
 """
 
 from __future__ import annotations

@@ -79,6 +79,10 @@ class Net:
         self._pass_count = 0
         self._sources: dict[str, Any] = {}
         self._last_key = None
+        # State layers carry between forwards (RNN/LSTM's h_T -> h_0), by the value id a forward reads it
+        # as: what the next forward reads, and what the last forward read (backward recomputes from it).
+        self._state: dict[str, Any] = {}
+        self._state_seen: dict[str, Any] = {}
         try:
             self._set_graph(self._build({}))
             # Fillers run only for layers the weights file does not cover (the file would overwrite them).
@@ -239,6 +243,18 @@ class Net:
             env.pop(value, None)
         return env
 
+    def _state_feed(self, layers, store: dict[str, Any]) -> dict[str, Any]:
+        """The carried state ``layers`` read, from ``store``; a state whose shape no longer fits the graph
+        (the batch changed) is dropped: the layer starts from zeros, as for a fresh net."""
+        shapes = self._graph.value_shapes
+        return {v: store[v] for layer in layers for v in layer.state_in
+                if v in store and tuple(np.shape(store[v])) == tuple(shapes[v])}
+
+    def reset_state(self) -> None:
+        """Forget the state layers carry between forwards (RNN/LSTM start again from h_0 = c_0 = 0)."""
+        self._state.clear()
+        self._state_seen.clear()
+
     def _with_concrete(self, fn):
         """``fn(params, env, ...)`` with the shape-deciding values of the current graph added to ``env`` as
         constants (the program is compiled for exactly those values)."""
@@ -314,7 +330,8 @@ class Net:
         program = self._program
         consumed = {v for layer in layers for v in layer.bottom_values}
         returned = sorted({v for layer in layers if not layer.is_input for v in layer.top_values
-                           if v not in consumed} | set(program.loss_weighted_values(layers)))
+                           if v not in consumed} | set(program.loss_weighted_values(layers))
+                          | {v for layer in layers for v in layer.state_out})
 
         def outputs_only(params, env, key):
             values, updates = program.run_layers(layers, params, env, key)
@@ -325,8 +342,15 @@ class Net:
         self._last_key = key
         # Device snapshots: a deferred blob recomputes from exactly what this pass saw.
         params = jax.tree.map(jnp.asarray, self.param_arrays())
-        env = {v: jnp.asarray(x) for v, x in self._feed(layers).items()}
+        state = self._state_feed(layers, self._state)
+        env = {v: jnp.asarray(x) for v, x in {**self._feed(layers), **state}.items()}
         values, updates, loss = fn(params, env, key)
+        for layer in layers:
+            for value_in, value_out in zip(layer.state_in, layer.state_out):
+                self._state_seen.pop(value_in, None)
+                if value_in in state:
+                    self._state_seen[value_in] = state[value_in]
+                self._state[value_in] = values[value_out]
         final = {}  # blob -> the value it holds after this pass
         for layer in layers:
             if not layer.is_input:
@@ -403,7 +427,8 @@ class Net:
             lambda params, env, seeds, key: program.forward_backward(
                 params, env, seeds, key, start=end, end=start, diff_values=diff_values)[2:]))
         key = self._last_key if self._last_key is not None else self._next_key()
-        grads, value_diffs = fn(self.param_arrays(), self._feed(layers), seeds, key)
+        env = {**self._feed(layers), **self._state_feed(layers, self._state_seen)}
+        grads, value_diffs = fn(self.param_arrays(), env, seeds, key)
         for blob, value in writes:
             self.blobs[blob]._diff.set(value_diffs[value])
         for layer in layers:

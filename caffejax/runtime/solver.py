@@ -361,14 +361,19 @@ class Solver:
         pulled_values = {top: value for layer in _pulled_layers(graph)
                          for top, value in zip(layer.tops, layer.top_values)}
         fed = {v: a for v, a in net._feed(graph.layers).items() if v not in pulled_values.values()}
+        if self._parallel is None:  # carried layer state (RNN/LSTM's h_T) is kept per net on one device
+            state = net._state_feed(graph.layers, net._state)
+            fed.update(state)
+            net._state_seen = dict(state)
         pulled = {pulled_values[top]: array for top, array in stacked.items()}
         fn = self._step_program()
-        params, history, loss, updates, blobs, norm = fn(net.param_arrays(), self._history, fed, pulled,
-                                                         net._next_key(), self.step_scalars(rate))
+        params, history, loss, updates, blobs, state, norm = fn(net.param_arrays(), self._history, fed, pulled,
+                                                                net._next_key(), self.step_scalars(rate))
         self._history = history
         self._write_back(params, updates)
         for name, value in blobs.items():
             net.blobs[name]._data.set(value)
+        net._state.update(state)
         return loss, norm
 
     def _write_back(self, params, updates) -> None:
@@ -706,15 +711,17 @@ def _pulled_layers(graph: Graph):
 
 
 def _train_step_fn(program, solver: Solver, device_axis: str | None = None):
-    """``(params, history, fed, pulled, key, scalars) -> (params, history, loss, updates, blobs, norm)``.
+    """``(params, history, fed, pulled, key, scalars) -> (params, history, loss, updates, blobs, state, norm)``.
 
-    ``fed`` holds the blobs the user wrote (every pass reads the same ones); ``pulled`` holds one batch per
-    pass, stacked along a leading axis of length iter_size. ``blobs`` are the values the last pass left in
-    the net's blobs.
+    ``fed`` holds the blobs the user wrote (every pass reads the same ones) and the state layers carry
+    between forwards; ``pulled`` holds one batch per pass, stacked along a leading axis of length iter_size.
+    ``blobs`` are the values the last pass left in the net's blobs, ``state`` what it left for the next
+    forward (each pass reads the one before it, as Caffe's consecutive ForwardBackward calls do).
 
     With ``device_axis`` this is one device's iteration inside ``shard_map`` (caffejax.runtime.distributed):
     the device's index is folded into the key, and the accumulated diffs, the loss and the params forward
     rewrote (BatchNorm's statistics) are averaged over the devices before ApplyUpdate, as Caffe's P2PSync does.
+    Carried layer state is not kept across iterations there (each starts from zeros): ``state`` is empty.
     """
     iter_size = solver.param.iter_size
     graph = program.graph
@@ -732,7 +739,8 @@ def _train_step_fn(program, solver: Solver, device_axis: str | None = None):
         for owner, changed in rewritten.items():
             for index, value in changed.items():
                 params[owner][index] = device_mean(value)
-        return params, grads, loss, {blob: env[value] for blob, value in produced.items()}
+        state = {} if device_axis is not None else {v: env[out] for v, out in graph.state.items() if out in env}
+        return params, grads, loss, {blob: env[value] for blob, value in produced.items()}, state
 
     def train_step(params, history, fed, pulled, key, scalars):
         fed = {**fed, **concrete}
@@ -740,25 +748,28 @@ def _train_step_fn(program, solver: Solver, device_axis: str | None = None):
             key = jax.random.fold_in(key, jax.lax.axis_index(device_axis))
         if iter_size == 1:
             inputs = {**fed, **{v: a[0] for v, a in pulled.items()}}
-            params, grads, loss, blobs = one_pass(params, inputs, jax.random.fold_in(key, 0))
+            params, grads, loss, blobs, state = one_pass(params, inputs, jax.random.fold_in(key, 0))
         else:
             def accumulate(carry, xs):
-                params, grads, loss, _ = carry
+                params, grads, loss, _, state = carry
                 i, batch = xs
-                params, pass_grads, pass_loss, blobs = one_pass(params, {**fed, **batch},
-                                                                jax.random.fold_in(key, i))
-                return (params, jax.tree.map(jnp.add, grads, pass_grads), loss + pass_loss, blobs), None
+                params, pass_grads, pass_loss, blobs, state = one_pass(params, {**fed, **state, **batch},
+                                                                       jax.random.fold_in(key, i))
+                return (params, jax.tree.map(jnp.add, grads, pass_grads), loss + pass_loss, blobs, state), None
 
             first = {**fed, **{v: a[0] for v, a in pulled.items()}}
-            shapes = jax.eval_shape(one_pass, params, first, key)[3]
+            blob_shapes, state_shapes = jax.eval_shape(one_pass, params, first, key)[3:]
+            zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)  # noqa: E731
+            # A state the net has not produced yet enters the first pass as Caffe's zeros.
+            state = {**zeros(state_shapes), **{v: fed[v] for v in state_shapes if v in fed}}
             init = (params, jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32),
-                    jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
-            (params, grads, loss, blobs), _ = jax.lax.scan(accumulate, init, (jnp.arange(iter_size), pulled),
-                                                           length=iter_size)
+                    zeros(blob_shapes), state)
+            (params, grads, loss, blobs, state), _ = jax.lax.scan(
+                accumulate, init, (jnp.arange(iter_size), pulled), length=iter_size)
         diffs = [grads[l.layer][l.index] for l in solver._learnables]
         diffs, loss = device_mean((diffs, loss))  # P2PSync: the sum over devices, scaled by 1 / devices
         params, history, updates, norm = solver._apply_update(params, diffs, history, scalars)
-        return params, history, loss / np.float32(iter_size), updates, blobs, norm
+        return params, history, loss / np.float32(iter_size), updates, blobs, state, norm
 
     return train_step
 
