@@ -16,7 +16,7 @@ import pytest
 
 import caffejax
 from caffejax.lower import optimize
-from conftest import FORWARD_ATOL, FORWARD_RTOL, assert_close
+from conftest import DIFF_ATOL, DIFF_RTOL, FORWARD_ATOL, FORWARD_RTOL, assert_close
 
 CONV = 'type: "Convolution" convolution_param {{ num_output: {n} kernel_size: {k} {extra} weight_filler {{ type: "gaussian" std: 0.2 }} bias_filler {{ type: "gaussian" std: 0.1 }} }}'
 
@@ -238,3 +238,97 @@ def test_published_nets_keep_outputs(prototxt):
     x = np.random.default_rng(0).random((1,) + tuple(net.blobs[net.inputs[0]].shape[1:]), dtype=np.float32)
     reference = caffejax.compile_inference(net, passes=())({net.inputs[0]: x})
     _check(caffejax.compile_inference(net)({net.inputs[0]: x}), reference, prototxt)
+
+
+# ---- layout kernels inside Net's own programs (forward, loss and gradients, training) ---------------------------
+
+TRAIN_ZOO = (ZOO.replace("use_global_stats: true", "use_global_stats: false").rsplit("layer {", 1)[0]
+             + _layer("label", "Input", [], ["label"], "input_param { shape { dim: 2 } }")
+             + _layer("loss", "SoftmaxWithLoss", ["joined", "label"], ["loss"])
+             # Dropout keeps Caffe's layout (its mask must be the NCHW program's); a 1x1 GEMM reads it
+             + _layer("cdrop", "Dropout", ["cat"], ["cdrop"], "dropout_param { dropout_ratio: 0.3 }")
+             + _conv("f", "cdrop", "f", 4, 1)
+             + _layer("fpool", "Pooling", ["f"], ["fpool"], "pooling_param { pool: MAX global_pooling: true }")
+             + _layer("fflat", "Flatten", ["fpool"], ["fflat"])
+             + _layer("loss2", "SoftmaxWithLoss", ["fflat", "label"], ["loss2"], "loss_weight: 0.5"))
+
+
+def _zoo_net(text, phase, channels_last):
+    caffejax.set_random_seed(5)
+    net = caffejax.Net(text, phase, channels_last=channels_last)
+    _randomize_batchnorm(net)
+    return net
+
+
+def test_layout_kernels_cover_the_zoo():
+    graph = caffejax.Net(TRAIN_ZOO, caffejax.TRAIN).graph
+    kinds = {kernel.name for kernel in optimize.layout_kernels(graph).values()}
+    assert {"conv_nhwc", "conv_1x1_gemm", "pool_nhwc", "concat_nhwc", "lrn_nhwc", "per_channel_nhwc",
+            "elementwise"} <= kinds
+    assert not kinds & {"conv_winograd_f2x2_3x3", "inner_product_nhwc"}
+    assert "cdrop" not in optimize.layout_kernels(graph)
+
+
+@pytest.mark.parametrize("phase", [caffejax.TEST, caffejax.TRAIN])
+def test_channels_last_net_forward_keeps_every_blob(phase):
+    text = ZOO if phase == caffejax.TEST else TRAIN_ZOO
+    x = np.random.default_rng(1).normal(size=(2, 8, 9, 9)).astype(np.float32)
+    nets = [_zoo_net(text, phase, channels_last) for channels_last in (False, True)]
+    for net in nets:
+        net.blobs["data"].data[...] = x
+        if "label" in net.blobs:
+            net.blobs["label"].data[...] = [1, 3]
+        net.forward()
+    plain, fast = nets
+    assert fast.compile_count and fast._program.kernels and not plain._program.kernels
+    for name in plain.blobs:
+        assert_close(fast.blobs[name].data, plain.blobs[name].data, FORWARD_RTOL, FORWARD_ATOL, name)
+    for name in plain.params:  # BatchNorm's TRAIN statistics, written back by forward
+        for a, b in zip(fast.params[name], plain.params[name]):
+            assert_close(a.data, b.data, FORWARD_RTOL, FORWARD_ATOL, name)
+
+
+def test_channels_last_loss_and_gradients_are_caffes():
+    """The training objective through the layout kernels: loss, every param gradient, BatchNorm's updates."""
+    import jax
+
+    from caffejax.lower.program import NetProgram
+
+    net = _zoo_net(TRAIN_ZOO, caffejax.TRAIN, channels_last=False)
+    graph = net.graph
+    rng = np.random.default_rng(2)
+    inputs = {graph.fed["data"]: rng.normal(size=(2, 8, 9, 9)).astype(np.float32),
+              graph.fed["label"]: np.array([1, 3], np.float32)}
+    params, key = net.param_arrays(), jax.random.key(7)
+    results = [jax.jit(program.loss_and_grads)(params, inputs, key)
+               for program in (NetProgram(graph), NetProgram(graph, optimize.layout_kernels(graph)))]
+    (loss, grads, (env, updates)), (fast_loss, fast_grads, (fast_env, fast_updates)) = results
+    assert_close(fast_loss, loss, FORWARD_RTOL, FORWARD_ATOL, "loss")
+    # Some gradients are analytically zero (a bias before a TRAIN BatchNorm) and hold only rounding noise:
+    # absolute errors are measured against the largest gradient of the net.
+    scale = max(float(np.abs(b).max()) for blobs in grads.values() for b in blobs if b is not None)
+    for name, blobs in grads.items():
+        for i, (a, b) in enumerate(zip(fast_grads[name], blobs)):
+            if b is not None:
+                np.testing.assert_allclose(a, b, rtol=DIFF_RTOL, atol=DIFF_ATOL * scale, err_msg=f"d {name}[{i}]")
+    assert updates.keys() == fast_updates.keys() and updates
+    for name, changed in updates.items():
+        for i, value in changed.items():
+            assert_close(fast_updates[name][i], value, FORWARD_RTOL, FORWARD_ATOL, f"{name}[{i}] update")
+    for value in env:
+        assert np.shape(fast_env[value]) == np.shape(env[value]), value  # every value back in Caffe's layout
+
+
+def test_channels_last_float64_net_stays_float64():
+    import jax
+
+    x = np.random.default_rng(4).normal(size=(2, 8, 9, 9))
+    with jax.enable_x64(True):
+        outs = []
+        for channels_last in (False, True):
+            caffejax.set_random_seed(5)
+            net = caffejax.Net(ZOO, caffejax.TEST, dtype=np.float64, channels_last=channels_last)
+            _randomize_batchnorm(net)
+            outs.append(net.forward(data=x)["prob"])
+    assert outs[1].dtype == np.float64
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-10, atol=1e-13)

@@ -235,7 +235,7 @@ def time(args) -> int:
     fed = {value: net.blobs[name].data for name, value in graph.fed.items()}
     key = jax.random.key(0)
 
-    forward = jax.jit(lambda p, env, k: program.run_layers(graph.layers, p, env, k)[0])
+    forward = jax.jit(lambda p, env, k: program.run_layers(graph.layers, p, env, k, kernels=program.kernels)[0])
     forward_backward = jax.jit(lambda p, env, k: program.loss_and_grads(p, env, k)[:2])
     env = forward(params, fed, key)
     whole_forward = _mean_seconds(forward, (params, fed, key), iterations)

@@ -225,15 +225,16 @@ def to_layout(x: jax.Array, have: str, want: str) -> jax.Array:
 
 
 def _accumulating(x: jax.Array) -> dict[str, Any]:
-    """Products in the activations' dtype, summed in float32 (Caffe's float math; bf16 mode's accumulation)."""
-    return dict(preferred_element_type=jnp.float32,
-                precision=lax.Precision.HIGHEST if x.dtype == jnp.float32 else None)
+    """Products in the activations' dtype, summed in float32 (Caffe's float math; bf16 mode's accumulation),
+    or in the activations' own dtype where that is wider (a float64 net)."""
+    wide = jnp.promote_types(x.dtype, jnp.float32)
+    return dict(preferred_element_type=wide, precision=lax.Precision.HIGHEST if wide == x.dtype else None)
 
 
 def _add_bias(y: jax.Array, params: Sequence[jax.Array], dtype) -> jax.Array:
     """y (float32 accumulator, channels last) + bias, rounded to the activations' dtype once."""
     if len(params) > 1:
-        y = y + params[1].astype(jnp.float32)
+        y = y + params[1].astype(y.dtype)
     return y.astype(dtype)
 
 
@@ -270,8 +271,9 @@ def _conv_shape(layer: Layer, graph: Graph) -> ConvShape | None:
 
 
 def _hwio(params: ParamArrays) -> ParamArrays:
-    """Caffe's O x I/g x kh x kw filters as kh x kw x I/g x O (XLA's channels-last filter layout)."""
-    return [np.transpose(np.asarray(params[0]), (2, 3, 1, 0))] + list(params[1:])
+    """Caffe's O x I/g x kh x kw filters as kh x kw x I/g x O (XLA's channels-last filter layout). Array
+    methods only, so it serves NumPy weights (inference, prepared once) and traced ones (training)."""
+    return [params[0].transpose(2, 3, 1, 0)] + list(params[1:])
 
 
 def _direct_conv_kernel(conv: ConvShape) -> Kernel:
@@ -289,7 +291,7 @@ def _direct_conv_kernel(conv: ConvShape) -> Kernel:
 def _matrix(params: ParamArrays) -> ParamArrays:
     """1x1 filters O x C x 1 x 1 as the O x C matrix W of the product pixels @ W^T (contracting both minor
     axes, the layout XLA:CPU's GEMM takes without a copy)."""
-    w = np.asarray(params[0])
+    w = params[0]
     return [w.reshape(w.shape[0], w.shape[1])] + list(params[1:])
 
 
@@ -530,6 +532,28 @@ def _winograd_applies(conv: ConvShape) -> bool:
 def winograd(plan: Plan) -> Plan:
     """3x3 stride-1 convolutions on small images as Winograd F(2x2, 3x3): 2.25x fewer multiplications."""
     return _replace_conv_kernels(plan, lambda conv: _winograd_conv_kernel(conv) if _winograd_applies(conv) else None)
+
+
+# ---- layout kernels for Caffe's own programs (Net.forward, training) ----------------------------------------
+
+# Kernels whose ``prepare`` works on NumPy weights only, or would copy a big weight on every traced call (the
+# channels-last InnerProduct permutes its weight's columns; transposing its input back costs far less).
+_PREPARED_ONCE_ONLY = frozenset({"conv_winograd_f2x2_3x3", "inner_product_nhwc"})
+
+
+def layout_kernels(graph: Graph) -> dict[str, Kernel]:
+    """The channels-last kernels (``nhwc``, ``conv_gemm``) for running a net's own program: the same values
+    as Caffe's rules up to float rounding, with traced weights, so forward, backward and training use them.
+
+    Nothing is folded and every blob keeps its meaning; layers drawing random numbers (Dropout) keep Caffe's
+    layout, so their masks are the ones the NCHW program draws.
+    """
+    shapes = {layer.name: [jax.ShapeDtypeStruct(slot.shape, jnp.float32) for slot in layer.params]
+              for layer in graph.layers}
+    plan = conv_gemm(nhwc(Plan(graph, shapes, {})))
+    random = {layer.name for layer in graph.layers if layer.type == "Dropout"}
+    return {name: kernel for name, kernel in plan.kernels.items()
+            if kernel.name not in _PREPARED_ONCE_ONLY and name not in random}
 
 
 PASSES: dict[str, Callable[[Plan], Plan]] = {

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from caffejax.frontend.ir import Graph, Layer
+from caffejax.lower.optimize import NCHW, resolve_layout, to_layout
 from caffejax.lower.registry import LayerContext, get_rule
 
 Params = dict[str, list[jax.Array]]      # owner layer name -> its learnable blobs (owners only)
@@ -30,35 +31,51 @@ Updates = dict[str, dict[int, jax.Array]]  # owner layer name -> {blob index: ne
 
 
 class NetProgram:
-    """The pure functions of one Graph. Stateless: all arrays come in as arguments."""
+    """The pure functions of one Graph. Stateless: all arrays come in as arguments.
 
-    def __init__(self, graph: Graph):
+    ``kernels`` (layer name -> :class:`caffejax.lower.optimize.Kernel`, e.g. ``optimize.layout_kernels``)
+    run those layers channels-last; values move between layouts where a reader needs the other one (each
+    move made once) and every value leaves ``run_layers`` in Caffe's layout. Forward and
+    ``loss_and_grads`` use them; paths that put per-value masks or perturbations on values (Net.backward's
+    diffs, caffejax.grad's blob masks) run Caffe's layout throughout, as those have Caffe's shapes.
+    """
+
+    def __init__(self, graph: Graph, kernels: Mapping[str, Any] | None = None):
         self.graph = graph
         self.rules = [get_rule(layer.type) for layer in graph.layers]
         self.position = {id(layer): i for i, layer in enumerate(graph.layers)}
+        self.kernels = dict(kernels or {})
 
     # -- forward --------------------------------------------------------------------------------------------
     def run_layers(self, layers: Sequence[Layer], params: Params, env: Values, key: jax.Array | None,
                    masks: bool = False, perturb: Mapping[str, jax.Array] | None = None,
                    blob_masks: Mapping[str, Any] | None = None,
-                   param_masks: Mapping[tuple[str, int], Any] | None = None) -> tuple[Values, Updates]:
+                   param_masks: Mapping[tuple[str, int], Any] | None = None,
+                   kernels: Mapping[str, Any] | None = None) -> tuple[Values, Updates]:
         """Run ``layers`` over ``env`` (value id -> array, holding at least their bottoms).
 
         ``masks`` applies Caffe's backward masks as stop_gradient. ``perturb`` adds a zero-valued array to
         values (its gradient is that value's diff). ``blob_masks`` multiplies the gradient flowing into a
         value by a mask (0 stops it); ``param_masks`` ((layer name, blob index) -> mask) multiplies the gradient
         a layer sends to one of its learnable blobs: research hooks, see caffejax.grad.
+        ``kernels`` run the named layers their way (see the class docstring); not with ``perturb``/``blob_masks``.
         Returns the environment with every value computed, and the params layers rewrote.
         """
         env = dict(env)
         updates: Updates = {}
         dtype = _dtype_of(params, env)
+        if kernels and (perturb or blob_masks):
+            raise ValueError("run_layers: kernels change values' layouts; perturb and blob_masks need Caffe's")
+        layouts = _Layouts(env) if kernels else None
         for layer in layers:
             index = self.position[id(layer)]
             rule = self.rules[index]
             if layer.is_input:
                 continue
-            bottoms = [env[v] for v in layer.bottom_values]
+            kernel = kernels.get(layer.name) if kernels else None
+            layout = layouts.layout_for(kernel, layer.bottom_values) if layouts else None
+            bottoms = [layouts.fetch(v, layout) for v in layer.bottom_values] if layouts else \
+                [env[v] for v in layer.bottom_values]
             blobs = [params[slot.storage[0]][slot.storage[1]] for slot in layer.params]
             if masks:
                 bottoms = [b if need and layer.need_backward else _no_gradient(b)
@@ -74,7 +91,12 @@ class NetProgram:
                                key=None if key is None else jax.random.fold_in(key, index),
                                num_tops=len(layer.tops), in_place=tuple(layer.in_place), dtype=dtype,
                                state=state)
-            tops = list(rule.forward(ctx, bottoms, blobs))
+            if kernel is not None:
+                tops = list(kernel.forward(ctx, bottoms, kernel.prepare(blobs)))
+            else:
+                tops = list(rule.forward(ctx, bottoms, blobs))
+            if layouts:
+                layouts.produced(layer.top_values, tops, layout)
             for i, value in ctx.state_updates.items():
                 env[layer.state_out[i]] = _no_gradient(value)
             for value, top in zip(layer.top_values, tops):
@@ -86,11 +108,13 @@ class NetProgram:
             for i, new in ctx.param_updates.items():
                 owner, j = layer.params[i].storage
                 updates.setdefault(owner, {})[j] = new
+        if layouts:
+            layouts.restore_caffe_layout()
         return env, updates
 
     def forward(self, params: Params, inputs: Values, key: jax.Array | None = None,
                 start: int = 0, end: int | None = None) -> tuple[Values, Updates]:
-        return self.run_layers(self.layers_between(start, end), params, inputs, key)
+        return self.run_layers(self.layers_between(start, end), params, inputs, key, kernels=self.kernels)
 
     # -- loss and backward ----------------------------------------------------------------------------------
     def loss_weighted_values(self, layers: Sequence[Layer]) -> dict[str, float]:
@@ -139,7 +163,8 @@ class NetProgram:
         """
         def objective(params):
             env, updates = self.run_layers(self.graph.layers, params, inputs, key, masks=True,
-                                           blob_masks=blob_masks, param_masks=param_masks)
+                                           blob_masks=blob_masks, param_masks=param_masks,
+                                           kernels=None if blob_masks else self.kernels)
             return self.loss(env), (env, updates)
 
         (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(params)
@@ -148,6 +173,42 @@ class NetProgram:
     def layers_between(self, start: int = 0, end: int | None = None) -> list[Layer]:
         """Layers start..end inclusive, as Caffe's ForwardFromTo/BackwardFromTo count them."""
         return self.graph.layers[start: len(self.graph.layers) if end is None else end + 1]
+
+
+class _Layouts:
+    """Which layout each value of one ``run_layers`` call is in (absent: Caffe's NCHW), and the moves made."""
+
+    def __init__(self, env: dict[str, jax.Array]):
+        self.env = env
+        self.layout: dict[str, str] = {}
+        self.moved: dict[tuple[str, str], jax.Array] = {}
+
+    def layout_for(self, kernel, bottom_values: Sequence[str]) -> str:
+        if kernel is None:
+            return NCHW
+        return resolve_layout(kernel, [self.layout.get(v, NCHW) if np.ndim(self.env[v]) == 4 else None
+                                       for v in bottom_values])
+
+    def fetch(self, value: str, layout: str) -> jax.Array:
+        x, have = self.env[value], self.layout.get(value, NCHW)
+        if np.ndim(x) != 4 or have == layout:
+            return x
+        if (value, layout) not in self.moved:
+            self.moved[(value, layout)] = to_layout(x, have, layout)
+        return self.moved[(value, layout)]
+
+    def produced(self, values: Sequence[str], tops: Sequence[jax.Array], layout: str) -> None:
+        for value, top in zip(values, tops):
+            if layout != NCHW and np.ndim(top) == 4:
+                self.layout[value] = layout
+            else:
+                self.layout.pop(value, None)
+
+    def restore_caffe_layout(self) -> None:
+        """Every value back in NCHW for the caller (XLA drops the moves nobody reads)."""
+        for value in list(self.layout):
+            self.env[value] = self.fetch(value, NCHW)
+        self.layout.clear()
 
 
 def _no_gradient(x):

@@ -75,6 +75,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from caffejax.errors import CaffejaxError, DataError, UnsupportedError
 from caffejax.frontend.ir import Graph
+from caffejax.lower.optimize import layout_kernels
 from caffejax.lower.program import NetProgram
 
 AXIS = "batch"  # the mesh axis the batch is split along
@@ -357,7 +358,7 @@ class DataParallel:
         """
         shapes = {top: net.graph.value_shapes[value] for top, value in net.graph.fed.items()}
         one_device, per_example = per_device_graph(net, shapes, self.local_devices)
-        step = make_step(NetProgram(one_device), AXIS)
+        step = make_step(NetProgram(one_device, layout_kernels(one_device) if net.channels_last else None), AXIS)
 
         def on_device(params, history, fed, pulled, key, scalars):
             params, history, loss, updates, blobs, _, norm = step(params, history, fed, pulled, key, scalars)
@@ -401,7 +402,7 @@ def data_parallel_forward(net, devices: Devices, blobs: Sequence[str] = ()) -> C
 
     def compile_for(shapes):
         one_device, per_example = per_device_graph(net, shapes, local_devices)
-        program = NetProgram(one_device)
+        program = NetProgram(one_device, layout_kernels(one_device) if net.channels_last else None)
         fed = one_device.fed
 
         def on_device(shared, arrays):
