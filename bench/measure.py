@@ -45,16 +45,9 @@ def gemm_gflops(n: int = 2048, repeats: int = 5) -> dict[str, float]:
 
 def model_flops(graph) -> int:
     """Multiply-adds x 2 of the net's direct convolutions and inner products, from the IR's shapes."""
-    from caffejax.lower.registry import count
+    from caffejax.runtime.xla_options import matmul_flops
 
-    total = 0
-    for layer in graph.layers:
-        if layer.type == "Convolution":  # each output element: C/g x k... multiply-adds
-            filters = layer.params[0].shape
-            total += sum(2 * count(graph.value_shapes[top]) * count(filters, 1) for top in layer.top_values)
-        elif layer.type == "InnerProduct":  # (M x K) @ (K x N)
-            total += 2 * count(graph.value_shapes[layer.bottom_values[0]]) * layer.proto.inner_product_param.num_output
-    return total
+    return matmul_flops(graph)
 
 
 def peak_rss_mb() -> float:

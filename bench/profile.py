@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 
 import jax
-
-import caffejax  # noqa: F401  -- first: its XLA:CPU defaults (caffejax.xla_flags) precede JAX's backend
 import jax.numpy as jnp
 import numpy as np
 

@@ -27,8 +27,6 @@ import tempfile
 import time
 
 import jax
-
-import caffejax  # noqa: F401  -- first: its XLA:CPU defaults (caffejax.xla_flags) precede JAX's backend
 import jax.numpy as jnp
 import numpy as np
 
@@ -227,6 +225,7 @@ def train_step(spec: BenchNet, weights: pathlib.Path, batch: int, repeats: int, 
     import caffejax
     from caffejax.lower.optimize import layout_kernels
     from caffejax.lower.program import NetProgram
+    from caffejax.runtime.xla_options import compiler_options
 
     net = caffejax.Net(training_net_param(spec.prototxt, batch), caffejax.TRAIN)
     net.copy_from(str(weights))
@@ -251,7 +250,7 @@ def train_step(spec: BenchNet, weights: pathlib.Path, batch: int, repeats: int, 
                 new[owner][i] = value
         return new, loss
 
-    jitted = jax.jit(step, donate_argnums=0)
+    jitted = jax.jit(step, donate_argnums=0, compiler_options=compiler_options(net.graph))
     state = {"params": net.param_arrays(), "step": 0}
     inputs = {v: jnp.asarray(a) for v, a in fed.items()}
 

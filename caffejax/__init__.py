@@ -1,9 +1,5 @@
 """caffejax: Caffe nets compiled by XLA through JAX, with pycaffe's API (``import caffejax as caffe``)."""
 
-from caffejax import xla_flags as _xla_flags
-
-_xla_flags.apply_cpu_defaults()  # before anything starts JAX's backend: XLA reads XLA_FLAGS only then
-
 from caffejax.errors import (CaffejaxError, DataError, GraphError, NumericalError, ParseError, SchemaError,
                              ShapeError, SolverError, UnsupportedError, WeightsError)
 from caffejax.grad import value_and_grad

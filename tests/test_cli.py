@@ -258,6 +258,18 @@ def test_test_averages_outputs_like_caffe(tmp_path, capsys):
     assert float(re.search(r"Loss: (\S+)", err).group(1)) == pytest.approx(mean_loss, rel=1e-4)
 
 
+def test_caffes_gpu_flag_is_accepted(tmp_path, capsys):
+    """Scripts call caffe test -gpu 0: it runs where JAX runs, saying so when there is no GPU."""
+    model = lenet_scoring_net(tmp_path / "score.prototxt")
+    status, err = run(["test", "-model", model, "-weights", LENET_WEIGHTS, "-iterations", "1", "-gpu", "0"], capsys)
+    assert status == 0, err
+    import jax
+    if jax.default_backend() != "gpu":
+        assert "-gpu 0: JAX sees no GPU" in err
+    status, err = run(["test", "-model", model, "-weights", LENET_WEIGHTS, "-gpu", "zero"], capsys)
+    assert status == 1 and error_lines(err) == [err.strip()] and "-gpu takes device ids" in err
+
+
 def test_time_reports_layers_and_whole_net(capsys):
     status, err = run(["time", "-model", LENET, "-weights", LENET_WEIGHTS, "-iterations", "1"], capsys)
     assert status == 0, err

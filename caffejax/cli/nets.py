@@ -34,6 +34,7 @@ def add_commands(commands, parents) -> None:
     p.add_argument("--devices", type=int, default=1, metavar="N",
                    help="train data-parallel on the first N devices JAX sees (default 1); each device runs the "
                         "prototxt's batch, as caffe train -gpu 0,1,... does")
+    _gpu_flag(p)
     _debug_nans_flag(p)
 
     p = command("test", test, "score a model",
@@ -44,6 +45,7 @@ def add_commands(commands, parents) -> None:
     _flag(p, "iterations", type=int, default=50, help="the number of batches to score (default 50)")
     _flag(p, "phase", type=_phase, default=1, help="TRAIN or TEST (default TEST)")
     _net_state_flags(p)
+    _gpu_flag(p)
     _debug_nans_flag(p)
 
     p = command("time", time, "benchmark model execution time",
@@ -54,6 +56,7 @@ def add_commands(commands, parents) -> None:
     _flag(p, "iterations", type=int, default=50, help="the number of timed passes (default 50)")
     _flag(p, "phase", type=_phase, default=0, help="TRAIN or TEST (default TRAIN, as Caffe)")
     _net_state_flags(p)
+    _gpu_flag(p)
 
     command("device-query", device_query, "show the devices JAX can use", aliases=["device_query"])
 
@@ -98,6 +101,42 @@ def _flag(parser, name: str, **kwargs) -> None:
 def _net_state_flags(parser) -> None:
     _flag(parser, "level", type=int, default=0, help="the net's level (default 0)")
     _flag(parser, "stage", default="", help="the net's stages, separated by ','")
+
+
+def _gpu_flag(parser) -> None:
+    _flag(parser, "gpu", type=_gpu_ids, default=None,
+          help="Caffe's device choice: '0', '0,1,...' or 'all'. caffejax runs where JAX runs (a GPU when jaxlib "
+               "has one); for train, several ids mean data-parallel training on that many devices (--devices)")
+
+
+def _gpu_ids(text: str) -> list[int] | str:
+    if text.strip().lower() == "all":
+        return "all"
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"-gpu takes device ids separated by ',' or 'all', got '{text}'") from None
+    if not ids or any(i < 0 for i in ids):
+        raise argparse.ArgumentTypeError(f"-gpu takes device ids separated by ',' or 'all', got '{text}'")
+    return ids
+
+
+def _use_gpu_flag(args) -> int:
+    """Apply -gpu as Caffe does (mode GPU, device = the first id); returns how many devices it names."""
+    from caffejax.runtime import mode
+
+    ids = getattr(args, "gpu", None)
+    if ids is None:
+        return 1
+    import jax
+
+    count = jax.device_count() if ids == "all" else len(ids)
+    mode.set_mode_gpu()
+    mode.set_device(0 if ids == "all" else ids[0])
+    if jax.default_backend() != "gpu":
+        log.warning("-gpu %s: JAX sees no GPU (backend '%s'); running on %s", ",".join(map(str, ids))
+                    if ids != "all" else "all", jax.default_backend(), jax.devices()[0].device_kind)
+    return count
 
 
 def _debug_nans_flag(parser) -> None:
@@ -151,6 +190,9 @@ def train(args) -> int:
         raise CaffejaxError("give -snapshot to resume training or -weights to finetune, but not both")
     if args.devices < 1:
         raise CaffejaxError(f"--devices must be at least 1, got {args.devices}")
+    gpus = _use_gpu_flag(args)
+    if gpus > 1 and args.devices == 1:
+        args.devices = gpus
     devices = args.devices if args.devices > 1 else None  # data-parallel, as caffe train --gpu 0,1,...
     stages = _stages(args)
     if args.level or stages:
@@ -181,6 +223,7 @@ def train(args) -> int:
 def test(args) -> int:
     """Caffe's test: forward -iterations times; log every output element per batch, then their means."""
     iterations = _positive_iterations(args)
+    _use_gpu_flag(args)
     net = _make_net(args)
     log.info("Running for %d iterations.", iterations)
     totals, loss = None, 0.0
@@ -225,6 +268,7 @@ def time(args) -> int:
     import jax
 
     iterations = _positive_iterations(args)
+    _use_gpu_flag(args)
     net = _make_net(args)
     log.info("Performing Forward")
     net.forward()  # also pulls a batch into the data layers' tops, which the timed programs then read
@@ -235,8 +279,12 @@ def time(args) -> int:
     fed = {value: net.blobs[name].data for name, value in graph.fed.items()}
     key = jax.random.key(0)
 
-    forward = jax.jit(lambda p, env, k: program.run_layers(graph.layers, p, env, k, kernels=program.kernels)[0])
-    forward_backward = jax.jit(lambda p, env, k: program.loss_and_grads(p, env, k)[:2])
+    from caffejax.runtime.xla_options import compiler_options
+
+    options = compiler_options(graph)
+    forward = jax.jit(lambda p, env, k: program.run_layers(graph.layers, p, env, k, kernels=program.kernels)[0],
+                      compiler_options=options)
+    forward_backward = jax.jit(lambda p, env, k: program.loss_and_grads(p, env, k)[:2], compiler_options=options)
     env = forward(params, fed, key)
     whole_forward = _mean_seconds(forward, (params, fed, key), iterations)
     whole_forward_backward = _mean_seconds(forward_backward, (params, fed, key), iterations)

@@ -77,6 +77,7 @@ from caffejax.errors import CaffejaxError, DataError, UnsupportedError
 from caffejax.frontend.ir import Graph
 from caffejax.lower.optimize import layout_kernels
 from caffejax.lower.program import NetProgram
+from caffejax.runtime.xla_options import compiler_options
 
 AXIS = "batch"  # the mesh axis the batch is split along
 PER_DEVICE = PartitionSpec(AXIS)
@@ -367,7 +368,8 @@ class DataParallel:
         mapped = jax.jit(jax.shard_map(
             on_device, mesh=self.mesh, check_vma=False,
             in_specs=(REPLICATED, REPLICATED, PER_DEVICE, PartitionSpec(None, AXIS), REPLICATED, REPLICATED),
-            out_specs=(REPLICATED, REPLICATED, REPLICATED, REPLICATED, PER_DEVICE, REPLICATED, REPLICATED)))
+            out_specs=(REPLICATED, REPLICATED, REPLICATED, REPLICATED, PER_DEVICE, REPLICATED, REPLICATED)),
+            compiler_options=compiler_options(one_device))
         replicas = self._replicas
 
         def run(params, history, fed, pulled, key, scalars):

@@ -29,6 +29,7 @@ from caffejax.frontend.build import build_graph
 from caffejax.frontend.ir import Graph
 from caffejax.lower.optimize import (DEFAULT_PASSES, Plan, check_passes, make_plan, optimize, prepare_params,
                                      run_plan)
+from caffejax.runtime.xla_options import compiler_options
 
 Shapes = tuple[tuple[str, tuple[int, ...]], ...]
 
@@ -81,7 +82,8 @@ class InferenceFunction:
             plan = optimize(make_plan(self._graph(dict(signature)), self._weights), self.passes)
             params = prepare_params(plan, self.dtype)
             feeds = list(plan.graph.fed.items())
-            program = self._programs[signature] = _Program(plan, params, jax.jit(_outputs_as_float32(plan)), feeds)
+            run = jax.jit(_outputs_as_float32(plan), compiler_options=compiler_options(plan.graph))
+            program = self._programs[signature] = _Program(plan, params, run, feeds)
         return program
 
     def _graph(self, shapes: Mapping[str, tuple[int, ...]]) -> Graph:

@@ -28,6 +28,7 @@ from caffejax.lower.program import NetProgram
 from caffejax.lower.registry import TRAIN, TEST, get_rule
 from caffejax.runtime import mode
 from caffejax.runtime.blob import ArraySlot, Blob
+from caffejax.runtime.xla_options import compiler_options
 
 
 class LayerView:
@@ -282,7 +283,7 @@ class Net:
             def counted(*args):
                 self.compile_count += 1
                 return build(*args)
-            fn = self._compiled[cache_key] = jax.jit(counted)
+            fn = self._compiled[cache_key] = jax.jit(counted, compiler_options=compiler_options(self._graph))
         return fn
 
     def _sync_shapes(self) -> None:

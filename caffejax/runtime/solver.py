@@ -49,6 +49,7 @@ from caffejax.proto import caffe_pb2
 from caffejax.runtime import lr_policy, mode, snapshot as snapshots
 from caffejax.runtime.distributed import DataParallel, Devices
 from caffejax.runtime.net import Net
+from caffejax.runtime.xla_options import compiler_options
 
 log = logging.getLogger("caffejax")
 
@@ -318,7 +319,9 @@ class Solver:
 
                 return counted
 
-            fn = self._programs[cache_key] = (jax.jit(counted_step(net._program)) if self._parallel is None
+            fn = self._programs[cache_key] = (jax.jit(counted_step(net._program),
+                                                      compiler_options=compiler_options(net.graph))
+                                              if self._parallel is None
                                               else self._parallel.train_step(net, counted_step))
         return fn
 
