@@ -560,3 +560,15 @@ def test_paths_are_resolved_from_the_working_directory_first(tmp_path, images, m
     net.forward()
     assert net.blobs["label"].data[0] == 1
     assert os.path.exists("db")
+
+
+def test_net_close_stops_prefetching_and_the_next_forward_starts_over(tmp_path):
+    write_images(tmp_path, 3)
+    list_file = tmp_path / "list.txt"
+    list_file.write_text("img 0.png 7\nimg 1.png 8\nimg 2.png 9\n")
+    with caffejax.Net(image_data_net(list_file, f"{tmp_path}/"), caffejax.TEST) as net:
+        first = batches(net, 2)
+        threads = [s._thread for s in net._sources.values() if hasattr(s, "_thread")]
+    assert net._sources == {} and threads and not any(t.is_alive() for t in threads)
+    np.testing.assert_array_equal(batches(net, 1)[0]["label"], first[0]["label"])  # reopened from the start
+    net.close()

@@ -324,3 +324,14 @@ def test_multistep_advances_at_most_once_per_call():
 def test_bad_solvers_are_refused_clearly(fields, message):
     with pytest.raises(caffejax.SolverError, match=message):
         caffejax.get_solver(caffe_pb2.SolverParameter(**fields))
+
+
+def test_solver_log_names_the_net_file_as_caffe_does(tmp_path, caplog):
+    (tmp_path / "net.prototxt").write_text(CLASSIFIER_NET)
+    (tmp_path / "solver.prototxt").write_text('net: "net.prototxt"\nbase_lr: 0.1\nlr_policy: "fixed"\n'
+                                              'test_iter: 1\ntest_interval: 10\nmax_iter: 1\n')
+    caplog.set_level(logging.INFO, logger="caffejax")
+    caffejax.get_solver(str(tmp_path / "solver.prototxt"))
+    messages = [r.getMessage() for r in caplog.records]
+    assert "Creating training net from net file: net.prototxt" in messages
+    assert "Creating test net (#0) specified by net file: net.prototxt" in messages

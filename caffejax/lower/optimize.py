@@ -588,7 +588,8 @@ def prepare_params(plan: Plan, dtype) -> dict[str, list[jax.Array]]:
     for name, arrays in plan.params.items():
         kernel = plan.kernels.get(name)
         prepared = kernel.prepare(arrays) if kernel is not None else arrays
-        out[name] = [jnp.asarray(a if a.dtype == dtype else a.astype(dtype)) for a in map(np.asarray, prepared)]
+        # device_put, not jnp.asarray: that one compiles a conversion per new shape (~25 ms each, cold).
+        out[name] = [jax.device_put(a if a.dtype == dtype else a.astype(dtype)) for a in map(np.asarray, prepared)]
     return out
 
 

@@ -251,11 +251,11 @@ def per_device_graph(net, shapes: Mapping[str, Sequence[int]], devices: int) -> 
     """The net's graph one device runs when the fed blobs have ``shapes`` over ``devices`` devices, and
     :func:`per_example_blobs` of it."""
     local = per_device_shapes(shapes, devices)
-    one = net._build(local)
+    one = net.graph_at(local)
     if one.concrete:
         raise UnsupportedError(f"net '{one.name}': blobs whose values decide shapes (a Filter's selector) cannot be "
                                "split over devices: each device would need its own program")
-    return one, per_example_blobs(one, net._build(twice_the_batch(local)))
+    return one, per_example_blobs(one, net.graph_at(twice_the_batch(local)))
 
 
 def _split_by_layout(blobs: Mapping[str, jax.Array], per_example: Mapping[str, bool]):

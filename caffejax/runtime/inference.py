@@ -25,7 +25,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from caffejax.errors import CaffejaxError, ShapeError
-from caffejax.frontend.build import build_graph
 from caffejax.frontend.ir import Graph
 from caffejax.lower.optimize import (DEFAULT_PASSES, Plan, check_passes, make_plan, optimize, prepare_params,
                                      run_plan)
@@ -88,13 +87,8 @@ class InferenceFunction:
 
     def _graph(self, shapes: Mapping[str, tuple[int, ...]]) -> Graph:
         """The net's graph with its inputs at ``shapes`` (Caffe's Reshape of every layer)."""
-        graph = self._net.graph
-        if all(graph.value_shapes.get(graph.fed.get(name)) == shape for name, shape in shapes.items()):
-            return graph
-        net = self._net
         try:
-            return build_graph(net._net_param, net.phase, net._level, net._stages, input_shapes=shapes,
-                               base_dir=net._base_dir, allow_python_layers=net._allow_python)
+            return self._net.graph_at(shapes)
         except ShapeError as error:
             raise ShapeError(f"compile_inference: the net does not accept inputs of shapes {dict(shapes)}: "
                              f"{error}") from None
@@ -102,7 +96,9 @@ class InferenceFunction:
 
 def _as_dtype(x, dtype):
     """An input in the compute dtype; arrays already in it go to the program as they are."""
-    return x if getattr(x, "dtype", None) == dtype else jnp.asarray(x, dtype)
+    if getattr(x, "dtype", None) == dtype:
+        return x
+    return jax.device_put(np.asarray(x, dtype)) if isinstance(x, np.ndarray) or np.isscalar(x) else jnp.asarray(x, dtype)
 
 
 def _outputs_as_float32(plan: Plan) -> Callable[..., dict[str, jax.Array]]:

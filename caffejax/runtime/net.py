@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import collections
 import os
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -104,6 +104,16 @@ class Net:
         return build_graph(self._net_param, self._phase, self._level, self._stages, input_shapes=input_shapes,
                            base_dir=self._base_dir, allow_python_layers=self._allow_python,
                            concrete_inputs=self._concrete_data())
+
+    def graph_at(self, shapes: Mapping[str, Sequence[int]]) -> Graph:
+        """The net's graph with the fed blobs named in ``shapes`` at those shapes (Caffe's Reshape of every
+        layer; the others keep theirs). The net itself is left as it is."""
+        graph = self._graph
+        shapes = {name: tuple(int(d) for d in shape) for name, shape in shapes.items()}
+        if all(graph.value_shapes.get(graph.fed.get(name)) == shape for name, shape in shapes.items()):
+            return graph
+        current = {top: self.blobs[top].shape for layer in graph.layers if layer.is_input for top in layer.tops}
+        return self._build({**current, **shapes})
 
     def _concrete_blobs(self) -> dict[str, str]:
         """The fed blobs whose values decide shapes (Filter selectors): value id -> blob name."""
@@ -314,6 +324,19 @@ class Net:
             source = self._sources[layer.name] = factory(layer.proto, self._phase, self._base_dir)
         return source
 
+    def close(self) -> None:
+        """Stop the data layers' prefetching and close their databases and files. The net stays usable: a
+        data layer opens its source again, from the start, on the next forward."""
+        sources, self._sources = self._sources, {}
+        for source in sources.values():
+            source.close()
+
+    def __enter__(self) -> "Net":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
     def set_input_arrays(self, data: np.ndarray, labels: np.ndarray) -> None:
         """pycaffe's set_input_arrays: the arrays the first layer, a MemoryData, serves batch by batch (float32,
         C-contiguous, used in place; labels 1-D or N x 1 x 1 x 1)."""
@@ -352,7 +375,7 @@ class Net:
         # Device snapshots: a deferred blob recomputes from exactly what this pass saw.
         params = jax.tree.map(jnp.asarray, self.param_arrays())
         state = self._state_feed(layers, self._state)
-        env = {v: jnp.asarray(x) for v, x in {**self._feed(layers), **state}.items()}
+        env = {v: jax.device_put(x) for v, x in {**self._feed(layers), **state}.items()}
         values, updates, loss = fn(params, env, key)
         for layer in layers:
             for value_in, value_out in zip(layer.state_in, layer.state_out):
@@ -543,7 +566,7 @@ class Net:
                         f"the file's blob is {tuple(array.shape)}, the net's is {tuple(slot.shape)}. To learn "
                         "this layer's parameters from scratch rather than copying them, rename the layer")
                 blob = self._param_blobs[slot.storage]
-                blob._data.set(jnp.asarray(np.asarray(array, self._dtype).reshape(slot.shape)))
+                blob._data.set(jax.device_put(np.asarray(array, self._dtype).reshape(slot.shape)))
 
     copy_trained_layers_from = copy_from
 

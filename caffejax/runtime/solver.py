@@ -223,7 +223,10 @@ class Solver:
             raise SolverError("SolverParameter must specify exactly one train net using one of these fields: "
                               f"net, net_param, train_net, train_net_param (found {fields or 'none'})")
         net_param, source = self._net_param(fields[0], getattr(p, fields[0]))
-        log.info("Creating training net from %s", fields[0])
+        if fields[0].endswith("_param"):
+            log.info("Creating training net specified in %s.", fields[0])
+        else:
+            log.info("Creating training net from %s file: %s", fields[0], getattr(p, fields[0]))
         return self._make_net(net_param, merged_state(TRAIN, net_param.state, p.train_state), source)
 
     def _init_test_nets(self) -> list[Net]:
@@ -246,7 +249,8 @@ class Solver:
         for i, (field, value) in enumerate(sources):
             net_param, source = self._net_param(field, value)
             states = [net_param.state] + ([p.test_state[i]] if len(p.test_state) else [])
-            log.info("Creating test net (#%d) specified by %s", i, field)
+            log.info("Creating test net (#%d) specified by %s", i,
+                     field if field.endswith("_param") else f"{field} file: {value}")
             nets.append(self._make_net(net_param, merged_state(TEST, *states), source))
         return nets
 
@@ -576,7 +580,7 @@ class Solver:
                 if array.size != math.prod(learnable.shape):
                     raise SolverError(f"{state_file}: history blob {k * n + i} has shape {array.shape}; param "
                                       f"{learnable.index} of layer '{learnable.layer}' is {learnable.shape}")
-                blobs.append(jnp.asarray(array.reshape(learnable.shape), jnp.float32))
+                blobs.append(jax.device_put(np.asarray(array, np.float32).reshape(learnable.shape)))
             history.append(tuple(blobs))
         if state.learned_net:
             self.net.copy_from(snapshots.resolve_learned_net(state.learned_net, state_file))
