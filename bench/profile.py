@@ -25,6 +25,7 @@ def profile(net_name: str, batch: int, passes, repeats: int = 5, dtype=jnp.float
     import caffejax
     from caffejax.lower.optimize import NCHW, resolve_layout, to_layout
     from caffejax.lower.registry import LayerContext, count, get_rule
+    from caffejax.runtime.xla_options import compiler_options
 
     spec = NETS[net_name]
     net = caffejax.Net(str(spec.prototxt), caffejax.TEST, **({"weights": str(spec.weights)} if spec.weights else {}))
@@ -34,6 +35,7 @@ def profile(net_name: str, batch: int, passes, repeats: int = 5, dtype=jnp.float
     shape = (batch,) + tuple(net.blobs[name].shape[1:])
     infer = caffejax.compile_inference(net, passes=passes, dtype=dtype)
     plan = infer.plan({name: shape})
+    options = compiler_options(plan.graph)  # each layer compiled as the whole program is
     params = infer._programs[infer._signature({name: shape})].params
     graph = plan.graph
     rng = np.random.default_rng(0)
@@ -51,7 +53,7 @@ def profile(net_name: str, batch: int, passes, repeats: int = 5, dtype=jnp.float
         forward = kernel.forward if kernel is not None else get_rule(layer.type).forward
         ctx = LayerContext(layer=layer.proto, phase=graph.phase, key=None, num_tops=len(layer.tops),
                            in_place=tuple(layer.in_place))
-        run = jax.jit(lambda b, p, forward=forward, ctx=ctx: forward(ctx, b, p))
+        run = jax.jit(lambda b, p, forward=forward, ctx=ctx: forward(ctx, b, p), compiler_options=options)
         blobs = params.get(layer.name, [])
         t = timed(lambda: run(bottoms, blobs), repeats, warmup=1)
         flops = 0
