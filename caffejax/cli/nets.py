@@ -267,6 +267,8 @@ def time(args) -> int:
     """Caffe's time: average forward and backward time per layer and for the whole net."""
     import jax
 
+    from caffejax.runtime.xla_options import compiler_options
+
     iterations = _positive_iterations(args)
     _use_gpu_flag(args)
     net = _make_net(args)
@@ -278,9 +280,6 @@ def time(args) -> int:
     params = net.param_arrays()
     fed = {value: net.blobs[name].data for name, value in graph.fed.items()}
     key = jax.random.key(0)
-
-    from caffejax.runtime.xla_options import compiler_options
-
     options = compiler_options(graph)
     forward = jax.jit(lambda p, env, k: program.run_layers(graph.layers, p, env, k, kernels=program.kernels)[0],
                       compiler_options=options)

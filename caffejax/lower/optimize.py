@@ -593,6 +593,41 @@ def prepare_params(plan: Plan, dtype) -> dict[str, list[jax.Array]]:
     return out
 
 
+class Layouts:
+    """Which layout each value of one program run is in (absent: Caffe's NCHW), over ``env`` (value id ->
+    array), and the moves made: a reader gets a value in its layout, each (value, layout) transpose once."""
+
+    def __init__(self, env: dict[str, jax.Array]):
+        self.env = env
+        self.layout: dict[str, str] = {}
+        self.moved: dict[tuple[str, str], jax.Array] = {}
+
+    def layout_for(self, kernel: Kernel | None, bottom_values: Sequence[str]) -> str:
+        return resolve_layout(kernel, [self.layout.get(v, NCHW) if np.ndim(self.env[v]) == 4 else None
+                                       for v in bottom_values])
+
+    def fetch(self, value: str, layout: str) -> jax.Array:
+        x, have = self.env[value], self.layout.get(value, NCHW)
+        if np.ndim(x) != 4 or have == layout:
+            return x
+        if (value, layout) not in self.moved:
+            self.moved[(value, layout)] = to_layout(x, have, layout)
+        return self.moved[(value, layout)]
+
+    def produced(self, values: Sequence[str], tops: Sequence[jax.Array], layout: str) -> None:
+        for value, top in zip(values, tops):
+            if layout != NCHW and np.ndim(top) == 4:
+                self.layout[value] = layout
+            else:
+                self.layout.pop(value, None)
+
+    def restore_caffe_layout(self) -> None:
+        """Every value back in NCHW for the caller (XLA drops the moves nobody reads)."""
+        for value in list(self.layout):
+            self.env[value] = self.fetch(value, NCHW)
+        self.layout.clear()
+
+
 def run_plan(plan: Plan, params: Mapping[str, Sequence[jax.Array]], inputs: Mapping[str, jax.Array]
              ) -> dict[str, jax.Array]:
     """The plan's forward: inputs by value id (NCHW) -> the net's outputs by blob name (NCHW).
@@ -602,27 +637,17 @@ def run_plan(plan: Plan, params: Mapping[str, Sequence[jax.Array]], inputs: Mapp
     """
     graph = plan.graph
     env: dict[str, jax.Array] = dict(inputs)
-    layouts: dict[str, str] = {v: NCHW for v in inputs}
-    moved: dict[tuple[str, str], jax.Array] = {}
+    layouts = Layouts(env)
     dtype = jnp.result_type(*inputs.values()) if inputs else jnp.float32
-
-    def fetch(value: str, layout: str) -> jax.Array:
-        x, have = env[value], layouts[value]
-        if x.ndim != 4 or have == layout:
-            return x
-        if (value, layout) not in moved:
-            moved[(value, layout)] = to_layout(x, have, layout)
-        return moved[(value, layout)]
-
-    for index, layer in enumerate(graph.layers):
+    for layer in graph.layers:
         if layer.is_input:
             continue
         kernel = plan.kernels.get(layer.name)
-        layout = resolve_layout(kernel, [layouts[v] if env[v].ndim == 4 else None for v in layer.bottom_values])
+        layout = layouts.layout_for(kernel, layer.bottom_values)
         forward = kernel.forward if kernel is not None else get_rule(layer.type).forward
         ctx = LayerContext(layer=layer.proto, phase=graph.phase, key=None, num_tops=len(layer.tops),
                            in_place=tuple(layer.in_place), dtype=dtype)
-        tops = forward(ctx, [fetch(v, layout) for v in layer.bottom_values], params.get(layer.name, []))
-        for value, top in zip(layer.top_values, tops):
-            env[value], layouts[value] = top, layout
-    return {blob: fetch(graph.blob_value[blob], NCHW) for blob in graph.outputs}
+        tops = forward(ctx, [layouts.fetch(v, layout) for v in layer.bottom_values], params.get(layer.name, []))
+        layouts.produced(layer.top_values, tops, layout)
+        env.update(zip(layer.top_values, tops))
+    return {blob: layouts.fetch(graph.blob_value[blob], NCHW) for blob in graph.outputs}

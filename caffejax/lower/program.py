@@ -3,8 +3,8 @@
 ``NetProgram(graph)`` is an interpreter over the IR, like torch.fx's: ``forward(params, inputs, key)`` runs
 every layer's rule in order on an environment of values and returns all values, plus the blobs layers
 rewrote (BatchNorm's running statistics in TRAIN). State a layer carries between forwards (RNN/LSTM's last
-hidden state) travels as values too: ``Graph.state`` maps the id a forward reads to the id it leaves. The runtime wraps it in ``jax.jit``; XLA sees the whole
-net as one program.
+hidden state) travels as values too: ``Graph.state`` maps the id a forward reads to the id it leaves. The
+runtime wraps it in ``jax.jit``; XLA sees the whole net as one program.
 
 Backward is ``jax.vjp`` of that same function, with Caffe's masks applied as ``stop_gradient``:
 a bottom with ``bottom_need_backward`` false (propagate_down: false, labels, layers not under a loss) and a
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from caffejax.frontend.ir import Graph, Layer
-from caffejax.lower.optimize import NCHW, resolve_layout, to_layout
+from caffejax.lower.optimize import Layouts
 from caffejax.lower.registry import LayerContext, get_rule
 
 Params = dict[str, list[jax.Array]]      # owner layer name -> its learnable blobs (owners only)
@@ -66,7 +66,7 @@ class NetProgram:
         dtype = _dtype_of(params, env)
         if kernels and (perturb or blob_masks):
             raise ValueError("run_layers: kernels change values' layouts; perturb and blob_masks need Caffe's")
-        layouts = _Layouts(env) if kernels else None
+        layouts = Layouts(env) if kernels else None
         for layer in layers:
             index = self.position[id(layer)]
             rule = self.rules[index]
@@ -173,42 +173,6 @@ class NetProgram:
     def layers_between(self, start: int = 0, end: int | None = None) -> list[Layer]:
         """Layers start..end inclusive, as Caffe's ForwardFromTo/BackwardFromTo count them."""
         return self.graph.layers[start: len(self.graph.layers) if end is None else end + 1]
-
-
-class _Layouts:
-    """Which layout each value of one ``run_layers`` call is in (absent: Caffe's NCHW), and the moves made."""
-
-    def __init__(self, env: dict[str, jax.Array]):
-        self.env = env
-        self.layout: dict[str, str] = {}
-        self.moved: dict[tuple[str, str], jax.Array] = {}
-
-    def layout_for(self, kernel, bottom_values: Sequence[str]) -> str:
-        if kernel is None:
-            return NCHW
-        return resolve_layout(kernel, [self.layout.get(v, NCHW) if np.ndim(self.env[v]) == 4 else None
-                                       for v in bottom_values])
-
-    def fetch(self, value: str, layout: str) -> jax.Array:
-        x, have = self.env[value], self.layout.get(value, NCHW)
-        if np.ndim(x) != 4 or have == layout:
-            return x
-        if (value, layout) not in self.moved:
-            self.moved[(value, layout)] = to_layout(x, have, layout)
-        return self.moved[(value, layout)]
-
-    def produced(self, values: Sequence[str], tops: Sequence[jax.Array], layout: str) -> None:
-        for value, top in zip(values, tops):
-            if layout != NCHW and np.ndim(top) == 4:
-                self.layout[value] = layout
-            else:
-                self.layout.pop(value, None)
-
-    def restore_caffe_layout(self) -> None:
-        """Every value back in NCHW for the caller (XLA drops the moves nobody reads)."""
-        for value in list(self.layout):
-            self.env[value] = self.fetch(value, NCHW)
-        self.layout.clear()
 
 
 def _no_gradient(x):

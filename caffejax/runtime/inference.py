@@ -98,7 +98,7 @@ def _as_dtype(x, dtype):
     """An input in the compute dtype; arrays already in it go to the program as they are."""
     if getattr(x, "dtype", None) == dtype:
         return x
-    return jax.device_put(np.asarray(x, dtype)) if isinstance(x, np.ndarray) or np.isscalar(x) else jnp.asarray(x, dtype)
+    return x.astype(dtype) if isinstance(x, jax.Array) else jax.device_put(np.asarray(x, dtype))
 
 
 def _outputs_as_float32(plan: Plan) -> Callable[..., dict[str, jax.Array]]:

@@ -112,8 +112,11 @@ class Net:
         shapes = {name: tuple(int(d) for d in shape) for name, shape in shapes.items()}
         if all(graph.value_shapes.get(graph.fed.get(name)) == shape for name, shape in shapes.items()):
             return graph
-        current = {top: self.blobs[top].shape for layer in graph.layers if layer.is_input for top in layer.tops}
-        return self._build({**current, **shapes})
+        return self._build({**self._fed_shapes(), **shapes})
+
+    def _fed_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The fed blobs' current shapes, by blob name."""
+        return {top: self.blobs[top].shape for top in self._graph.fed}
 
     def _concrete_blobs(self) -> dict[str, str]:
         """The fed blobs whose values decide shapes (Filter selectors): value id -> blob name."""
@@ -269,6 +272,15 @@ class Net:
         return {v: store[v] for layer in layers for v in layer.state_in
                 if v in store and tuple(np.shape(store[v])) == tuple(shapes[v])}
 
+    def _read_state(self, layers) -> dict[str, Any]:
+        """The carried state ``layers`` read on this pass, remembered for the backward that follows it."""
+        state = self._state_feed(layers, self._state)
+        for layer in layers:
+            for value in layer.state_in:
+                self._state_seen.pop(value, None)
+        self._state_seen.update(state)
+        return state
+
     def reset_state(self) -> None:
         """Forget the state layers carry between forwards (RNN/LSTM start again from h_0 = c_0 = 0)."""
         self._state.clear()
@@ -311,9 +323,7 @@ class Net:
 
     def reshape(self) -> None:
         """Re-infer every shape from the fed blobs' current shapes (Caffe's Net::Reshape)."""
-        shapes = {top: self.blobs[top].shape for layer in self._graph.layers if layer.is_input
-                  for top in layer.tops}
-        self._set_graph(self._build(shapes))
+        self._set_graph(self._build(self._fed_shapes()))
 
     # -- passes ---------------------------------------------------------------------------------------------
     def _data_source(self, layer):
@@ -373,16 +383,10 @@ class Net:
         key = self._next_key()
         self._last_key = key
         # Device snapshots: a deferred blob recomputes from exactly what this pass saw.
-        params = jax.tree.map(jnp.asarray, self.param_arrays())
-        state = self._state_feed(layers, self._state)
-        env = {v: jax.device_put(x) for v, x in {**self._feed(layers), **state}.items()}
+        params = jax.tree.map(jax.device_put, self.param_arrays())
+        env = {v: jax.device_put(x) for v, x in {**self._feed(layers), **self._read_state(layers)}.items()}
         values, updates, loss = fn(params, env, key)
-        for layer in layers:
-            for value_in, value_out in zip(layer.state_in, layer.state_out):
-                self._state_seen.pop(value_in, None)
-                if value_in in state:
-                    self._state_seen[value_in] = state[value_in]
-                self._state[value_in] = values[value_out]
+        self._state.update((v, values[out]) for layer in layers for v, out in zip(layer.state_in, layer.state_out))
         final = {}  # blob -> the value it holds after this pass
         for layer in layers:
             if not layer.is_input:

@@ -369,9 +369,7 @@ class Solver:
                          for top, value in zip(layer.tops, layer.top_values)}
         fed = {v: a for v, a in net._feed(graph.layers).items() if v not in pulled_values.values()}
         if self._parallel is None:  # carried layer state (RNN/LSTM's h_T) is kept per net on one device
-            state = net._state_feed(graph.layers, net._state)
-            fed.update(state)
-            net._state_seen = dict(state)
+            fed.update(net._read_state(graph.layers))
         pulled = {pulled_values[top]: array for top, array in stacked.items()}
         fn = self._step_program()
         params, history, loss, updates, blobs, state, norm = fn(net.param_arrays(), self._history, fed, pulled,
