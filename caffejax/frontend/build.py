@@ -260,6 +260,16 @@ class _Builder:
         (ResNet-152's 720 layers have 60 configurations), and each trace costs milliseconds."""
         if concrete:
             return infer_top_shapes(lp, rule, self.phase, bottom_shapes, param_shapes, num_tops, concrete=concrete)
+        if rule.top_shapes is not None:
+            try:
+                return [tuple(int(d) for d in s) for s in rule.top_shapes(lp, bottom_shapes, param_shapes, num_tops)]
+            except CaffejaxError:
+                raise
+            except Exception as e:
+                raise layer_error(ShapeError, lp.name, lp.type,
+                                  f"shapes do not fit: bottoms {[tuple(b) for b in bottom_shapes]}, learnable "
+                                  f"blobs {[tuple(s) for s in param_shapes]}: {type(e).__name__}: "
+                                  f"{_first_line(e)}") from None
         config = caffe_pb2.LayerParameter()
         config.CopyFrom(lp)
         config.ClearField("name")  # names only label errors; the wiring enters through shapes and in_place
@@ -404,11 +414,12 @@ def infer_top_shapes(lp, rule: LayerRule, phase: int, bottom_shapes, param_shape
     """
     concrete = concrete or {}
     in_place = tuple(i < len(lp.bottom) and t == lp.bottom[i] for i, t in enumerate(lp.top))
-    ctx = LayerContext(layer=lp, phase=phase, key=jax.random.key(0), num_tops=num_tops, in_place=in_place)
     bottoms = [None if j in concrete else jax.ShapeDtypeStruct(tuple(s), dtype) for j, s in enumerate(bottom_shapes)]
     params = [jax.ShapeDtypeStruct(tuple(s), dtype) for s in param_shapes]
 
     def forward(b, p):
+        # The key is made inside the trace: made outside, it would compile and run a seeding program.
+        ctx = LayerContext(layer=lp, phase=phase, key=jax.random.key(0), num_tops=num_tops, in_place=in_place)
         return list(rule.forward(ctx, [concrete[j] if j in concrete else x for j, x in enumerate(b)], p))
 
     try:

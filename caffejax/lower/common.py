@@ -409,7 +409,8 @@ def slice_(ctx: LayerContext, bottoms, params):
     return jnp.split(x, points, axis=axis)
 
 
-@layer("Split", bottoms=(1, 1), tops=(1, None), in_place=False)
+@layer("Split", bottoms=(1, 1), tops=(1, None), in_place=False,
+       top_shapes=lambda lp, bottom_shapes, param_shapes, num_tops: [tuple(bottom_shapes[0])] * num_tops)
 def split(ctx: LayerContext, bottoms, params):
     """Every top is the bottom; the bottom's diff is the sum of the tops' diffs."""
     return [bottoms[0]] * ctx.num_tops

@@ -23,6 +23,11 @@ def neuron(type_name: str, **kwargs):
     return layer(type_name, bottoms=(1, 1), tops=(1, 1), **kwargs)
 
 
+def same_shape(layer_param, bottom_shapes, param_shapes, num_tops):
+    """A NeuronLayer's Reshape: top->ReshapeLike(*bottom[0]) (for neurons whose forward checks nothing)."""
+    return [tuple(bottom_shapes[0])]
+
+
 def sigmoid(x: jax.Array) -> jax.Array:
     """Caffe's sigmoid, 0.5·tanh(0.5·x) + 0.5 (sigmoid_layer.cpp): overflow-free and what Caffe computes."""
     return 0.5 * jnp.tanh(0.5 * x) + 0.5
@@ -144,14 +149,14 @@ _replace_gradient.defvjp(
     lambda res, g: (res[0].astype(g.dtype), jnp.zeros_like(res[1]), jnp.zeros_like(res[0])))
 
 
-@neuron("ReLU")
+@neuron("ReLU", top_shapes=same_shape)
 def relu(ctx, bottoms, params):
     """y = x > 0 ? x : negative_slope·x; dy/dx = negative_slope at x == 0 (relu_layer.cpp)."""
     (x,) = bottoms
     return [leaky(x, ctx.layer.relu_param.negative_slope)]
 
 
-@neuron("Sigmoid")
+@neuron("Sigmoid", top_shapes=same_shape)
 def sigmoid_layer(ctx, bottoms, params):
     """y = 1 / (1 + e^-x)."""
     (x,) = bottoms
@@ -165,7 +170,7 @@ def swish(ctx, bottoms, params):
     return [x * sigmoid(ctx.layer.swish_param.beta * x)]
 
 
-@neuron("TanH")
+@neuron("TanH", top_shapes=same_shape)
 def tanh(ctx, bottoms, params):
     """y = tanh(x)."""
     (x,) = bottoms
@@ -181,7 +186,20 @@ def threshold(ctx, bottoms, params):
 
 # ---- Dropout ----------------------------------------------------------------------------------------------------
 
-@neuron("Dropout")
+def _dropout_ratio(layer_param) -> float:
+    ratio = layer_param.dropout_param.dropout_ratio
+    if not 0 <= ratio < 1:
+        raise layer_error(ShapeError, layer_param.name, layer_param.type,
+                          f"dropout_ratio must be in [0, 1), got {ratio}")
+    return ratio
+
+
+def _dropout_top_shapes(layer_param, bottom_shapes, param_shapes, num_tops):
+    _dropout_ratio(layer_param)
+    return same_shape(layer_param, bottom_shapes, param_shapes, num_tops)
+
+
+@neuron("Dropout", top_shapes=_dropout_top_shapes)
 def dropout(ctx, bottoms, params):
     """TRAIN: y = x · mask / (1 - r), mask ~ Bernoulli(1 - r) per element; TEST: y = x (dropout_layer.cpp).
 
@@ -191,9 +209,7 @@ def dropout(ctx, bottoms, params):
     """
     (x,) = bottoms
     p = ctx.layer.dropout_param
-    ratio = p.dropout_ratio
-    if not 0 <= ratio < 1:
-        raise ctx.error(f"dropout_ratio must be in [0, 1), got {ratio}")
+    ratio = _dropout_ratio(ctx.layer)
     scale_train = getattr(p, "scale_train", True)
     if ctx.phase == TRAIN:
         keep = jax.random.bernoulli(ctx.rng(), 1.0 - ratio, x.shape).astype(x.dtype)

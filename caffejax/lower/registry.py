@@ -84,6 +84,7 @@ ForwardFn = Callable[[LayerContext, Sequence[jax.Array], Sequence[jax.Array]], S
 ParamShapesFn = Callable[[Any, Sequence[Shape]], Sequence[Shape]]
 InitParamsFn = Callable[[Any, Sequence[Shape], jax.Array], Sequence[np.ndarray]]
 InputShapesFn = Callable[[Any, int, str | None], Sequence[Shape]]
+TopShapesFn = Callable[[Any, Sequence[Shape], Sequence[Shape], int], Sequence[Shape]]
 
 
 class DataSource(Protocol):
@@ -127,6 +128,10 @@ class LayerRule:
       constants and compiles once per distinct value.
     - ``in_place``: False where Caffe forbids top == bottom. ``frozen_params``: blobs without a ParamSpec get
       lr_mult 0, as BatchNorm's LayerSetUp adds them (its statistics are not learned by gradient).
+    - ``top_shapes(layer, bottom_shapes, param_shapes, num_tops) -> shapes``: Caffe's Reshape written out,
+      for the most common layers, so that building a net does not trace them; it must raise every error
+      ``forward`` raises for those shapes (share the checking code). Without it, the top shapes come from
+      abstract evaluation of ``forward``. ``tests/test_shape_rules.py`` checks each against that.
     - ``state_shapes(layer, bottom_shapes) -> shapes`` of non-learnable state the layer carries from one
       forward to the next (RNN/LSTM without expose_hidden copy the last h_T/c_T into h_0/c_0). The program
       passes it in as ``ctx.state`` and returns what ``ctx.update_state`` wrote; the runtime keeps it.
@@ -146,6 +151,7 @@ class LayerRule:
     in_place: bool = True
     frozen_params: bool = False  # learnable blobs default to lr_mult 0 (BatchNorm's statistics)
     state_shapes: ParamShapesFn | None = None
+    top_shapes: TopShapesFn | None = None
 
 
 _REGISTRY: dict[str, LayerRule] = {}

@@ -206,18 +206,32 @@ def _as_batched(x: jax.Array, channel_axis: int) -> jax.Array:
     return x.reshape((count(x.shape, 0, channel_axis),) + x.shape[channel_axis:])
 
 
-def _check_same_bottoms(ctx: LayerContext, bottoms: Sequence[jax.Array]) -> None:
-    if len(bottoms) != ctx.num_tops:
-        raise ctx.error(f"needs one top per bottom, got {len(bottoms)} bottoms and {ctx.num_tops} tops")
-    for i, b in enumerate(bottoms[1:], 1):
-        if b.shape != bottoms[0].shape:
-            raise ctx.error(f"shape mismatch - bottom[0]: {bottoms[0].shape} vs. bottom[{i}]: {b.shape}")
+def _conv_setup(layer_param, bottom_shapes: Sequence[Shape], param_shapes: Sequence[Shape], num_tops: int,
+                reverse: bool) -> tuple[ConvGeometry, int, int, int, Shape, Shape]:
+    """(geometry, channels, num_output, group, spatial, out) of a (De)Convolution with BaseConvolutionLayer's
+    CHECKs: one top per bottom, all bottoms alike, learnable blobs of the shapes LayerSetUp allocates."""
+    if len(bottom_shapes) != num_tops:
+        raise _fail(layer_param, f"needs one top per bottom, got {len(bottom_shapes)} bottoms and {num_tops} tops")
+    shape = tuple(bottom_shapes[0])
+    for i, b in enumerate(bottom_shapes[1:], 1):
+        if tuple(b) != shape:
+            raise _fail(layer_param, f"shape mismatch - bottom[0]: {shape} vs. bottom[{i}]: {tuple(b)}")
+    g = conv_geometry(layer_param, shape)
+    channels, num_output, group = conv_channels(layer_param, shape, g)
+    expected = _conv_param_shapes(layer_param, [shape], reverse)
+    if [tuple(p) for p in param_shapes] != [tuple(p) for p in expected]:
+        raise _fail(layer_param, f"expected learnable blobs of shapes {list(expected)}, got "
+                                 f"{[tuple(p) for p in param_shapes]}")
+    spatial = shape[g.channel_axis + 1:]
+    out = _deconv_out_shape(layer_param, g, spatial) if reverse else conv_out_shape(layer_param, g, spatial)
+    return g, channels, num_output, group, spatial, out
 
 
-def _check_params(ctx: LayerContext, params: Sequence[jax.Array], expected: Sequence[Shape]) -> None:
-    got = [tuple(p.shape) for p in params]
-    if got != [tuple(s) for s in expected]:
-        raise ctx.error(f"expected learnable blobs of shapes {list(expected)}, got {got}")
+def _conv_top_shapes(reverse: bool):
+    def top_shapes(layer_param, bottom_shapes, param_shapes, num_tops):
+        g, _, num_output, _, _, out = _conv_setup(layer_param, bottom_shapes, param_shapes, num_tops, reverse)
+        return [tuple(b[:g.channel_axis]) + (num_output,) + out for b in bottom_shapes]
+    return top_shapes
 
 
 def _add_bias(y: jax.Array, params: Sequence[jax.Array], nspatial: int) -> jax.Array:
@@ -272,16 +286,12 @@ def _depthwise(x, w, g: ConvGeometry, padding, out: Shape, channels_last: bool, 
 
 
 @layer("Convolution", param_shapes=lambda lp, shapes: _conv_param_shapes(lp, shapes, reverse=False),
-       init_params=_conv_init_params, bottoms=(1, None), tops=(1, None))
+       init_params=_conv_init_params, bottoms=(1, None), tops=(1, None), top_shapes=_conv_top_shapes(False))
 def convolution(ctx: LayerContext, bottoms, params):
     """y = W * x + b per group (cross-correlation), W: Cout x Cin/g x k..., one top per bottom."""
-    _check_same_bottoms(ctx, bottoms)
     shape = tuple(bottoms[0].shape)
-    g = conv_geometry(ctx.layer, shape)
-    _, num_output, group = conv_channels(ctx.layer, shape, g)
-    _check_params(ctx, params, _conv_param_shapes(ctx.layer, [shape], reverse=False))
-    spatial = shape[g.channel_axis + 1:]
-    out = conv_out_shape(ctx.layer, g, spatial)
+    g, _, num_output, group, spatial, out = _conv_setup(ctx.layer, [b.shape for b in bottoms],
+                                                        [p.shape for p in params], ctx.num_tops, reverse=False)
     padding = conv_padding(g, out, spatial)
     tops = []
     for x in bottoms:
@@ -293,20 +303,16 @@ def convolution(ctx: LayerContext, bottoms, params):
 
 
 @layer("Deconvolution", param_shapes=lambda lp, shapes: _conv_param_shapes(lp, shapes, reverse=True),
-       init_params=_conv_init_params, bottoms=(1, None), tops=(1, None))
+       init_params=_conv_init_params, bottoms=(1, None), tops=(1, None), top_shapes=_conv_top_shapes(True))
 def deconvolution(ctx: LayerContext, bottoms, params):
     """y = W^T x + b: the transpose of Convolution (Caffe's col2im), W: Cin x Cout/g x k...
 
     Computed as a convolution of the stride-dilated input with the spatially flipped kernel whose two channel
     axes are swapped within each group, padded by extent - 1 - p on both sides.
     """
-    _check_same_bottoms(ctx, bottoms)
     shape = tuple(bottoms[0].shape)
-    g = conv_geometry(ctx.layer, shape)
-    channels, num_output, group = conv_channels(ctx.layer, shape, g)
-    _check_params(ctx, params, _conv_param_shapes(ctx.layer, [shape], reverse=True))
-    spatial = shape[g.channel_axis + 1:]
-    out = _deconv_out_shape(ctx.layer, g, spatial)
+    g, channels, num_output, group, spatial, out = _conv_setup(
+        ctx.layer, [b.shape for b in bottoms], [p.shape for p in params], ctx.num_tops, reverse=True)
     nsp = len(spatial)
     w = params[0].reshape((group, channels // group, num_output // group) + g.kernel)
     w = jnp.swapaxes(w, 1, 2).reshape((num_output, channels // group) + g.kernel)
@@ -567,13 +573,23 @@ def _pool(ctx: LayerContext, x: jax.Array, g: PoolGeometry, key_index: int = 0,
     raise ctx.error(f"unknown pooling method {g.method}")
 
 
-@layer("Pooling", bottoms=(1, 1), tops=(1, 2))
+def _pooling_setup(layer_param, shape: Shape, num_tops: int) -> PoolGeometry:
+    g = pooling_geometry(layer_param, tuple(shape))
+    if num_tops > 1 and g.method != POOL_MAX:
+        raise _fail(layer_param, f"only MAX pooling has a second (mask) top; got {num_tops} tops")
+    return g
+
+
+def _pooling_top_shapes(layer_param, bottom_shapes, param_shapes, num_tops):
+    shape = tuple(bottom_shapes[0])
+    return [shape[:2] + _pooling_setup(layer_param, shape, num_tops).out] * num_tops
+
+
+@layer("Pooling", bottoms=(1, 1), tops=(1, 2), top_shapes=_pooling_top_shapes)
 def pooling(ctx: LayerContext, bottoms, params):
     """MAX / AVE / STOCHASTIC pooling over k x k windows; MAX may emit a second top with the argmax index."""
     (x,) = bottoms
-    g = pooling_geometry(ctx.layer, tuple(x.shape))
-    if ctx.num_tops > 1 and g.method != POOL_MAX:
-        raise ctx.error(f"only MAX pooling has a second (mask) top; got {ctx.num_tops} tops")
+    g = _pooling_setup(ctx.layer, x.shape, ctx.num_tops)
     top, mask = _pool(ctx, x, g, with_mask=ctx.num_tops > 1)
     return [top, mask][:ctx.num_tops]
 

@@ -28,6 +28,7 @@ from caffejax.errors import CaffejaxError, ShapeError
 from caffejax.frontend.ir import Graph
 from caffejax.lower.optimize import (DEFAULT_PASSES, Plan, check_passes, make_plan, optimize, prepare_params,
                                      run_plan)
+from caffejax.runtime.program_cache import compile_program
 from caffejax.runtime.xla_options import compiler_options
 
 Shapes = tuple[tuple[str, tuple[int, ...]], ...]
@@ -81,7 +82,9 @@ class InferenceFunction:
             plan = optimize(make_plan(self._graph(dict(signature)), self._weights), self.passes)
             params = prepare_params(plan, self.dtype)
             feeds = list(plan.graph.fed.items())
-            run = jax.jit(_outputs_as_float32(plan), compiler_options=compiler_options(plan.graph))
+            fed = {value: jax.ShapeDtypeStruct(plan.graph.value_shapes[value], self.dtype) for _, value in feeds}
+            run = compile_program(_outputs_as_float32(plan), (params, fed), options=compiler_options(plan.graph),
+                                  description=_describe(plan, self.passes))
             program = self._programs[signature] = _Program(plan, params, run, feeds)
         return program
 
@@ -92,6 +95,24 @@ class InferenceFunction:
         except ShapeError as error:
             raise ShapeError(f"compile_inference: the net does not accept inputs of shapes {dict(shapes)}: "
                              f"{error}") from None
+
+
+def _describe(plan: Plan, passes: Sequence[str]) -> list[bytes | str] | None:
+    """What the plan's program computes, for the program cache (None: not cacheable)."""
+    graph = plan.graph
+    if any(layer.type == "Python" for layer in graph.layers):
+        return None  # the layer's code lives outside caffejax, so no digest of ours covers it
+    parts: list[bytes | str] = ["inference", repr(tuple(passes)), repr((graph.phase, graph.outputs)),
+                                repr(sorted(graph.fed.items())), repr(sorted(graph.value_shapes.items()))]
+    for value, data in sorted(graph.concrete.items()):  # data that decided shapes enters as constants
+        parts.append(repr((value, np.asarray(data).dtype.str, np.shape(data))))
+        parts.append(np.ascontiguousarray(data).tobytes())
+    for layer in graph.layers:
+        kernel = plan.kernels.get(layer.name)
+        parts.append(repr((layer.name, layer.bottom_values, layer.top_values, layer.is_input,
+                           kernel.name if kernel is not None else None)))
+        parts.append(layer.proto.SerializeToString(deterministic=True))
+    return parts
 
 
 def _as_dtype(x, dtype):

@@ -1,0 +1,119 @@
+"""Compiled programs kept on disk, so that a new process runs a net without tracing it again.
+
+JAX's persistent compilation cache (``jax_compilation_cache_dir``) saves XLA's compile, but finds its entry
+by the lowered program: every new process still traces the net's Python and lowers it to StableHLO first,
+which for GoogLeNet costs about a second, more than loading the compiled program. Where that cache is on,
+caffejax keeps beside it, under ``caffejax-programs/``, the serialized executables of its inference programs
+keyed by what decides them, and a later process loads the executable directly:
+
+- the program: every layer of the optimised plan (its LayerParameter, wiring, kernel), every value's shape,
+  and the arguments' shapes and dtypes;
+- the code that traces it: a digest of caffejax's own source files;
+- the compiler: jax and jaxlib versions, backend and device kind, ``XLA_FLAGS``, the program's compiler
+  options and the jax settings that change lowering (x64, default matmul precision).
+
+Plans with Python layers are never cached (their code lives outside caffejax). A file that fails to load
+(another jaxlib, a truncated write) is compiled again and replaced. ``CAFFEJAX_PROGRAM_CACHE=0`` turns the
+cache off; ``CAFFEJAX_PROGRAM_CACHE=DIR`` puts it in DIR even without JAX's cache.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import pathlib
+import pickle
+from typing import Any, Callable, Mapping
+
+import jax
+
+from caffejax.fileio import atomic_write
+
+ENVIRONMENT = "CAFFEJAX_PROGRAM_CACHE"
+SUBDIRECTORY = "caffejax-programs"
+_FORMAT = b"caffejax-program-1"
+
+log = logging.getLogger(__name__)
+
+
+def cache_directory() -> pathlib.Path | None:
+    """Where programs are kept: ``$CAFFEJAX_PROGRAM_CACHE``, else beside JAX's persistent cache, else None."""
+    chosen = os.environ.get(ENVIRONMENT, "").strip()
+    if chosen.lower() in ("0", "false", "off", "no"):
+        return None
+    if chosen and chosen.lower() not in ("1", "true", "on", "yes"):
+        return pathlib.Path(chosen)
+    jax_cache = jax.config.jax_compilation_cache_dir
+    if not jax_cache or "://" in str(jax_cache):  # remote caches (gs://...) are JAX's business alone
+        return None
+    return pathlib.Path(jax_cache) / SUBDIRECTORY
+
+
+@functools.cache
+def source_digest() -> str:
+    """sha256 of every Python source file of the caffejax package: new code, new programs."""
+    package = pathlib.Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(str(path.relative_to(package)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _environment(options: Mapping[str, str]) -> list[str]:
+    import jaxlib
+
+    devices = jax.devices()
+    return [jax.__version__, jaxlib.__version__, jax.default_backend(), devices[0].device_kind,
+            str(len(devices)), os.environ.get("XLA_FLAGS", ""), repr(sorted(options.items())),
+            str(jax.config.jax_enable_x64), str(jax.config.jax_default_matmul_precision), source_digest()]
+
+
+def _avals(tree) -> str:
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return repr(treedef) + repr([(tuple(x.shape), str(x.dtype)) for x in leaves])
+
+
+def program_key(description: list[bytes | str], args: tuple, options: Mapping[str, str]) -> str:
+    """The cache key of one program: its ``description`` (what the traced function computes), the
+    arguments' shapes and dtypes, and the environment that compiles it."""
+    digest = hashlib.sha256(_FORMAT)
+    for part in [*description, _avals(args), *_environment(options)]:
+        data = part if isinstance(part, bytes) else part.encode()
+        digest.update(len(data).to_bytes(8, "little"))
+        digest.update(data)
+    return digest.hexdigest()
+
+
+def compile_program(function: Callable, args: tuple, *, options: Mapping[str, str],
+                    description: list[bytes | str] | None) -> Callable:
+    """``function`` compiled for ``args`` (arrays or ``jax.ShapeDtypeStruct``) with ``options``: loaded from
+    the program cache when it holds it, otherwise compiled (through JAX's own cache) and stored there.
+    ``description=None`` compiles without the cache."""
+    jitted = jax.jit(function, compiler_options=dict(options))
+    directory = cache_directory() if description is not None else None
+    if directory is None:
+        return jitted.lower(*args).compile()
+    from jax.experimental import serialize_executable
+
+    path = directory / f"{program_key(description, args, options)}.program"
+    if path.exists():
+        try:
+            payload, in_tree, out_tree = pickle.loads(path.read_bytes())
+            loaded = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+            log.debug("caffejax: program %s loaded from the cache", path.name)
+            return loaded
+        except Exception as error:  # another jaxlib or a damaged file: compile again, replace it
+            log.warning("caffejax: cached program %s does not load (%s: %s); compiling it again", path.name,
+                        type(error).__name__, error)
+    compiled = jitted.lower(*args).compile()
+    log.debug("caffejax: program %s compiled", path.name)
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        atomic_write(path, pickle.dumps(serialize_executable.serialize(compiled)))
+    except Exception as error:  # a full disk or a read-only cache costs the next start, never this one
+        log.warning("caffejax: could not keep the compiled program in %s (%s: %s)", directory,
+                    type(error).__name__, error)
+    return compiled

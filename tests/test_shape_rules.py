@@ -1,0 +1,96 @@
+"""Written-out shape rules (``LayerRule.top_shapes``) agree with abstract evaluation of the layer's forward.
+
+Building a net uses a rule's ``top_shapes`` where it has one instead of tracing its forward. Each such rule is
+checked here against ``jax.eval_shape`` of the forward on every layer of the published nets (at two batch
+sizes) and on configurations Caffe rejects, where both must raise the same error.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import caffejax
+from caffejax.errors import ShapeError
+from caffejax.frontend.build import infer_top_shapes
+from caffejax.lower.registry import TEST, get_rule, registered_types
+from caffejax.proto import caffe_pb2
+from google.protobuf import text_format
+from conftest import BUNDLED, MODELS
+
+NETS = {
+    "lenet": BUNDLED / "lenet/lenet.prototxt",
+    "googlenet": MODELS / "bvlc/models/bvlc_googlenet/deploy.prototxt",
+    "resnet50": MODELS / "resnet/ResNet-50-deploy.prototxt",
+    "mobilenet_v2": MODELS / "mobilenet/mobilenet_v2_deploy.prototxt",
+    "squeezenet": MODELS / "squeezenet/v1.1/deploy.prototxt",
+    "fcn8s": MODELS / "fcn/voc-fcn8s/deploy.prototxt",  # Deconvolution, Crop
+    "inception_v3": MODELS / "soeaver/deploy_inception-v3.prototxt",  # asymmetric kernels and pads
+}
+WITH_RULES = [t for t in registered_types() if get_rule(t).top_shapes is not None]
+
+
+def test_the_common_layers_have_written_rules():
+    assert {"Convolution", "Deconvolution", "Pooling", "ReLU", "Sigmoid", "TanH", "Dropout",
+            "Split"} <= set(WITH_RULES)
+
+
+def _both(layer_param, bottom_shapes, param_shapes, num_tops):
+    rule = get_rule(layer_param.type)
+    written = [tuple(s) for s in rule.top_shapes(layer_param, bottom_shapes, param_shapes, num_tops)]
+    traced = infer_top_shapes(layer_param, rule, TEST, bottom_shapes, param_shapes, num_tops)
+    return written, traced
+
+
+@pytest.mark.parametrize("name", list(NETS))
+def test_written_rules_match_the_traced_forward(name):
+    net = caffejax.Net(str(NETS[name]), caffejax.TEST)
+    data = net.inputs[0]
+    checked = 0
+    for batch in (1, 3):
+        graph = net.graph_at({data: (batch,) + tuple(net.blobs[data].shape[1:])})
+        for layer in graph.layers:
+            if layer.is_input or get_rule(layer.type).top_shapes is None:
+                continue
+            bottoms = [graph.value_shapes[v] for v in layer.bottom_values]
+            params = [slot.shape for slot in layer.params]
+            written, traced = _both(layer.proto, bottoms, params, len(layer.tops))
+            assert written == traced, (layer.name, bottoms)
+            assert written == [graph.value_shapes[v] for v in layer.top_values]
+            checked += 1
+    assert checked > 0
+
+
+def _layer(text: str) -> caffe_pb2.LayerParameter:
+    return text_format.Parse(text, caffe_pb2.LayerParameter())
+
+
+BAD = [
+    ('name: "c" type: "Convolution" convolution_param { num_output: 4 kernel_size: 9 }', [(1, 3, 5, 5)],
+     [(4, 3, 9, 9), (4,)], 1),                                   # kernel larger than the input
+    ('name: "c" type: "Convolution" convolution_param { num_output: 4 kernel_size: 3 group: 2 }', [(1, 3, 5, 5)],
+     [(4, 1, 3, 3), (4,)], 1),                                   # channels not divisible by group
+    ('name: "c" type: "Convolution" convolution_param { num_output: 4 kernel_size: 3 }', [(1, 3, 5, 5)],
+     [(4, 2, 3, 3), (4,)], 1),                                   # wrong learnable blob
+    ('name: "c" type: "Convolution" convolution_param { num_output: 4 kernel_size: 3 }',
+     [(1, 3, 5, 5), (1, 3, 6, 6)], [(4, 3, 3, 3), (4,)], 2),     # bottoms of different shapes
+    ('name: "c" type: "Convolution" convolution_param { num_output: 4 kernel_size: 3 }', [(1, 3, 5, 5)],
+     [(4, 3, 3, 3), (4,)], 2),                                   # tops != bottoms
+    ('name: "d" type: "Deconvolution" convolution_param { num_output: 4 kernel_size: 1 pad: 2 }',
+     [(1, 3, 2, 2)], [(3, 4, 1, 1), (4,)], 1),                   # empty output
+    ('name: "p" type: "Pooling" pooling_param { pool: AVE kernel_size: 2 }', [(1, 3, 5, 5)], [], 2),  # mask top
+    ('name: "p" type: "Pooling" pooling_param { kernel_size: 7 }', [(1, 3, 5, 5)], [], 1),
+    ('name: "p" type: "Pooling" pooling_param { kernel_size: 3 pad: 3 }', [(1, 3, 5, 5)], [], 1),
+    ('name: "p" type: "Pooling" pooling_param { kernel_size: 2 }', [(3, 5, 5)], [], 1),
+    ('name: "r" type: "Dropout" dropout_param { dropout_ratio: 1.0 }', [(2, 3)], [], 1),
+]
+
+
+@pytest.mark.parametrize("text, bottoms, params, num_tops", BAD)
+def test_written_rules_raise_what_the_forward_raises(text, bottoms, params, num_tops):
+    lp = _layer(text)
+    rule = get_rule(lp.type)
+    with pytest.raises(ShapeError) as written:
+        rule.top_shapes(lp, bottoms, params, num_tops)
+    with pytest.raises(ShapeError) as traced:
+        infer_top_shapes(lp, rule, TEST, bottoms, params, num_tops)
+    assert str(written.value) == str(traced.value)
