@@ -246,6 +246,19 @@ class Grows(Scale):
 class Fails(caffejax.Layer):
     def setup(self, bottom, top):
         raise ValueError("bad param_str")
+
+
+class FailsLater(Scale):
+    def forward(self, bottom, top):
+        raise KeyError("no such row")
+
+    def backward(self, top, propagate_down, bottom):
+        raise ZeroDivisionError("in backward")
+
+
+class BackwardFails(Scale):
+    def backward(self, top, propagate_down, bottom):
+        raise ZeroDivisionError("in backward")
 '''
 
 
@@ -282,5 +295,25 @@ def test_python_layer_failures_name_the_layer(layers_module):
     with pytest.raises(caffejax.GraphError, match="has no layer class 'Nope'"):
         caffejax.Net(_input(2) + _python_layer("n", "Nope", ["x"], "y"), caffejax.TEST, allow_python_layers=True)
     net = caffejax.Net(_input(2) + _python_layer("g", "Grows", ["x"], "y"), caffejax.TEST, allow_python_layers=True)
-    with pytest.raises(Exception, match="its forward changed the top shapes to \\[\\(7,\\)\\]"):
+    with pytest.raises(caffejax.ShapeError, match="layer 'g' \\(type Python\\): its forward changed the top "
+                                                  "shapes to \\[\\(7,\\)\\]"):
         net.forward(x=np.ones(2, np.float32))
+
+
+def test_python_layer_failures_inside_the_program_are_the_layers_typed_errors(layers_module):
+    """JAX reports a host callback's failure as its own runtime error; the user gets the layer's error."""
+    net = caffejax.Net(_input(2) + _python_layer("f", "FailsLater", ["x"], "y"), caffejax.TEST,
+                       allow_python_layers=True)
+    with pytest.raises(caffejax.GraphError, match="layer 'f' \\(type Python\\): the Python layer's forward "
+                                                  "failed: KeyError") as raised:
+        net.forward(x=np.ones(2, np.float32))
+    assert isinstance(raised.value.__cause__, jax.errors.JaxRuntimeError)
+    with pytest.raises(caffejax.GraphError, match="layer 'f' \\(type Python\\): the Python layer's forward"):
+        caffejax.compile_inference(net)({"x": np.ones(2, np.float32)})
+    text = "force_backward: true\n" + _input(2) + _python_layer("b", "BackwardFails", ["x"], "y")
+    net = caffejax.Net(text, caffejax.TEST, allow_python_layers=True)
+    net.forward(x=np.ones(2, np.float32))
+    with pytest.raises(caffejax.GraphError, match="layer 'b' \\(type Python\\): the Python layer's backward "
+                                                  "failed: ZeroDivisionError: in backward"):
+        net.backward(y=np.ones(2, np.float32))
+    net.forward(x=np.ones(2, np.float32))  # nothing left behind: the next pass runs

@@ -10,7 +10,8 @@ this rule run, and it runs the layer as pycaffe does:
   after ``reshape`` are the layer's top shapes: the compiled program has fixed shapes.
 - In the program, forward is a ``jax.pure_callback`` to ``reshape`` + ``forward`` on host copies of the
   bottoms; backward (a ``jax.custom_vjp``) is a callback to the layer's ``backward(top, propagate_down,
-  bottom)``, which fills the bottoms' diffs.
+  bottom)``, which fills the bottoms' diffs. JAX reports a failure inside a callback as its own runtime
+  error; programs run inside :func:`host_failures`, which raises the layer's typed error instead.
 
 One layer object serves every net built from the same layer definition in the same phase (Caffe makes one per
 net): layers that keep state between calls, such as Python data layers, see all those nets' calls. Learnable
@@ -19,7 +20,9 @@ blobs of Python layers (``self.blobs``) are not supported.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import importlib
 from typing import Any, Callable, Sequence
 
@@ -65,6 +68,7 @@ class _Instance:
 
     obj: Any
     top_shapes: dict[tuple[Shape, ...], list[Shape]] = dataclasses.field(default_factory=dict)
+    failure: CaffejaxError | None = None  # raised on the host inside a program; host_failures re-raises it
 
 
 # (phase, serialized LayerParameter) -> the layer object: part of the layer registry's state, see the docstring.
@@ -81,7 +85,7 @@ def python(ctx: LayerContext, bottoms, params):
     if len(top_shapes) != ctx.num_tops:
         raise ctx.error(f"the layer's reshape gave {len(top_shapes)} tops, the prototxt names {ctx.num_tops}",
                         GraphError)
-    return _on_host(ctx, instance.obj, top_shapes, dtype, bottoms)
+    return _on_host(ctx, instance, top_shapes, dtype, bottoms)
 
 
 def _instance(ctx: LayerContext) -> _Instance:
@@ -123,11 +127,38 @@ def _top_shapes(ctx: LayerContext, instance: _Instance, bottom_shapes: tuple[Sha
     return shapes
 
 
-def _on_host(ctx: LayerContext, obj, top_shapes: list[Shape], dtype, bottoms: Sequence[jax.Array]):
-    """The tops of ``obj`` on ``bottoms``: a host callback, differentiable through the layer's backward."""
-    name, type_name = ctx.name, ctx.type
+@contextlib.contextmanager
+def host_failures():
+    """Run compiled programs inside this: a Python layer's failure on the host, which JAX reports as a
+    JaxRuntimeError around the traceback, comes out as the typed error naming the layer (JAX's as cause)."""
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as error:
+        failures = [instance.failure for instance in _INSTANCES.values() if instance.failure is not None]
+        for instance in _INSTANCES.values():
+            instance.failure = None
+        if not failures:
+            raise
+        raise failures[0] from error
+
+
+def _recording(instance: _Instance, fn: Callable) -> Callable:
+    """``fn`` as a host callback: its typed failure is kept on the instance for host_failures."""
+    def run(*arrays):
+        try:
+            return fn(*arrays)
+        except CaffejaxError as error:
+            instance.failure = error
+            raise
+    return run
+
+
+def _on_host(ctx: LayerContext, instance: _Instance, top_shapes: list[Shape], dtype, bottoms: Sequence[jax.Array]):
+    """The tops of the layer on ``bottoms``: a host callback, differentiable through the layer's backward."""
+    name, type_name, obj = ctx.name, ctx.type, instance.obj
     top_types = tuple(jax.ShapeDtypeStruct(shape, dtype) for shape in top_shapes)
 
+    @functools.partial(_recording, instance)
     def forward_on_host(*arrays):
         bottom = [_holding(a, dtype) for a in arrays]
         top = [Blob(shape, dtype) for shape in top_shapes]
@@ -140,6 +171,7 @@ def _on_host(ctx: LayerContext, obj, top_shapes: list[Shape], dtype, bottoms: Se
     if not bottoms:
         return list(jax.pure_callback(forward_on_host, top_types))
 
+    @functools.partial(_recording, instance)
     def backward_on_host(*arrays):
         n = len(bottoms)
         xs, ys, gs = arrays[:n], arrays[n:n + len(top_shapes)], arrays[n + len(top_shapes):]

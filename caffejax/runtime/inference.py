@@ -28,6 +28,7 @@ from caffejax.errors import CaffejaxError, ShapeError
 from caffejax.frontend.ir import Graph
 from caffejax.lower.optimize import (DEFAULT_PASSES, Plan, check_passes, make_plan, optimize, prepare_params,
                                      run_plan)
+from caffejax.lower.python_layer import host_failures
 from caffejax.runtime.program_cache import compile_program
 from caffejax.runtime.xla_options import compiler_options
 
@@ -71,7 +72,8 @@ class InferenceFunction:
             raise CaffejaxError(f"inputs {sorted(inputs)} do not match the net's inputs {self.inputs}")
         program = self._program(self._signature({name: np.shape(x) for name, x in inputs.items()}))
         fed = {value: _as_dtype(inputs[blob], self.dtype) for blob, value in program.feeds}
-        return program.run(program.params, fed)
+        with host_failures():
+            return program.run(program.params, fed)
 
     def _signature(self, shapes: Mapping[str, Sequence[int]]) -> Shapes:
         return tuple((name, tuple(int(d) for d in shapes[name])) for name in sorted(shapes))

@@ -25,6 +25,7 @@ from caffejax.frontend.ir import Graph
 from caffejax.lower.fillers import HostKey, fold_in
 from caffejax.lower.optimize import layout_kernels
 from caffejax.lower.program import NetProgram
+from caffejax.lower.python_layer import host_failures
 from caffejax.lower.registry import TRAIN, TEST, get_rule
 from caffejax.runtime import mode
 from caffejax.runtime.blob import ArraySlot, Blob
@@ -433,7 +434,8 @@ class Net:
                         raise ShapeError(f"input '{name}' has shape {array.shape}; the net expects "
                                          f"{self.blobs[name].shape} (reshape the blob first)")
                 self.blobs[name].data[...] = array
-        self._last_loss = self._forward(start_ind, end_ind)
+        with host_failures():
+            self._last_loss = self._forward(start_ind, end_ind)
         if self.debug_nans:
             self._check_finite(outputs)
         return {name: self.blobs[name].data for name in outputs}
@@ -494,7 +496,8 @@ class Net:
                 if diff.shape[:1] != self.blobs[name].shape[:1]:
                     raise ShapeError(f"diff for '{name}' has shape {diff.shape}; the blob is {self.blobs[name].shape}")
                 self.blobs[name].diff[...] = diff
-        self._backward(start_ind, end_ind)
+        with host_failures():
+            self._backward(start_ind, end_ind)
         return {name: self.blobs[name].diff for name in outputs}
 
     def _batches(self, arrays: dict[str, np.ndarray]):

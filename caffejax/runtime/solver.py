@@ -44,6 +44,7 @@ from caffejax.frontend.build import load_net_param
 from caffejax.frontend.ir import Graph
 from caffejax.frontend.prototxt import locate_layer_error, locate_solver_error, parse_solver_text
 from caffejax.frontend.upgrade import upgrade_solver_as_needed
+from caffejax.lower.python_layer import host_failures
 from caffejax.lower.registry import TEST, TRAIN, get_rule
 from caffejax.proto import caffe_pb2
 from caffejax.runtime import lr_policy, mode, snapshot as snapshots
@@ -419,7 +420,10 @@ class Solver:
                 self.test_all()
             rate = self._learning_rate()
             start_params = self.net.param_arrays() if self.debug_nans else None
-            loss, norm = self._train_iteration(rate)
+            with host_failures():
+                loss, norm = self._train_iteration(rate)
+                if any(layer.type == "Python" for layer in self.net.graph.layers):
+                    jax.block_until_ready(loss)  # a Python layer's failure surfaces here, as its typed error
             if self.debug_nans:
                 self._check_finite(loss, start_params)
             self._losses.append(loss)
