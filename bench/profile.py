@@ -3,6 +3,7 @@
     python -m bench.profile resnet50 --batch 16                 # the default passes
     python -m bench.profile resnet50 --batch 16 --passes none   # Caffe's rules as Net.forward runs them
     python -m bench.profile googlenet --passes fold_batchnorm,nhwc --top 20
+    python -m bench.profile mobilenet_v2 --batch 16 --train  # the training step: forward and backward
 
 Each layer runs its chosen kernel (or Caffe's rule) on random inputs of its real shapes and layouts, so
 the sum is an upper bound of the whole program (XLA fuses across layers there). Prints the slowest layers,
@@ -68,20 +69,80 @@ def profile(net_name: str, batch: int, passes, repeats: int = 5, dtype=jnp.float
     return rows
 
 
+def profile_training(net_name: str, batch: int, repeats: int = 5) -> list[dict]:
+    """Every layer of the training step (TRAIN phase, the kernels Net and the solvers run), timed alone: its
+    forward, and its forward + backward (``jax.vjp`` pulled back on a random top diff), jitted on real shapes."""
+    import caffejax
+    from bench.nets import training_net_param
+    from caffejax.lower.optimize import NCHW, layout_kernels, make_plan, resolve_layout, to_layout
+    from caffejax.lower.registry import LayerContext, get_rule
+    from caffejax.runtime.xla_options import compiler_options
+
+    spec = NETS[net_name]
+    net = caffejax.Net(training_net_param(spec.prototxt, batch), caffejax.TRAIN)
+    randomize_weights(net)
+    graph = net.graph
+    kernels = layout_kernels(graph)
+    params = make_plan(graph, net.param_arrays()).params
+    options = compiler_options(graph)
+    rng = np.random.default_rng(0)
+    layouts, rows = {}, []
+    for layer in graph.layers:
+        if layer.is_input:
+            layouts.update((v, NCHW) for v in layer.top_values)
+            continue
+        kernel = kernels.get(layer.name)
+        layout = resolve_layout(kernel, [layouts[v] if len(graph.value_shapes[v]) == 4 else None
+                                         for v in layer.bottom_values])
+        layouts.update((v, layout) for v in layer.top_values)
+        if not layer.need_backward:
+            continue
+        bottoms = [to_layout(jnp.asarray(rng.random(graph.value_shapes[v], dtype=np.float32)), NCHW, layout)
+                   for v in layer.bottom_values]
+        forward = kernel.forward if kernel is not None else get_rule(layer.type).forward
+        ctx = LayerContext(layer=layer.proto, phase=graph.phase, key=jax.random.key(0), num_tops=len(layer.tops),
+                           in_place=tuple(layer.in_place))
+        blobs = [jnp.asarray(a) for a in params.get(layer.name, [])]
+
+        prepare = kernel.prepare if kernel is not None else list
+
+        def f(b, p, forward=forward, ctx=ctx, prepare=prepare):  # weights laid out inside, as NetProgram does
+            return list(forward(ctx, b, prepare(p)))
+
+        tops = jax.eval_shape(f, bottoms, blobs)
+        diffs = [jnp.asarray(rng.random(t.shape, dtype=np.float32)) for t in tops]
+        run_forward = jax.jit(f, compiler_options=options)
+        run_both = jax.jit(lambda b, p, g, f=f: jax.vjp(f, b, p)[1](g), compiler_options=options)
+        fwd = timed(lambda: run_forward(bottoms, blobs), repeats, warmup=1)["median_ms"]
+        both = timed(lambda: run_both(bottoms, blobs, diffs), repeats, warmup=1)["median_ms"]
+        rows.append({"layer": layer.name, "type": layer.type, "kernel": kernel.name if kernel else f"caffe:{layer.type}",
+                     "shape": graph.value_shapes[layer.bottom_values[0]] if layer.bottom_values else (),
+                     "fwd_ms": fwd, "ms": both, "bwd_ms": max(both - fwd, 0.0), "gflops": None})
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("net", choices=list(NETS))
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--passes", default=None, help="comma-separated passes, 'none' for Caffe's rules")
     parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--train", action="store_true",
+                        help="the training step's layers: forward and forward + backward (ms = both)")
     parser.add_argument("--top", type=int, default=15)
     args = parser.parse_args(argv)
     from caffejax.lower.optimize import DEFAULT_PASSES
 
     passes = DEFAULT_PASSES if args.passes is None else (() if args.passes == "none" else tuple(args.passes.split(",")))
-    rows = profile(args.net, args.batch, passes, dtype=jnp.bfloat16 if args.bf16 else jnp.float32)
-    total = sum(r["ms"] for r in rows)
-    print(f"{args.net} batch {args.batch}, passes {','.join(passes) or 'none'}: sum of layers {total:.1f} ms")
+    if args.train:
+        rows = profile_training(args.net, args.batch)
+        total = sum(r["ms"] for r in rows)
+        print(f"{args.net} batch {args.batch}, training step: sum of layers' forward + backward {total:.1f} ms "
+              f"(forward {sum(r['fwd_ms'] for r in rows):.1f} ms)")
+    else:
+        rows = profile(args.net, args.batch, passes, dtype=jnp.bfloat16 if args.bf16 else jnp.float32)
+        total = sum(r["ms"] for r in rows)
+        print(f"{args.net} batch {args.batch}, passes {','.join(passes) or 'none'}: sum of layers {total:.1f} ms")
     by_kernel: dict[str, list[float]] = {}
     for r in rows:
         by_kernel.setdefault(r["kernel"], []).append(r["ms"])
@@ -90,7 +151,8 @@ def main(argv=None) -> int:
     print(f"slowest {args.top}:")
     for r in sorted(rows, key=lambda r: -r["ms"])[:args.top]:
         gf = f"{r['gflops']:6.0f} GFLOP/s" if r["gflops"] else ""
-        print(f"  {r['ms']:8.2f} ms  {r['layer']:28s} {r['kernel']:24s} {str(tuple(r['shape'])):22s} {gf}")
+        split = f"(fwd {r['fwd_ms']:7.2f}, bwd {r['bwd_ms']:7.2f})" if "fwd_ms" in r else ""
+        print(f"  {r['ms']:8.2f} ms  {r['layer']:28s} {r['kernel']:24s} {str(tuple(r['shape'])):22s} {gf}{split}")
     return 0
 
 

@@ -144,6 +144,10 @@ POOL_CONFIGS = [
     ((2, 3), (1, 2), (1, 0), "CEIL", (5, 7)),
     ((3, 2), (2, 3), (2, 1), "FLOOR", (9, 7)),
     ((4, 4), (3, 3), (1, 1), "CEIL", (10, 11)),
+    # stride 1: the separable scan (rows, then the rows' winners)
+    ((3, 3), (1, 1), (1, 1), "CEIL", (6, 7)),
+    ((2, 3), (1, 1), (0, 1), "FLOOR", (5, 6)),
+    ((3, 2), (1, 1), (0, 0), "CEIL", (4, 5)),
 ]
 
 
@@ -167,7 +171,10 @@ def test_max_pool_ties_mask_and_gradient_follow_caffe(kernel, stride, pad, round
     np.testing.assert_array_equal(np.asarray(mask), ref_mask)
     dy = rng.normal(size=y.shape).astype(np.float32)
     _, (dx,), _ = layer_vjp(_pool_layer("MAX", kernel, stride, pad, round_mode), [x], [dy])
-    np.testing.assert_allclose(np.asarray(dx), caffe_max_pool_backward(x.shape, ref_mask, dy), rtol=1e-6)
+    # Routing is exact (the mask above); where overlapping windows send several diffs to one element, the
+    # separable scan adds them in another order than Caffe's loop: float32 rounding, hence the atol.
+    np.testing.assert_allclose(np.asarray(dx), caffe_max_pool_backward(x.shape, ref_mask, dy), rtol=1e-6,
+                               atol=1e-6)
 
 
 def test_max_pool_mask_top_gets_no_gradient():
@@ -193,6 +200,16 @@ def test_max_pool_skips_nan_like_caffe_strict_greater():
     x = np.array([[[[np.nan, 1.0], [3.0, np.nan]]]], np.float32)
     y, mask = layer_forward(_pool_layer("MAX", (2, 2), (2, 2), (0, 0), "CEIL", tops=("y", "mask")), [x])
     assert float(y[0, 0, 0, 0]) == 3.0 and float(mask[0, 0, 0, 0]) == 2
+
+
+@pytest.mark.parametrize("stride", [(2, 2), (1, 1)])
+def test_max_pool_nan_and_minus_inf_windows_in_either_scan(stride):
+    x = np.array([[[[np.nan, 1.0, -np.inf], [3.0, np.nan, -np.inf], [-np.inf, -np.inf, -np.inf]]]], np.float32)
+    y, mask = layer_forward(_pool_layer("MAX", (2, 2), stride, (0, 0), "FLOOR", tops=("y", "mask")), [x])
+    assert float(y[0, 0, 0, 0]) == 3.0 and float(mask[0, 0, 0, 0]) == 3
+    if stride == (1, 1):
+        np.testing.assert_array_equal(np.asarray(y)[0, 0], [[3.0, 1.0], [3.0, -np.finfo(np.float32).max]])
+        np.testing.assert_array_equal(np.asarray(mask)[0, 0], [[3, 1], [3, -1]])
 
 
 def test_max_pool_window_below_minus_flt_max_keeps_caffe_initial_value():
