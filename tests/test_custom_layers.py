@@ -51,6 +51,21 @@ def test_register_layer_adds_a_pure_jax_layer(isolated_registry):
     np.testing.assert_allclose(net.params["sq"][0].diff, (x * x).sum(0))
 
 
+def test_nets_with_registered_rules_stay_out_of_the_program_cache(isolated_registry, tmp_path, monkeypatch):
+    """The program cache's key digests caffejax's source, not the user's rule: such programs are not kept."""
+    from caffejax.runtime import program_cache
+
+    monkeypatch.setenv(program_cache.ENVIRONMENT, str(tmp_path))
+    caffejax.register_layer("ScaledSquare", _scaled_square, param_shapes=lambda layer, shapes: [shapes[0][1:]],
+                             bottoms=(1, 1), tops=(1, 1))
+    net = caffejax.Net(_input(2, 3) + 'layer { name: "sq" type: "ScaledSquare" bottom: "x" top: "y" }',
+                       caffejax.TEST)
+    caffejax.compile_inference(net)({"x": np.ones((2, 3), np.float32)})
+    plain = caffejax.Net(_input(2, 3) + 'layer { name: "r" type: "ReLU" bottom: "x" top: "y" }', caffejax.TEST)
+    caffejax.compile_inference(plain)({"x": np.ones((2, 3), np.float32)})
+    assert len(list(tmp_path.glob("*.program"))) == 1  # the ReLU net's only
+
+
 def test_register_layer_refuses_what_it_should(isolated_registry):
     with pytest.raises(caffejax.SchemaError, match="'ReLU' is a BVLC Caffe layer type; pass override=True"):
         caffejax.register_layer("ReLU", _scaled_square)

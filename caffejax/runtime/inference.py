@@ -29,6 +29,7 @@ from caffejax.frontend.ir import Graph
 from caffejax.lower.optimize import (DEFAULT_PASSES, Plan, check_passes, make_plan, optimize, prepare_params,
                                      run_plan)
 from caffejax.lower.python_layer import host_failures
+from caffejax.lower.registry import get_rule
 from caffejax.runtime.program_cache import compile_program
 from caffejax.runtime.xla_options import compiler_options
 
@@ -102,8 +103,9 @@ class InferenceFunction:
 def _describe(plan: Plan, passes: Sequence[str]) -> list[bytes | str] | None:
     """What the plan's program computes, for the program cache (None: not cacheable)."""
     graph = plan.graph
-    if any(layer.type == "Python" for layer in graph.layers):
-        return None  # the layer's code lives outside caffejax, so no digest of ours covers it
+    if any(layer.type == "Python" or not get_rule(layer.type).forward.__module__.startswith("caffejax.")
+           for layer in graph.layers):
+        return None  # Python layers and rules registered by the user: code no digest of caffejax's covers
     parts: list[bytes | str] = ["inference", repr(tuple(passes)), repr((graph.phase, graph.outputs)),
                                 repr(sorted(graph.fed.items())), repr(sorted(graph.value_shapes.items()))]
     for value, data in sorted(graph.concrete.items()):  # data that decided shapes enters as constants
