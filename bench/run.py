@@ -10,7 +10,8 @@ its opt-in bf16 mode (speed, and top-1 agreement with fp32 on the same random in
 ``cv2.dnn`` forward on the same prototxt and caffemodel, caffemodel load speed, and, in fresh processes, the
 cold compile and the warm start from JAX's persistent compilation cache with the peak RSS. Achieved GFLOP/s
 (direct convolutions + inner products, counted from the IR) are set against a GEMM measured in the same run.
-Times are the median of ``--repeats`` (>= 5) runs after two warm-up runs; the minimum is recorded too.
+Times are the median of ``--repeats`` (>= 5) runs after two warm-up runs (forwards: and of at least one
+second of runs); the minimum is recorded too.
 Prints a table of ratios and writes JSON to bench/results/.
 """
 
@@ -41,6 +42,7 @@ TARGET_FWD_RATIO = {1: 1.2, 16: 1.0}     # caffejax / OpenCV forward
 TARGET_TRAIN_RATIO = 0.5                 # train step / Caffe fwd+bwd, batch 16
 TARGET_GEMM_FRACTION = 0.6               # ResNet-50 batch 16 forward GFLOP/s / in-run GEMM
 TARGET_COLD_S, TARGET_WARM_S = 10.0, 1.0
+FORWARD_MIN_SECONDS = 1.0  # forwards (caffejax, bf16, OpenCV alike) are timed for at least this long
 TARGET_LOAD_GBS = 1.0
 TARGET_BF16_SPEEDUP, TARGET_BF16_TOP1 = 1.5, 0.99
 
@@ -145,7 +147,7 @@ def bench_batch(spec: BenchNet, net, weights: pathlib.Path, batch: int, repeats:
 
     infer = caffejax.compile_inference(net)
     fp32, out["compile_in_process_s"] = once(lambda: infer({name: x}))
-    out["fwd"] = timed(lambda: infer({name: x}), repeats)
+    out["fwd"] = timed(lambda: infer({name: x}), repeats, min_seconds=FORWARD_MIN_SECONDS)
     plan = infer.plan({name: shape})
     flops = model_flops(plan.graph)  # folding BatchNorm leaves the convolutions' shapes as they were
     out["gflop"] = flops / 1e9
@@ -156,7 +158,7 @@ def bench_batch(spec: BenchNet, net, weights: pathlib.Path, batch: int, repeats:
     if not args.no_bf16:
         infer16 = caffejax.compile_inference(net, dtype=jnp.bfloat16)
         bf16, _ = once(lambda: infer16({name: x}))
-        out["bf16"] = timed(lambda: infer16({name: x}), repeats)
+        out["bf16"] = timed(lambda: infer16({name: x}), repeats, min_seconds=FORWARD_MIN_SECONDS)
         out["bf16"].update(_agreement(fp32, bf16))
         line += f", bf16 {out['bf16']['median_ms']:.1f} ms (top-1 {out['bf16']['top1_agree']}/{batch})"
         del infer16
@@ -214,7 +216,7 @@ def opencv_forward(spec: BenchNet, weights: pathlib.Path, x: np.ndarray, repeats
         return dnn.forward()
 
     output = forward()
-    result = timed(forward, repeats)
+    result = timed(forward, repeats, min_seconds=FORWARD_MIN_SECONDS)
     result.update(version=cv2.__version__, threads=cv2.getNumThreads(), output=np.asarray(output))
     return result
 
