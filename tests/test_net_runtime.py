@@ -170,3 +170,19 @@ def test_backward_seeds_loss_weight_and_accumulates_param_diffs():
     np.testing.assert_allclose(net.params["l"][0].diff, 2 * first, rtol=1e-6)  # Caffe accumulates
     net.clear_param_diffs()
     assert not net.params["l"][0].diff.any()
+
+
+def test_shape_errors_after_a_reshape_name_the_file_and_line(tmp_path):
+    path = tmp_path / "small.prototxt"
+    path.write_text('name: "t"\ninput: "data"\ninput_shape { dim: 1 dim: 3 dim: 8 dim: 8 }\n'
+                    'layer {\n  name: "conv"\n  type: "Convolution"\n  bottom: "data"\n  top: "conv"\n'
+                    '  convolution_param { num_output: 4 kernel_size: 5 }\n}\n')
+    net = caffejax.Net(str(path), caffejax.TEST)
+    net.blobs["data"].reshape(1, 3, 3, 3)
+    with pytest.raises(caffejax.ShapeError, match=f"^{path}:4: layer 'conv' \\(type Convolution\\): kernel extent"):
+        net.reshape()
+    net = caffejax.Net(str(path), caffejax.TEST)
+    with pytest.raises(caffejax.ShapeError, match=r"input 'data' has shape \(1, 3, 3, 3\); the net expects "
+                                                  r"\(1, 3, 8, 8\)"):
+        net.forward(data=np.ones((1, 3, 3, 3), np.float32))
+    assert net.forward(data=np.ones((1, 3, 1, 1), np.float32))["conv"].shape == (1, 4, 4, 4)  # broadcasts

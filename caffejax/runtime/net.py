@@ -42,6 +42,13 @@ class LayerView:
         return f"<Layer {self.name!r} ({self.type})>"
 
 
+def _broadcasts(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    try:
+        return np.broadcast_shapes(shape, target) == tuple(target)
+    except ValueError:
+        return False
+
+
 class Net:
     """A Caffe net.
 
@@ -72,6 +79,7 @@ class Net:
         self._net_param = load_net_param(network, is_path=is_path if isinstance(network, (str, os.PathLike))
                                          else None)
         self._base_dir = os.path.dirname(os.path.abspath(os.fspath(network))) if is_path else None
+        self._source = network  # where layer errors are located (file:line), at build and at every reshape
         self._phase, self._level, self._stages = phase, level, tuple(stages)
         self._allow_python = allow_python_layers
         self._dtype = np.dtype(dtype)
@@ -96,15 +104,18 @@ class Net:
             loaded = read_weights(weights) if weights is not None else None
             self._init_params(skip=set(loaded.blobs) if loaded else set())
         except CaffejaxError as e:  # a layer's error gets the line of the layer's definition in front
-            raise locate_layer_error(e, network) from None
+            raise locate_layer_error(e, self._source) from None
         if loaded is not None:
             self._copy_weights(loaded)
 
     # -- structure ------------------------------------------------------------------------------------------
     def _build(self, input_shapes) -> Graph:
-        return build_graph(self._net_param, self._phase, self._level, self._stages, input_shapes=input_shapes,
-                           base_dir=self._base_dir, allow_python_layers=self._allow_python,
-                           concrete_inputs=self._concrete_data())
+        try:
+            return build_graph(self._net_param, self._phase, self._level, self._stages, input_shapes=input_shapes,
+                               base_dir=self._base_dir, allow_python_layers=self._allow_python,
+                               concrete_inputs=self._concrete_data())
+        except CaffejaxError as e:
+            raise locate_layer_error(e, self._source) from None
 
     def graph_at(self, shapes: Mapping[str, Sequence[int]]) -> Graph:
         """The net's graph with the fed blobs named in ``shapes`` at those shapes (Caffe's Reshape of every
@@ -429,10 +440,11 @@ class Net:
                 raise CaffejaxError(f"input blob arguments {sorted(kwargs)} do not match net inputs {self.inputs}")
             for name, array in kwargs.items():
                 array = np.asarray(array)
-                if array.shape != self.blobs[name].shape:
-                    if array.ndim != len(self.blobs[name].shape) or array.shape[0] != self.blobs[name].shape[0]:
-                        raise ShapeError(f"input '{name}' has shape {array.shape}; the net expects "
-                                         f"{self.blobs[name].shape} (reshape the blob first)")
+                expected = self.blobs[name].shape
+                if array.shape != expected and (array.ndim != len(expected) or array.shape[0] != expected[0]
+                                                or not _broadcasts(array.shape, expected)):
+                    raise ShapeError(f"input '{name}' has shape {array.shape}; the net expects {expected} "
+                                     f"(reshape the blob first)")
                 self.blobs[name].data[...] = array
         with host_failures():
             self._last_loss = self._forward(start_ind, end_ind)
