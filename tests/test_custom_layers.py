@@ -332,3 +332,18 @@ def test_python_layer_failures_inside_the_program_are_the_layers_typed_errors(la
                                                   "failed: ZeroDivisionError: in backward"):
         net.backward(y=np.ones(2, np.float32))
     net.forward(x=np.ones(2, np.float32))  # nothing left behind: the next pass runs
+
+
+def test_prototxt_text_keeps_registered_fork_fields(isolated_registry):
+    """protobuf's text output drops a BVLC message's unknown fields; to_text prints the fork's fields too."""
+    from caffejax.frontend.prototxt import parse_net_text, to_text
+
+    forks.register_all()
+    text = (_input(1, 3, 2, 2) + 'layer { name: "n" type: "Normalize" bottom: "x" top: "n" norm_param { '
+            'across_spatial: false scale_filler { type: "constant" value: 20 } } }\n')
+    net = parse_net_text(text, is_path=False)
+    written = to_text(net)
+    assert "norm_param" in written and "value: 20" in written
+    assert to_text(parse_net_text(written, is_path=False)) == written
+    plain = parse_net_text(_input(1, 3), is_path=False)
+    assert to_text(plain) == str(plain)

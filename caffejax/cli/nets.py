@@ -383,11 +383,9 @@ def _read_net_file(path: str):
 def upgrade(args) -> int:
     """Caffe's three upgrade tools in one: the input's kind (binary caffemodel, net or solver prototxt)
     decides which."""
-    from google.protobuf import text_format
-
     from caffejax.fileio import atomic_write
     from caffejax.frontend.caffemodel import read_binary_net
-    from caffejax.frontend.prototxt import parse_net_text, parse_solver_text, read_text
+    from caffejax.frontend.prototxt import parse_net_text, parse_solver_text, read_text, to_text
     from caffejax.frontend.upgrade import (net_needs_upgrade, solver_needs_type_upgrade, upgrade_net_as_needed,
                                            upgrade_solver_as_needed, upgrade_solver_net_params)
 
@@ -411,13 +409,13 @@ def upgrade(args) -> int:
         if not solver_needs_type_upgrade(solver):
             log.info("File already in latest proto format: %s", args.input)
         upgraded = upgrade_solver_net_params(upgrade_solver_as_needed(solver, args.input), args.input)
-        atomic_write(args.output, text_format.MessageToString(upgraded).encode())
+        atomic_write(args.output, to_text(upgraded).encode())
         log.info("Wrote upgraded SolverParameter text proto to %s", args.output)
         return 0
     if not net_needs_upgrade(net):
         log.info("File already in latest proto format: %s", args.input)
     upgraded = upgrade_net_as_needed(net, args.input)
-    atomic_write(args.output, text_format.MessageToString(upgraded).encode())
+    atomic_write(args.output, to_text(upgraded).encode())
     log.info("Wrote upgraded NetParameter text proto to %s", args.output)
     return 0
 

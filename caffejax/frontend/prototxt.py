@@ -314,6 +314,16 @@ def _fork_aware(msg: M):
     return _extended_class(msg.DESCRIPTOR.full_name, forks)()
 
 
+def to_text(msg) -> str:
+    """``msg`` as prototxt text with its registered fork fields (``text_format.MessageToString`` of a BVLC
+    message drops them: there they are unknown fields, kept only on the wire)."""
+    target = _fork_aware(type(msg)())
+    if target is msg or type(target) is type(msg):
+        return text_format.MessageToString(msg)
+    target.ParseFromString(msg.SerializeToString())
+    return text_format.MessageToString(target)
+
+
 def _fork_hint(reason: str) -> str:
     """For a LayerParameter field BVLC lacks: which fork it likely comes from and how to accept it."""
     m = _NO_FIELD.search(reason)
