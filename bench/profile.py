@@ -24,7 +24,7 @@ from bench.nets import NETS, randomize_weights
 
 def profile(net_name: str, batch: int, passes, repeats: int = 5, dtype=jnp.float32) -> list[dict]:
     import caffejax
-    from caffejax.lower.optimize import NCHW, resolve_layout, to_layout
+    from caffejax.lower.optimize import NCHW, resolve_layout, to_layout, value_layouts
     from caffejax.lower.registry import LayerContext, count, get_rule
     from caffejax.runtime.xla_options import compiler_options
 
@@ -40,14 +40,13 @@ def profile(net_name: str, batch: int, passes, repeats: int = 5, dtype=jnp.float
     params = infer._programs[infer._signature({name: shape})].params
     graph = plan.graph
     rng = np.random.default_rng(0)
-    layouts = {}
+    layouts = value_layouts(graph, plan.kernels)
     rows = []
     for layer in graph.layers:
         if layer.is_input:
-            layouts.update((v, NCHW) for v in layer.top_values)
             continue
         kernel = plan.kernels.get(layer.name)
-        layout = resolve_layout(kernel, [layouts[v] if len(graph.value_shapes[v]) == 4 else None
+        layout = resolve_layout(kernel, [layouts.get(v, NCHW) if len(graph.value_shapes[v]) == 4 else None
                                          for v in layer.bottom_values])
         bottoms = [to_layout(jnp.asarray(rng.random(graph.value_shapes[v], dtype=np.float32), dtype), NCHW, layout)
                    for v in layer.bottom_values]
@@ -65,7 +64,6 @@ def profile(net_name: str, batch: int, passes, repeats: int = 5, dtype=jnp.float
         rows.append({"layer": layer.name, "type": layer.type, "kernel": kernel.name if kernel else f"caffe:{layer.type}",
                      "shape": graph.value_shapes[layer.bottom_values[0]] if layer.bottom_values else (),
                      "ms": t["median_ms"], "gflops": flops / t["median_ms"] / 1e6 if flops else None})
-        layouts.update((v, layout) for v in layer.top_values)
     return rows
 
 
@@ -74,7 +72,7 @@ def profile_training(net_name: str, batch: int, repeats: int = 5) -> list[dict]:
     forward, and its forward + backward (``jax.vjp`` pulled back on a random top diff), jitted on real shapes."""
     import caffejax
     from bench.nets import training_net_param
-    from caffejax.lower.optimize import NCHW, layout_kernels, make_plan, resolve_layout, to_layout
+    from caffejax.lower.optimize import NCHW, layout_kernels, make_plan, resolve_layout, to_layout, value_layouts
     from caffejax.lower.registry import LayerContext, get_rule
     from caffejax.runtime.xla_options import compiler_options
 
@@ -86,15 +84,13 @@ def profile_training(net_name: str, batch: int, repeats: int = 5) -> list[dict]:
     params = make_plan(graph, net.param_arrays()).params
     options = compiler_options(graph)
     rng = np.random.default_rng(0)
-    layouts, rows = {}, []
+    layouts, rows = value_layouts(graph, kernels), []
     for layer in graph.layers:
         if layer.is_input:
-            layouts.update((v, NCHW) for v in layer.top_values)
             continue
         kernel = kernels.get(layer.name)
-        layout = resolve_layout(kernel, [layouts[v] if len(graph.value_shapes[v]) == 4 else None
+        layout = resolve_layout(kernel, [layouts.get(v, NCHW) if len(graph.value_shapes[v]) == 4 else None
                                          for v in layer.bottom_values])
-        layouts.update((v, layout) for v in layer.top_values)
         if not layer.need_backward:
             continue
         bottoms = [to_layout(jnp.asarray(rng.random(graph.value_shapes[v], dtype=np.float32)), NCHW, layout)

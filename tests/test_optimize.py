@@ -16,7 +16,7 @@ import pytest
 
 import caffejax
 from caffejax.lower import optimize
-from conftest import DIFF_ATOL, DIFF_RTOL, FORWARD_ATOL, FORWARD_RTOL, assert_close
+from conftest import BUNDLED, DIFF_ATOL, DIFF_RTOL, FORWARD_ATOL, FORWARD_RTOL, assert_close
 
 CONV = 'type: "Convolution" convolution_param {{ num_output: {n} kernel_size: {k} {extra} weight_filler {{ type: "gaussian" std: 0.2 }} bias_filler {{ type: "gaussian" std: 0.1 }} }}'
 
@@ -332,3 +332,32 @@ def test_channels_last_float64_net_stays_float64():
             outs.append(net.forward(data=x)["prob"])
     assert outs[1].dtype == np.float64
     np.testing.assert_allclose(outs[1], outs[0], rtol=1e-10, atol=1e-13)
+
+
+def test_one_layer_runs_as_inside_the_net_with_value_layouts():
+    """value_layouts + run_layers(layouts=, restore_layout=False): a layer alone, in the layouts the whole
+    net makes its values in (how `caffejax time` and bench.profile time layers)."""
+    import jax
+
+    from caffejax.lower.optimize import NCHW, NHWC, to_layout, value_layouts
+
+    net = caffejax.Net(str(BUNDLED / "lenet/lenet.prototxt"), caffejax.TEST)
+    program, graph = net._program, net.graph
+    params = net.param_arrays()
+    fed = {value: np.random.default_rng(0).random(graph.value_shapes[value], dtype=np.float32)
+           for value in graph.fed.values()}
+    env, _ = program.run_layers(graph.layers, params, fed, None, kernels=program.kernels)
+    layouts = value_layouts(graph, program.kernels)
+    conv2 = next(layer for layer in graph.layers if layer.name == "conv2")
+    assert layouts[conv2.bottom_values[0]] == NHWC and layouts[conv2.top_values[0]] == NHWC
+    have = {v: layouts.get(v, NCHW) for v in conv2.bottom_values}
+    bottoms = {v: to_layout(env[v], NCHW, have[v]) for v in conv2.bottom_values}
+    out, _ = program.run_layers([conv2], params, bottoms, None, kernels=program.kernels, layouts=have,
+                                restore_layout=False)
+    top = conv2.top_values[0]
+    assert out[top].shape == to_layout(env[top], NCHW, NHWC).shape
+    np.testing.assert_allclose(np.asarray(out[top]), np.asarray(to_layout(env[top], NCHW, NHWC)), rtol=1e-5,
+                               atol=1e-6)
+    restored, _ = program.run_layers([conv2], params, bottoms, None, kernels=program.kernels, layouts=have)
+    np.testing.assert_allclose(np.asarray(restored[top]), np.asarray(env[top]), rtol=1e-5, atol=1e-6)
+    assert jax.tree.structure(restored) == jax.tree.structure(out)

@@ -267,6 +267,7 @@ def time(args) -> int:
     """Caffe's time: average forward and backward time per layer and for the whole net."""
     import jax
 
+    from caffejax.lower.optimize import value_layouts
     from caffejax.runtime.xla_options import compiler_options
 
     iterations = _positive_iterations(args)
@@ -290,13 +291,14 @@ def time(args) -> int:
 
     log.info("*** Benchmark begins ***")
     log.info("Testing for %d iterations.", iterations)
-    log.info("Average time per layer (each layer compiled on its own; inside the whole net XLA fuses layers, "
-             "so these do not add up to the whole-net figures):")
+    log.info("Average time per layer (each layer compiled on its own, with the kernel and layouts it has in "
+             "the whole net; there XLA fuses layers, so these do not add up to the whole-net figures):")
+    layouts = value_layouts(graph, program.kernels)
     for layer in graph.layers:
         if layer.is_input:
             log.info("%10s\tforward: fed from outside the program", layer.name)
             continue
-        fwd, bwd = _layer_times(program, layer, params, env, key, iterations)
+        fwd, bwd = _layer_times(program, layer, params, env, layouts, key, iterations)
         log.info("%10s\tforward: %s ms.", layer.name, _g(fwd * 1e3))
         log.info("%10s\tbackward: %s", layer.name, f"{_g(bwd * 1e3)} ms." if bwd is not None else "none needed")
     log.info("Average Forward pass (whole net, one compiled program): %s ms.", _g(whole_forward * 1e3))
@@ -319,20 +321,23 @@ def _mean_seconds(fn, args, iterations: int) -> float:
     return (clock.perf_counter() - start) / iterations
 
 
-def _layer_times(program, layer, params, env, key, iterations: int) -> tuple[float, float | None]:
-    """One layer's rule, jitted alone on its actual inputs: forward time, and backward time (a VJP giving the
-    diffs Caffe's Backward computes: bottoms with propagate_down, blobs with lr_mult != 0), or None when the
-    layer computes no diff."""
+def _layer_times(program, layer, params, env, layouts, key, iterations: int) -> tuple[float, float | None]:
+    """One layer as the net runs it (its kernel, its bottoms in the layouts the net makes them in), jitted alone
+    on its actual inputs: forward time, and backward time (a VJP giving the diffs Caffe's Backward computes:
+    bottoms with propagate_down, blobs with lr_mult != 0), or None when the layer computes no diff."""
     import jax
     import jax.numpy as jnp
 
+    from caffejax.lower.optimize import NCHW, to_layout
+
     layer_params = {owner: params[owner] for owner in {slot.storage[0] for slot in layer.params}}
-    bottoms = {value: env[value] for value in layer.bottom_values}
+    have = {value: layouts.get(value, NCHW) for value in layer.bottom_values}
+    bottoms = {value: to_layout(env[value], NCHW, have[value]) for value in layer.bottom_values}
     wanted_params = [slot.storage for slot, need in zip(layer.params, layer.param_need_backward) if need]
     wanted_bottoms = [value for value, need in zip(layer.bottom_values, layer.bottom_need_backward) if need]
 
     def run(p, b, k):
-        out, _ = program.run_layers([layer], p, b, k)
+        out, _ = program.run_layers([layer], p, b, k, kernels=program.kernels, layouts=have, restore_layout=False)
         return [out[value] for value in layer.top_values]
 
     forward = jax.jit(run)

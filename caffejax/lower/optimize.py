@@ -597,13 +597,31 @@ def prepare_params(plan: Plan, dtype) -> dict[str, list[jax.Array]]:
     return out
 
 
+def value_layouts(graph: Graph, kernels: Mapping[str, Kernel]) -> dict[str, str]:
+    """The layout each value is made in when the whole graph runs with ``kernels`` (absent: NCHW), as
+    :class:`Layouts` tracks it during a run: for timing one layer as it runs inside the net."""
+    layouts: dict[str, str] = {}
+    four_d = lambda v: len(graph.value_shapes.get(v) or ()) == 4  # noqa: E731
+    for layer in graph.layers:
+        if layer.is_input:
+            continue
+        layout = resolve_layout(kernels.get(layer.name), [layouts.get(v, NCHW) if four_d(v) else None
+                                                          for v in layer.bottom_values])
+        for v in layer.top_values:
+            if layout != NCHW and four_d(v):
+                layouts[v] = layout
+            else:
+                layouts.pop(v, None)
+    return layouts
+
+
 class Layouts:
     """Which layout each value of one program run is in (absent: Caffe's NCHW), over ``env`` (value id ->
     array), and the moves made: a reader gets a value in its layout, each (value, layout) transpose once."""
 
-    def __init__(self, env: dict[str, jax.Array]):
+    def __init__(self, env: dict[str, jax.Array], layouts: Mapping[str, str] | None = None):
         self.env = env
-        self.layout: dict[str, str] = {}
+        self.layout: dict[str, str] = {v: layout for v, layout in (layouts or {}).items() if layout != NCHW}
         self.moved: dict[tuple[str, str], jax.Array] = {}
 
     def layout_for(self, kernel: Kernel | None, bottom_values: Sequence[str]) -> str:

@@ -51,7 +51,8 @@ class NetProgram:
                    masks: bool = False, perturb: Mapping[str, jax.Array] | None = None,
                    blob_masks: Mapping[str, Any] | None = None,
                    param_masks: Mapping[tuple[str, int], Any] | None = None,
-                   kernels: Mapping[str, Any] | None = None) -> tuple[Values, Updates]:
+                   kernels: Mapping[str, Any] | None = None, layouts: Mapping[str, str] | None = None,
+                   restore_layout: bool = True) -> tuple[Values, Updates]:
         """Run ``layers`` over ``env`` (value id -> array, holding at least their bottoms).
 
         ``masks`` applies Caffe's backward masks as stop_gradient. ``perturb`` adds a zero-valued array to
@@ -59,6 +60,8 @@ class NetProgram:
         value by a mask (0 stops it); ``param_masks`` ((layer name, blob index) -> mask) multiplies the gradient
         a layer sends to one of its learnable blobs: research hooks, see caffejax.grad.
         ``kernels`` run the named layers their way (see the class docstring); not with ``perturb``/``blob_masks``.
+        With kernels, ``layouts`` says which values of ``env`` are not in NCHW, and ``restore_layout=False``
+        leaves every value in the layout it was made in (one layer timed as it runs inside the net).
         Returns the environment with every value computed, and the params layers rewrote.
         """
         env = dict(env)
@@ -66,15 +69,15 @@ class NetProgram:
         dtype = _dtype_of(params, env)
         if kernels and (perturb or blob_masks):
             raise ValueError("run_layers: kernels change values' layouts; perturb and blob_masks need Caffe's")
-        layouts = Layouts(env) if kernels else None
+        tracked = Layouts(env, layouts) if kernels else None
         for layer in layers:
             index = self.position[id(layer)]
             rule = self.rules[index]
             if layer.is_input:
                 continue
             kernel = kernels.get(layer.name) if kernels else None
-            layout = layouts.layout_for(kernel, layer.bottom_values) if layouts else None
-            bottoms = [layouts.fetch(v, layout) for v in layer.bottom_values] if layouts else \
+            layout = tracked.layout_for(kernel, layer.bottom_values) if tracked else None
+            bottoms = [tracked.fetch(v, layout) for v in layer.bottom_values] if tracked else \
                 [env[v] for v in layer.bottom_values]
             blobs = [params[slot.storage[0]][slot.storage[1]] for slot in layer.params]
             if masks:
@@ -95,8 +98,8 @@ class NetProgram:
                 tops = list(kernel.forward(ctx, bottoms, kernel.prepare(blobs)))
             else:
                 tops = list(rule.forward(ctx, bottoms, blobs))
-            if layouts:
-                layouts.produced(layer.top_values, tops, layout)
+            if tracked:
+                tracked.produced(layer.top_values, tops, layout)
             for i, value in ctx.state_updates.items():
                 env[layer.state_out[i]] = _no_gradient(value)
             for value, top in zip(layer.top_values, tops):
@@ -108,8 +111,8 @@ class NetProgram:
             for i, new in ctx.param_updates.items():
                 owner, j = layer.params[i].storage
                 updates.setdefault(owner, {})[j] = new
-        if layouts:
-            layouts.restore_caffe_layout()
+        if tracked and restore_layout:
+            tracked.restore_caffe_layout()
         return env, updates
 
     def forward(self, params: Params, inputs: Values, key: jax.Array | None = None,
