@@ -295,3 +295,26 @@ def test_two_processes_train_as_one_device(tmp_path):
     outputs = [p.communicate(timeout=300)[0] for p in processes]
     for i, (p, output) in enumerate(zip(processes, outputs)):
         assert p.returncode == 0 and f"process {i} agrees" in output, output[-6000:]
+
+
+# ---- compile_inference over devices -------------------------------------------------------------------------------
+
+@needs_four
+def test_compile_inference_over_devices_is_the_one_device_program():
+    from conftest import BUNDLED
+
+    net = caffejax.Net(str(BUNDLED / "lenet/lenet.prototxt"), str(BUNDLED / "lenet/lenet_iter_10000.caffemodel"),
+                       caffejax.TEST)
+    x = np.random.default_rng(0).random((8, 1, 28, 28), dtype=np.float32)
+    one = np.asarray(caffejax.compile_inference(net)({"data": x})["prob"])
+    four = caffejax.compile_inference(net, devices=4)
+    got = four({"data": x})["prob"]
+    assert len(got.sharding.device_set) == 4 and got.shape == (8, 10)
+    np.testing.assert_allclose(np.asarray(got), one, rtol=1e-5, atol=1e-7)
+    assert four.plan({"data": (8, 1, 28, 28)}).graph.blob_shape("data") == (2, 1, 28, 28)  # each device's rows
+    two = caffejax.compile_inference(net, devices=jax.devices()[2:])
+    np.testing.assert_allclose(np.asarray(two({"data": x[:2]})["prob"]), one[:2], rtol=1e-5, atol=1e-7)
+    with pytest.raises(DataError, match="do not split evenly over 4 devices"):
+        four({"data": x[:6]})
+    with pytest.raises(CaffejaxError, match="devices=5: JAX sees 4 cpu device"):
+        caffejax.compile_inference(net, devices=5)

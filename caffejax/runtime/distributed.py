@@ -265,7 +265,8 @@ def _split_by_layout(blobs: Mapping[str, jax.Array], per_example: Mapping[str, b
     return split, shared
 
 
-def data_parallel(fn: Callable, mesh: Mesh, per_example: Mapping[str, bool]) -> Callable:
+def data_parallel(fn: Callable, mesh: Mesh, per_example: Mapping[str, bool],
+                  compiler_options: Mapping[str, str] | None = None) -> Callable:
     """``jit(shard_map(fn))`` for ``fn(replicated, batch) -> {blob: array}``, which one device runs on its rows.
 
     ``replicated`` (weights, a key) is the same on every device (place it with :func:`replicated`); ``batch``
@@ -283,7 +284,7 @@ def data_parallel(fn: Callable, mesh: Mesh, per_example: Mapping[str, bool]) -> 
         split, averaged = mapped(shared, batch)
         return {**split, **averaged}
 
-    return jax.jit(run)
+    return jax.jit(run, compiler_options=dict(compiler_options or {}))
 
 
 # ---- the data a pass reads ------------------------------------------------------------------------------------------

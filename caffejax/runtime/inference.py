@@ -48,7 +48,7 @@ class InferenceFunction:
     """``infer(inputs) -> outputs``: input arrays by input blob name (NCHW, any batch size) to the net's
     output blobs (float32). ``compile_count`` counts the programs built (one per input-shape signature)."""
 
-    def __init__(self, net, passes: Sequence[str], dtype):
+    def __init__(self, net, passes: Sequence[str], dtype, devices=None):
         check_passes(passes)
         self.passes = tuple(passes)
         self.dtype = jnp.dtype(dtype)
@@ -59,6 +59,11 @@ class InferenceFunction:
         self._programs: dict[Shapes, _Program] = {}
         self.inputs = list(net.inputs)
         self.outputs = list(net.outputs)
+        self._mesh = None
+        if devices is not None:
+            from caffejax.runtime.distributed import batch_mesh
+
+            self._mesh = batch_mesh(devices)
 
     @property
     def compile_count(self) -> int:
@@ -81,6 +86,8 @@ class InferenceFunction:
 
     def _program(self, signature: Shapes) -> _Program:
         program = self._programs.get(signature)
+        if program is None and self._mesh is not None:
+            program = self._programs[signature] = self._sharded_program(signature)
         if program is None:
             plan = optimize(make_plan(self._graph(dict(signature)), self._weights), self.passes)
             params = prepare_params(plan, self.dtype)
@@ -90,6 +97,33 @@ class InferenceFunction:
                                   description=_describe(plan, self.passes))
             program = self._programs[signature] = _Program(plan, params, run, feeds)
         return program
+
+    def _sharded_program(self, signature: Shapes) -> _Program:
+        """The plan one device runs on its rows of the batch, in one jitted shard_map over the mesh: inputs
+        split along axis 0, weights replicated, per-example outputs concatenated back (batch-independent ones
+        averaged). Not kept in the program cache (its executables are tied to the devices)."""
+        from caffejax.runtime.distributed import (data_parallel, devices_of_this_process, local_value,
+                                                  per_device_graph, replicated, shard_batch)
+
+        local_devices = len(devices_of_this_process(self._mesh))
+        try:
+            one_device, per_example = per_device_graph(self._net, dict(signature), local_devices)
+        except ShapeError as error:
+            raise ShapeError(f"compile_inference: the net does not accept inputs of shapes {dict(signature)} "
+                             f"over {local_devices} devices: {error}") from None
+        plan = optimize(make_plan(one_device, self._weights), self.passes)
+        params = replicated(prepare_params(plan, self.dtype), self._mesh)
+        feeds = list(plan.graph.fed.items())
+        sharded = data_parallel(_outputs_as_float32(plan), self._mesh,
+                                {blob: per_example[blob] for blob in plan.graph.outputs},
+                                compiler_options=compiler_options(plan.graph))
+        mesh = self._mesh
+
+        def run(params, fed):
+            outputs = sharded(params, shard_batch(fed, mesh))
+            return outputs if jax.process_count() == 1 else {b: local_value(y) for b, y in outputs.items()}
+
+        return _Program(plan, params, run, feeds)
 
     def _graph(self, shapes: Mapping[str, tuple[int, ...]]) -> Graph:
         """The net's graph with its inputs at ``shapes`` (Caffe's Reshape of every layer)."""
@@ -132,11 +166,15 @@ def _outputs_as_float32(plan: Plan) -> Callable[..., dict[str, jax.Array]]:
     return run
 
 
-def compile_inference(net, *, passes: Sequence[str] = DEFAULT_PASSES, dtype=jnp.float32) -> InferenceFunction:
+def compile_inference(net, *, passes: Sequence[str] = DEFAULT_PASSES, dtype=jnp.float32,
+                      devices=None) -> InferenceFunction:
     """The net's forward to its outputs, optimised for inference (see :mod:`caffejax.lower.optimize`).
 
     ``passes``: the optimisation passes to run (default: all; ``()`` runs Caffe's rules unchanged).
     ``dtype``: the storage and compute dtype of weights and activations; ``jnp.bfloat16`` halves the memory
     traffic, products still summed in float32. Outputs are float32 either way.
+    ``devices``: a number (the first N of ``jax.devices()``) or a list of devices to split each batch over,
+    along axis 0 (a multiple of the device count); each device runs the optimised program on its rows, with
+    the weights replicated. Several processes feed their own rows (see caffejax.runtime.distributed).
     """
-    return InferenceFunction(net, passes, dtype)
+    return InferenceFunction(net, passes, dtype, devices)
