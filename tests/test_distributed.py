@@ -318,3 +318,24 @@ def test_compile_inference_over_devices_is_the_one_device_program():
         four({"data": x[:6]})
     with pytest.raises(CaffejaxError, match="devices=5: JAX sees 4 cpu device"):
         caffejax.compile_inference(net, devices=5)
+
+
+@needs_four
+def test_compile_inference_takes_inputs_from_any_device_and_runs_on_the_default_one(tmp_path, monkeypatch):
+    from conftest import BUNDLED
+    from caffejax.runtime import program_cache
+
+    monkeypatch.setenv(program_cache.ENVIRONMENT, str(tmp_path))
+    net = caffejax.Net(str(BUNDLED / "lenet/lenet.prototxt"), str(BUNDLED / "lenet/lenet_iter_10000.caffemodel"),
+                       caffejax.TEST)
+    x = np.random.default_rng(1).random((2, 1, 28, 28), dtype=np.float32)
+    expected = np.asarray(caffejax.compile_inference(net)({"data": x})["prob"])
+    elsewhere = jax.device_put(x, jax.devices()[2])
+    got = caffejax.compile_inference(net)({"data": elsewhere})["prob"]  # loaded from the program cache
+    assert got.devices() == {jax.devices()[0]}
+    np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-6)
+    with jax.default_device(jax.devices()[3]):
+        there = caffejax.compile_inference(net)({"data": elsewhere})["prob"]
+    assert there.devices() == {jax.devices()[3]}
+    np.testing.assert_allclose(np.asarray(there), expected, rtol=1e-6)
+    assert len(list(tmp_path.glob("*.program"))) == 1  # the program for device 3 was compiled, not cached

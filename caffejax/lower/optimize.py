@@ -601,7 +601,10 @@ def value_layouts(graph: Graph, kernels: Mapping[str, Kernel]) -> dict[str, str]
     """The layout each value is made in when the whole graph runs with ``kernels`` (absent: NCHW), as
     :class:`Layouts` tracks it during a run: for timing one layer as it runs inside the net."""
     layouts: dict[str, str] = {}
-    four_d = lambda v: len(graph.value_shapes.get(v) or ()) == 4  # noqa: E731
+
+    def four_d(value: str) -> bool:
+        return len(graph.value_shapes.get(value) or ()) == 4
+
     for layer in graph.layers:
         if layer.is_input:
             continue

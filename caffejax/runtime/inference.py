@@ -42,6 +42,7 @@ class _Program:
     params: dict[str, list[jax.Array]]
     run: Callable[..., dict[str, jax.Array]]
     feeds: list[tuple[str, str]]  # (input blob, value id) pairs of the graph's fed layers
+    device: Any = None  # where the program runs and its inputs go (None: split over a mesh)
 
 
 class InferenceFunction:
@@ -77,7 +78,7 @@ class InferenceFunction:
         if inputs.keys() != set(self.inputs):
             raise CaffejaxError(f"inputs {sorted(inputs)} do not match the net's inputs {self.inputs}")
         program = self._program(self._signature({name: np.shape(x) for name, x in inputs.items()}))
-        fed = {value: _as_dtype(inputs[blob], self.dtype) for blob, value in program.feeds}
+        fed = {value: _as_input(inputs[blob], self.dtype, program.device) for blob, value in program.feeds}
         with host_failures():
             return program.run(program.params, fed)
 
@@ -95,7 +96,8 @@ class InferenceFunction:
             fed = {value: jax.ShapeDtypeStruct(plan.graph.value_shapes[value], self.dtype) for _, value in feeds}
             run = compile_program(_outputs_as_float32(plan), (params, fed), options=compiler_options(plan.graph),
                                   description=_describe(plan, self.passes))
-            program = self._programs[signature] = _Program(plan, params, run, feeds)
+            device = jax.device_put(np.zeros((), self.dtype)).sharding.device_set  # device_put's default, as params
+            program = self._programs[signature] = _Program(plan, params, run, feeds, next(iter(device)))
         return program
 
     def _sharded_program(self, signature: Shapes) -> _Program:
@@ -153,11 +155,15 @@ def _describe(plan: Plan, passes: Sequence[str]) -> list[bytes | str] | None:
     return parts
 
 
-def _as_dtype(x, dtype):
-    """An input in the compute dtype; arrays already in it go to the program as they are."""
-    if getattr(x, "dtype", None) == dtype:
-        return x
-    return x.astype(dtype) if isinstance(x, jax.Array) else jax.device_put(np.asarray(x, dtype))
+def _as_input(x, dtype, device):
+    """An input in the compute dtype on the program's device (None: the mesh places it); jax arrays already
+    there go to the program as they are."""
+    if not isinstance(x, jax.Array):
+        return jax.device_put(np.asarray(x, dtype), device)
+    x = x if x.dtype == dtype else x.astype(dtype)
+    if device is not None and x.sharding.device_set != {device}:  # a compiled program runs where it was built
+        x = jax.device_put(x, device)
+    return x
 
 
 def _outputs_as_float32(plan: Plan) -> Callable[..., dict[str, jax.Array]]:

@@ -94,6 +94,9 @@ def compile_program(function: Callable, args: tuple, *, options: Mapping[str, st
     ``description=None`` compiles without the cache."""
     jitted = jax.jit(function, compiler_options=dict(options))
     directory = cache_directory() if description is not None else None
+    placed = {d for leaf in jax.tree.leaves(args) if isinstance(leaf, jax.Array) for d in leaf.sharding.device_set}
+    if placed - {jax.devices()[0]}:  # a loaded executable runs on the first device: others compile afresh
+        directory = None
     if directory is None:
         return jitted.lower(*args).compile()
     from jax.experimental import serialize_executable
@@ -102,7 +105,9 @@ def compile_program(function: Callable, args: tuple, *, options: Mapping[str, st
     if path.exists():
         try:
             payload, in_tree, out_tree = pickle.loads(path.read_bytes())
-            loaded = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+            # One device: by default the loader would spread the executable over every device of the backend.
+            loaded = serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
+                                                               execution_devices=[jax.devices()[0]])
             log.debug("caffejax: program %s loaded from the cache", path.name)
             return loaded
         except Exception as error:  # another jaxlib or a damaged file: compile again, replace it
