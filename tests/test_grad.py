@@ -115,3 +115,38 @@ def test_bad_masks_are_reported(setup):
         caffejax.value_and_grad(net, masks={"blobs": {"nope": 0.0}})
     with pytest.raises(caffejax.CaffejaxError, match="shape"):
         caffejax.value_and_grad(net, masks={"params": {("ip1", 0): np.ones((2, 2))}})
+
+
+CONV_NET = """
+name: "conv"
+layer { name: "data" type: "Input" top: "x" top: "label"
+        input_param { shape { dim: 2 dim: 3 dim: 6 dim: 6 } shape { dim: 2 } } }
+layer { name: "conv" type: "Convolution" bottom: "x" top: "c"
+        convolution_param { num_output: 4 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "norm" type: "LRN" bottom: "c" top: "n" lrn_param { local_size: 3 alpha: 0.5 beta: 0.75 } }
+layer { name: "pool" type: "Pooling" bottom: "n" top: "p" pooling_param { pool: MAX kernel_size: 3 stride: 1 pad: 1 } }
+layer { name: "ip" type: "InnerProduct" bottom: "p" top: "score"
+        inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "score" bottom: "label" top: "loss" }
+"""
+
+
+def test_hessian_vector_product_through_written_out_backwards():
+    """LRN's custom VJP and the separable MAX pooling compose with forward-over-reverse (jax.jvp of grad)."""
+    with jax.enable_x64(True):
+        net = caffejax.Net(CONV_NET, caffejax.TRAIN, dtype=np.float64)
+        rng = np.random.default_rng(0)
+        inputs = {"x": rng.standard_normal((2, 3, 6, 6)), "label": np.array([0.0, 2.0])}
+        params = net.param_arrays()
+        fn = caffejax.value_and_grad(net)
+
+        def grad_of(p):
+            return fn(p, inputs)[1]
+
+        tangent = jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape)), params)
+        _, hvp = jax.jvp(grad_of, (params,), (tangent,))
+        eps = 1e-5
+        plus = grad_of(jax.tree.map(lambda p, t: p + eps * t, params, tangent))
+        minus = grad_of(jax.tree.map(lambda p, t: p - eps * t, params, tangent))
+        for a, b, c in zip(jax.tree.leaves(hvp), jax.tree.leaves(plus), jax.tree.leaves(minus)):
+            np.testing.assert_allclose(a, (b - c) / (2 * eps), rtol=1e-4, atol=1e-7)

@@ -445,10 +445,10 @@ def max_pool(x: jax.Array, g: PoolGeometry, first_axis: int = 2,
     row-major order, that is strictly greater (padding cells read -inf and never are).
 
     So the first of equal maxima wins, NaNs never win, and a window with nothing above -FLT_MAX keeps
-    -FLT_MAX (mask -1). With stride 1 the scan runs separably: along each row of the window first (the leftmost of equal
-    maxima wins), then down the rows' winners (the topmost wins). That picks the same element as the
-    row-major scan (the first row holding the maximum, its leftmost one) with kw + kh steps instead of
-    kw * kh. Each step is a ``where`` between two arrays, so JAX's derivative sends each output's gradient to
+    -FLT_MAX (mask -1). With stride 1 the scan runs separably: along each row of the window first (the
+    leftmost of equal maxima wins), then down the rows' winners (the topmost wins). That picks the same
+    element as the row-major scan (the first row holding the maximum, its leftmost one) with kw + kh steps
+    instead of kw * kh. Each step is a ``where`` between two arrays, so JAX's derivative sends each output's gradient to
     exactly the element Caffe's mask records (overlapping windows accumulate), and XLA fuses each stage into
     one pass. ``first_axis`` is where the two spatial axes start (2 for N, C, H, W; 1 for channels-last).
     The mask (flat index h * W + w) carries no gradient.
