@@ -13,9 +13,12 @@ from caffejax.runtime.net import Net
 from caffejax.runtime.solver import (AdaDeltaSolver, AdaGradSolver, AdamSolver, NesterovSolver, RMSPropSolver,
                                      SGDSolver, get_solver)
 from caffejax import io  # pycaffe's caffe.io
+from caffejax.runtime import memory as _memory
 from caffejax.classifier import Classifier, Detector
 
 __version__ = "0.1.0"
+
+_memory.apply_environment()  # CAFFEJAX_KEEP_FREED_MEMORY=1: see caffejax.runtime.memory
 
 __all__ = ["Net", "TRAIN", "TEST", "CaffejaxError", "ParseError", "SchemaError", "GraphError", "ShapeError",
            "WeightsError", "DataError", "SolverError", "UnsupportedError", "set_mode_cpu", "set_mode_gpu",
