@@ -266,10 +266,7 @@ class _Builder:
             except CaffejaxError:
                 raise
             except Exception as e:
-                raise layer_error(ShapeError, lp.name, lp.type,
-                                  f"shapes do not fit: bottoms {[tuple(b) for b in bottom_shapes]}, learnable "
-                                  f"blobs {[tuple(s) for s in param_shapes]}: {type(e).__name__}: "
-                                  f"{_first_line(e)}") from None
+                raise _shapes_do_not_fit(lp, bottom_shapes, param_shapes, e) from None
         config = caffe_pb2.LayerParameter()
         config.CopyFrom(lp)
         config.ClearField("name")  # names only label errors; the wiring enters through shapes and in_place
@@ -427,13 +424,18 @@ def infer_top_shapes(lp, rule: LayerRule, phase: int, bottom_shapes, param_shape
     except CaffejaxError:
         raise
     except Exception as e:
-        bottoms_named = ", ".join(f"'{b}' {tuple(s)}" for b, s in zip(lp.bottom, bottom_shapes))
-        raise layer_error(ShapeError, lp.name, lp.type,
-                          f"shapes do not fit: bottoms {bottoms_named or 'none'}, learnable blobs "
-                          f"{[tuple(s) for s in param_shapes]}: {type(e).__name__}: {_first_line(e)}") from None
+        raise _shapes_do_not_fit(lp, bottom_shapes, param_shapes, e) from None
     if len(tops) != num_tops:
         raise layer_error(SchemaError, lp.name, lp.type, f"produces {len(tops)} tops but {num_tops} are named")
     return [tuple(int(d) for d in t.shape) for t in tops]
+
+
+def _shapes_do_not_fit(lp, bottom_shapes, param_shapes, e: Exception) -> ShapeError:
+    """A layer's shape code (its written-out rule or its traced forward) tripped on these shapes."""
+    bottoms_named = ", ".join(f"'{b}' {tuple(s)}" for b, s in zip(lp.bottom, bottom_shapes))
+    return layer_error(ShapeError, lp.name, lp.type,
+                       f"shapes do not fit: bottoms {bottoms_named or 'none'}, learnable blobs "
+                       f"{[tuple(s) for s in param_shapes]}: {type(e).__name__}: {_first_line(e)}")
 
 
 def _first_line(e: Exception) -> str:

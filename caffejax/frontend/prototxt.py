@@ -318,7 +318,7 @@ def to_text(msg) -> str:
     """``msg`` as prototxt text with its registered fork fields (``text_format.MessageToString`` of a BVLC
     message drops them: there they are unknown fields, kept only on the wire)."""
     target = _fork_aware(type(msg)())
-    if target is msg or type(target) is type(msg):
+    if type(target) is type(msg):  # no fork field registered: BVLC's message prints everything
         return text_format.MessageToString(msg)
     target.ParseFromString(msg.SerializeToString())
     return text_format.MessageToString(target)

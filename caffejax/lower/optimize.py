@@ -598,24 +598,16 @@ def prepare_params(plan: Plan, dtype) -> dict[str, list[jax.Array]]:
 
 
 def value_layouts(graph: Graph, kernels: Mapping[str, Kernel]) -> dict[str, str]:
-    """The layout each value is made in when the whole graph runs with ``kernels`` (absent: NCHW), as
-    :class:`Layouts` tracks it during a run: for timing one layer as it runs inside the net."""
-    layouts: dict[str, str] = {}
-
-    def four_d(value: str) -> bool:
-        return len(graph.value_shapes.get(value) or ()) == 4
-
+    """The layout each value is made in when the whole graph runs with ``kernels`` (absent: NCHW): the
+    :class:`Layouts` bookkeeping of a run, driven by the graph's shapes. For timing one layer as it runs
+    inside the net."""
+    shapes = {v: jax.ShapeDtypeStruct(s, jnp.float32) for v, s in graph.value_shapes.items() if s is not None}
+    tracked = Layouts(shapes)
     for layer in graph.layers:
-        if layer.is_input:
-            continue
-        layout = resolve_layout(kernels.get(layer.name), [layouts.get(v, NCHW) if four_d(v) else None
-                                                          for v in layer.bottom_values])
-        for v in layer.top_values:
-            if layout != NCHW and four_d(v):
-                layouts[v] = layout
-            else:
-                layouts.pop(v, None)
-    return layouts
+        if not layer.is_input:
+            layout = tracked.layout_for(kernels.get(layer.name), layer.bottom_values)
+            tracked.produced(layer.top_values, [shapes[v] for v in layer.top_values], layout)
+    return dict(tracked.layout)
 
 
 class Layouts:
