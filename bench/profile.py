@@ -24,9 +24,7 @@ from bench.nets import NETS, randomize_weights
 
 def profile(net_name: str, batch: int, passes, repeats: int = 5, dtype=jnp.float32) -> list[dict]:
     import caffejax
-    from caffejax.lower.optimize import NCHW, resolve_layout, to_layout, value_layouts
-    from caffejax.lower.registry import LayerContext, count, get_rule
-    from caffejax.runtime.xla_options import compiler_options
+    from caffejax.runtime.xla_options import compiler_options, layer_matmul_flops
 
     spec = NETS[net_name]
     net = caffejax.Net(str(spec.prototxt), caffejax.TEST, **({"weights": str(spec.weights)} if spec.weights else {}))
@@ -39,31 +37,14 @@ def profile(net_name: str, batch: int, passes, repeats: int = 5, dtype=jnp.float
     options = compiler_options(plan.graph)  # each layer compiled as the whole program is
     params = infer._programs[infer._signature({name: shape})].params
     graph = plan.graph
-    rng = np.random.default_rng(0)
-    layouts = value_layouts(graph, plan.kernels)
     rows = []
-    for layer in graph.layers:
-        if layer.is_input:
-            continue
-        kernel = plan.kernels.get(layer.name)
-        layout = resolve_layout(kernel, [layouts.get(v, NCHW) if len(graph.value_shapes[v]) == 4 else None
-                                         for v in layer.bottom_values])
-        bottoms = [to_layout(jnp.asarray(rng.random(graph.value_shapes[v], dtype=np.float32), dtype), NCHW, layout)
-                   for v in layer.bottom_values]
-        forward = kernel.forward if kernel is not None else get_rule(layer.type).forward
-        ctx = LayerContext(layer=layer.proto, phase=graph.phase, key=None, num_tops=len(layer.tops),
-                           in_place=tuple(layer.in_place))
-        run = jax.jit(lambda b, p, forward=forward, ctx=ctx: forward(ctx, b, p), compiler_options=options)
+    for layer, kernel, forward, bottoms in _layers_as_in_the_net(graph, plan.kernels, dtype, key=None):
+        run = jax.jit(forward, compiler_options=options)
         blobs = params.get(layer.name, [])
         t = timed(lambda: run(bottoms, blobs), repeats, warmup=1)
-        flops = 0
-        if layer.type == "Convolution":
-            flops = 2 * count(graph.value_shapes[layer.top_values[0]]) * count(layer.params[0].shape, 1)
-        elif layer.type == "InnerProduct":
-            flops = 2 * count(graph.value_shapes[layer.bottom_values[0]]) * layer.proto.inner_product_param.num_output
-        rows.append({"layer": layer.name, "type": layer.type, "kernel": kernel.name if kernel else f"caffe:{layer.type}",
-                     "shape": graph.value_shapes[layer.bottom_values[0]] if layer.bottom_values else (),
-                     "ms": t["median_ms"], "gflops": flops / t["median_ms"] / 1e6 if flops else None})
+        flops = layer_matmul_flops(graph, layer)
+        rows.append(_row(graph, layer, kernel, ms=t["median_ms"],
+                         gflops=flops / t["median_ms"] / 1e6 if flops else None))
     return rows
 
 
@@ -72,8 +53,7 @@ def profile_training(net_name: str, batch: int, repeats: int = 5) -> list[dict]:
     forward, and its forward + backward (``jax.vjp`` pulled back on a random top diff), jitted on real shapes."""
     import caffejax
     from bench.nets import training_net_param
-    from caffejax.lower.optimize import NCHW, layout_kernels, make_plan, resolve_layout, to_layout, value_layouts
-    from caffejax.lower.registry import LayerContext, get_rule
+    from caffejax.lower.optimize import layout_kernels, make_plan
     from caffejax.runtime.xla_options import compiler_options
 
     spec = NETS[net_name]
@@ -83,38 +63,53 @@ def profile_training(net_name: str, batch: int, repeats: int = 5) -> list[dict]:
     kernels = layout_kernels(graph)
     params = make_plan(graph, net.param_arrays()).params
     options = compiler_options(graph)
+    rng = np.random.default_rng(1)
+    rows = []
+    for layer, kernel, forward, bottoms in _layers_as_in_the_net(graph, kernels, jnp.float32, key=jax.random.key(0),
+                                                                 prepare=True):
+        if not layer.need_backward:
+            continue
+        blobs = [jnp.asarray(a) for a in params.get(layer.name, [])]
+        diffs = [jnp.asarray(rng.random(t.shape, dtype=np.float32)) for t in jax.eval_shape(forward, bottoms, blobs)]
+        run_forward = jax.jit(forward, compiler_options=options)
+        run_both = jax.jit(lambda b, p, g, f=forward: jax.vjp(f, b, p)[1](g), compiler_options=options)
+        fwd = timed(lambda: run_forward(bottoms, blobs), repeats, warmup=1)["median_ms"]
+        both = timed(lambda: run_both(bottoms, blobs, diffs), repeats, warmup=1)["median_ms"]
+        rows.append(_row(graph, layer, kernel, fwd_ms=fwd, ms=both, bwd_ms=max(both - fwd, 0.0), gflops=None))
+    return rows
+
+
+def _layers_as_in_the_net(graph, kernels, dtype, key, prepare: bool = False):
+    """(layer, kernel, forward(bottoms, params) -> tops, random bottoms) for each computed layer, the bottoms in
+    the layouts the whole net makes them in. ``prepare``: forward lays its weights out itself, as NetProgram
+    does with traced weights (inference plans hand over weights prepared once)."""
+    from caffejax.lower.optimize import NCHW, resolve_layout, to_layout, value_layouts
+    from caffejax.lower.registry import LayerContext, get_rule
+
     rng = np.random.default_rng(0)
-    layouts, rows = value_layouts(graph, kernels), []
+    layouts = value_layouts(graph, kernels)
     for layer in graph.layers:
         if layer.is_input:
             continue
         kernel = kernels.get(layer.name)
         layout = resolve_layout(kernel, [layouts.get(v, NCHW) if len(graph.value_shapes[v]) == 4 else None
                                          for v in layer.bottom_values])
-        if not layer.need_backward:
-            continue
-        bottoms = [to_layout(jnp.asarray(rng.random(graph.value_shapes[v], dtype=np.float32)), NCHW, layout)
+        bottoms = [to_layout(jnp.asarray(rng.random(graph.value_shapes[v], dtype=np.float32), dtype), NCHW, layout)
                    for v in layer.bottom_values]
-        forward = kernel.forward if kernel is not None else get_rule(layer.type).forward
-        ctx = LayerContext(layer=layer.proto, phase=graph.phase, key=jax.random.key(0), num_tops=len(layer.tops),
+        rule = kernel.forward if kernel is not None else get_rule(layer.type).forward
+        lay_out = kernel.prepare if kernel is not None and prepare else list
+        ctx = LayerContext(layer=layer.proto, phase=graph.phase, key=key, num_tops=len(layer.tops),
                            in_place=tuple(layer.in_place))
-        blobs = [jnp.asarray(a) for a in params.get(layer.name, [])]
 
-        prepare = kernel.prepare if kernel is not None else list
+        def forward(b, p, rule=rule, ctx=ctx, lay_out=lay_out):
+            return list(rule(ctx, b, lay_out(p)))
 
-        def f(b, p, forward=forward, ctx=ctx, prepare=prepare):  # weights laid out inside, as NetProgram does
-            return list(forward(ctx, b, prepare(p)))
+        yield layer, kernel, forward, bottoms
 
-        tops = jax.eval_shape(f, bottoms, blobs)
-        diffs = [jnp.asarray(rng.random(t.shape, dtype=np.float32)) for t in tops]
-        run_forward = jax.jit(f, compiler_options=options)
-        run_both = jax.jit(lambda b, p, g, f=f: jax.vjp(f, b, p)[1](g), compiler_options=options)
-        fwd = timed(lambda: run_forward(bottoms, blobs), repeats, warmup=1)["median_ms"]
-        both = timed(lambda: run_both(bottoms, blobs, diffs), repeats, warmup=1)["median_ms"]
-        rows.append({"layer": layer.name, "type": layer.type, "kernel": kernel.name if kernel else f"caffe:{layer.type}",
-                     "shape": graph.value_shapes[layer.bottom_values[0]] if layer.bottom_values else (),
-                     "fwd_ms": fwd, "ms": both, "bwd_ms": max(both - fwd, 0.0), "gflops": None})
-    return rows
+
+def _row(graph, layer, kernel, **timings) -> dict:
+    return {"layer": layer.name, "type": layer.type, "kernel": kernel.name if kernel else f"caffe:{layer.type}",
+            "shape": graph.value_shapes[layer.bottom_values[0]] if layer.bottom_values else (), **timings}
 
 
 def main(argv=None) -> int:

@@ -17,7 +17,7 @@ import os
 
 import jax
 
-from caffejax.frontend.ir import Graph
+from caffejax.frontend.ir import Graph, Layer
 from caffejax.lower.registry import count
 
 YNN_OPTION = "xla_cpu_experimental_ynn_fusion_type"
@@ -28,17 +28,19 @@ ENVIRONMENT = "CAFFEJAX_XLA_YNN"
 
 def matmul_flops(graph: Graph) -> int:
     """2 x the multiply-adds of the graph's direct convolutions and inner products, from its shapes."""
-    total = 0
-    for layer in graph.layers:
-        if layer.type in ("Convolution", "Deconvolution") and layer.params:
-            filters = layer.params[0].shape
-            # Convolution: each top element takes C/g * k... multiply-adds; Deconvolution: each bottom element.
-            values = layer.top_values if layer.type == "Convolution" else layer.bottom_values
-            total += sum(2 * count(graph.value_shapes[v] or ()) * count(filters, 1) for v in values)
-        elif layer.type == "InnerProduct" and layer.bottom_values:
-            total += 2 * count(graph.value_shapes[layer.bottom_values[0]] or ()) \
-                * layer.proto.inner_product_param.num_output
-    return total
+    return sum(layer_matmul_flops(graph, layer) for layer in graph.layers)
+
+
+def layer_matmul_flops(graph: Graph, layer: Layer) -> int:
+    """2 x the multiply-adds of one layer if it is a convolution or inner product, else 0."""
+    if layer.type in ("Convolution", "Deconvolution") and layer.params:
+        filters = layer.params[0].shape
+        # Convolution: each top element takes C/g * k... multiply-adds; Deconvolution: each bottom element.
+        values = layer.top_values if layer.type == "Convolution" else layer.bottom_values
+        return sum(2 * count(graph.value_shapes[v] or ()) * count(filters, 1) for v in values)
+    if layer.type == "InnerProduct" and layer.bottom_values:
+        return 2 * count(graph.value_shapes[layer.bottom_values[0]] or ()) * layer.proto.inner_product_param.num_output
+    return 0
 
 
 def compiler_options(graph: Graph) -> dict[str, str]:
