@@ -62,7 +62,6 @@ def profile_training(net_name: str, batch: int, repeats: int = 5) -> list[dict]:
     graph = net.graph
     kernels = layout_kernels(graph)
     params = make_plan(graph, net.param_arrays()).params
-    options = compiler_options(graph)
     rng = np.random.default_rng(1)
     rows = []
     for layer, kernel, forward, bottoms in _layers_as_in_the_net(graph, kernels, jnp.float32, key=jax.random.key(0),
@@ -71,8 +70,9 @@ def profile_training(net_name: str, batch: int, repeats: int = 5) -> list[dict]:
             continue
         blobs = [jnp.asarray(a) for a in params.get(layer.name, [])]
         diffs = [jnp.asarray(rng.random(t.shape, dtype=np.float32)) for t in jax.eval_shape(forward, bottoms, blobs)]
-        run_forward = jax.jit(forward, compiler_options=options)
-        run_both = jax.jit(lambda b, p, g, f=forward: jax.vjp(f, b, p)[1](g), compiler_options=options)
+        run_forward = jax.jit(forward, compiler_options=compiler_options(graph))
+        run_both = jax.jit(lambda b, p, g, f=forward: jax.vjp(f, b, p)[1](g),
+                           compiler_options=compiler_options(graph, backward=True))
         fwd = timed(lambda: run_forward(bottoms, blobs), repeats, warmup=1)["median_ms"]
         both = timed(lambda: run_both(bottoms, blobs, diffs), repeats, warmup=1)["median_ms"]
         rows.append(_row(graph, layer, kernel, fwd_ms=fwd, ms=both, bwd_ms=max(both - fwd, 0.0), gflops=None))

@@ -261,7 +261,7 @@ def train_step(spec: BenchNet, weights: pathlib.Path, batch: int, repeats: int, 
                 new[owner][i] = value
         return new, loss
 
-    jitted = jax.jit(step, donate_argnums=0, compiler_options=compiler_options(net.graph))
+    jitted = jax.jit(step, donate_argnums=0, compiler_options=compiler_options(net.graph, backward=True))
     state = {"params": net.param_arrays(), "step": 0}
     inputs = {v: jnp.asarray(a) for v, a in fed.items()}
 

@@ -29,13 +29,17 @@ def test_ynnpack_only_for_programs_with_enough_work(monkeypatch):
     net.blobs["data"].reshape(1, 1, 28, 28)
     net.reshape()
     small = net.graph  # 5 MFLOP
-    expected = {xla_options.YNN_OPTION: xla_options.YNN_DOT} if jax.default_backend() == "cpu" else {}
+    cpu = jax.default_backend() == "cpu"
+    expected = {xla_options.YNN_OPTION: xla_options.YNN_DOT} if cpu else {}
+    with_backward = {xla_options.YNN_OPTION: xla_options.YNN_DOT_AND_REDUCE} if cpu else {}
     assert xla_options.compiler_options(big) == expected
-    assert xla_options.compiler_options(small) == {}
+    assert xla_options.compiler_options(big, backward=True) == with_backward
+    assert xla_options.compiler_options(small) == xla_options.compiler_options(small, backward=True) == {}
     monkeypatch.setenv(xla_options.ENVIRONMENT, "0")
-    assert xla_options.compiler_options(big) == {}
+    assert xla_options.compiler_options(big) == xla_options.compiler_options(big, backward=True) == {}
     monkeypatch.setenv(xla_options.ENVIRONMENT, "1")
     assert xla_options.compiler_options(small) == expected
+    assert xla_options.compiler_options(small, backward=True) == with_backward
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="an XLA:CPU option")
@@ -58,7 +62,8 @@ def test_ynnpack_convolutions_and_gradients_are_as_exact_as_xlas_own():
 
         with jax.enable_x64(True):
             want = [np.asarray(a) for a in jax.jit(forward_backward)(x, w, dy)]
-        for options in ({}, {xla_options.YNN_OPTION: xla_options.YNN_DOT}):
+        for options in ({}, {xla_options.YNN_OPTION: xla_options.YNN_DOT},
+                        {xla_options.YNN_OPTION: xla_options.YNN_DOT_AND_REDUCE}):
             got = jax.jit(forward_backward, compiler_options=options)(*(a.astype(np.float32) for a in (x, w, dy)))
             for name, a, b in zip(("y", "dx", "dw"), got, want):
                 error = np.abs(np.asarray(a, np.float64) - b).max() / np.abs(b).max()

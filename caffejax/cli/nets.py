@@ -281,10 +281,10 @@ def time(args) -> int:
     params = net.param_arrays()
     fed = {value: net.blobs[name].data for name, value in graph.fed.items()}
     key = jax.random.key(0)
-    options = compiler_options(graph)
     forward = jax.jit(lambda p, env, k: program.run_layers(graph.layers, p, env, k, kernels=program.kernels)[0],
-                      compiler_options=options)
-    forward_backward = jax.jit(lambda p, env, k: program.loss_and_grads(p, env, k)[:2], compiler_options=options)
+                      compiler_options=compiler_options(graph))
+    forward_backward = jax.jit(lambda p, env, k: program.loss_and_grads(p, env, k)[:2],
+                               compiler_options=compiler_options(graph, backward=True))
     env = forward(params, fed, key)
     whole_forward = _mean_seconds(forward, (params, fed, key), iterations)
     whole_forward_backward = _mean_seconds(forward_backward, (params, fed, key), iterations)

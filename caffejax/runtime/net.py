@@ -317,7 +317,8 @@ class Net:
             def counted(*args):
                 self.compile_count += 1
                 return build(*args)
-            fn = self._compiled[cache_key] = jax.jit(counted, compiler_options=compiler_options(self._graph))
+            options = compiler_options(self._graph, backward=kind == "backward")
+            fn = self._compiled[cache_key] = jax.jit(counted, compiler_options=options)
         return fn
 
     def _sync_shapes(self) -> None:

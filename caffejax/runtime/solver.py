@@ -325,7 +325,7 @@ class Solver:
                 return counted
 
             fn = self._programs[cache_key] = (jax.jit(counted_step(net._program),
-                                                      compiler_options=compiler_options(net.graph))
+                                                      compiler_options=compiler_options(net.graph, backward=True))
                                               if self._parallel is None
                                               else self._parallel.train_step(net, counted_step))
         return fn

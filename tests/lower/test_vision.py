@@ -373,6 +373,53 @@ def test_deconvolution_matches_caffe_col2im(spatial, cin, cout, group, kernel, s
                                rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("batch,kernel,stride,pad,dilation", [
+    (5, (3, 3), (1, 1), (1, 1), (1, 1)),   # two chunks of 2 and a last image alone
+    (4, (3, 3), (2, 2), (1, 1), (1, 1)),
+    (3, (3, 2), (2, 1), (0, 1), (2, 1)),
+])
+def test_depthwise_gradients_summed_by_chunks_are_the_whole_batch_gradients(monkeypatch, channels_last, batch,
+                                                                             kernel, stride, pad, dilation):
+    """The depthwise filter gradient, summed over 2-image chunks on the CPU (whatever the core count here),
+    equals XLA's own grouped-convolution gradient in float64; so do the forward and the input gradient."""
+    from caffejax.lower import vision
+
+    monkeypatch.setattr(vision, "_depthwise_chunk", lambda: 2)
+    rng = np.random.default_rng(11)
+    channels, spatial = 6, (9, 8)
+    x = rng.normal(size=(batch, channels) + spatial)
+    w = rng.normal(size=(channels, 1) + kernel)
+    g = vision.ConvGeometry(channel_axis=1, kernel=kernel, stride=stride, pad=pad, dilation=dilation)
+    out = tuple((n + 2 * p - (d * (k - 1) + 1)) // s + 1 for n, k, s, p, d in zip(spatial, kernel, stride, pad,
+                                                                                    dilation))
+    padding = [(p, p) for p in pad]
+    dy = rng.normal(size=(batch, channels) + out)
+
+    def xla(x, w):
+        return jax.lax.conv_general_dilated(x, w, stride, padding, rhs_dilation=dilation,
+                                            feature_group_count=channels, precision=jax.lax.Precision.HIGHEST)
+
+    def ours(x, w):
+        if not channels_last:
+            return vision.grouped_convolution(x, w, g, padding, out, channels)
+        y = vision.grouped_convolution(x.transpose(0, 2, 3, 1), w.transpose(2, 3, 1, 0), g, padding, out, channels,
+                                       channels_last=True)
+        return y.transpose(0, 3, 1, 2)
+
+    with jax.enable_x64(True):
+        want_y, want_vjp = jax.vjp(xla, x, w)
+        got_y, got_vjp = jax.vjp(ours, x, w)
+        np.testing.assert_allclose(got_y, want_y, rtol=1e-12, atol=1e-12)
+        for got, want, name in zip(got_vjp(dy), want_vjp(dy), ("dx", "dw")):
+            np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=name)
+    if jax.default_backend() == "cpu":  # the chunked loops are what ran
+        x, w, dy = (a.astype(np.float32) for a in (x, w, dy))
+        assert "stablehlo.while" not in jax.jit(ours).lower(x, w).as_text()
+        backward = jax.jit(lambda x, w, dy: jax.vjp(ours, x, w)[1](dy)[1]).lower(x, w, dy).as_text()
+        assert backward.count("stablehlo.while") == 1  # the filter gradient's
+
+
 def test_convolution_channel_axis_and_several_bottoms():
     # axis 2: the leading axes (2, 3) are the "num" of Caffe's loop; every bottom gets its own top.
     rng = np.random.default_rng(8)
