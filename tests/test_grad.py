@@ -120,23 +120,30 @@ def test_bad_masks_are_reported(setup):
 CONV_NET = """
 name: "conv"
 layer { name: "data" type: "Input" top: "x" top: "label"
-        input_param { shape { dim: 2 dim: 3 dim: 6 dim: 6 } shape { dim: 2 } } }
+        input_param { shape { dim: 5 dim: 3 dim: 6 dim: 6 } shape { dim: 5 } } }
 layer { name: "conv" type: "Convolution" bottom: "x" top: "c"
         convolution_param { num_output: 4 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.5 } } }
 layer { name: "norm" type: "LRN" bottom: "c" top: "n" lrn_param { local_size: 3 alpha: 0.5 beta: 0.75 } }
 layer { name: "pool" type: "Pooling" bottom: "n" top: "p" pooling_param { pool: MAX kernel_size: 3 stride: 1 pad: 1 } }
-layer { name: "ip" type: "InnerProduct" bottom: "p" top: "score"
+layer { name: "pool2" type: "Pooling" bottom: "p" top: "p2" pooling_param { pool: MAX kernel_size: 3 stride: 2 } }
+layer { name: "dw" type: "Convolution" bottom: "p2" top: "d"
+        convolution_param { num_output: 4 group: 4 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "ip" type: "InnerProduct" bottom: "d" top: "score"
         inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.1 } } }
 layer { name: "loss" type: "SoftmaxWithLoss" bottom: "score" bottom: "label" top: "loss" }
 """
 
 
-def test_hessian_vector_product_through_written_out_backwards():
-    """LRN's custom VJP and the separable MAX pooling compose with forward-over-reverse (jax.jvp of grad)."""
+def test_hessian_vector_product_through_written_out_backwards(monkeypatch):
+    """The written-out backwards (LRN's, MAX pooling's with stride 1 and 2, the depthwise convolution's
+    filter gradient over 2-image chunks) compose with forward-over-reverse (jax.jvp of grad)."""
+    from caffejax.lower import vision
+
+    monkeypatch.setattr(vision, "_depthwise_chunk", lambda: 2)
     with jax.enable_x64(True):
         net = caffejax.Net(CONV_NET, caffejax.TRAIN, dtype=np.float64)
         rng = np.random.default_rng(0)
-        inputs = {"x": rng.standard_normal((2, 3, 6, 6)), "label": np.array([0.0, 2.0])}
+        inputs = {"x": rng.standard_normal((5, 3, 6, 6)), "label": np.array([0.0, 2.0, 1.0, 1.0, 0.0])}
         params = net.param_arrays()
         fn = caffejax.value_and_grad(net)
 

@@ -144,7 +144,7 @@ POOL_CONFIGS = [
     ((2, 3), (1, 2), (1, 0), "CEIL", (5, 7)),
     ((3, 2), (2, 3), (2, 1), "FLOOR", (9, 7)),
     ((4, 4), (3, 3), (1, 1), "CEIL", (10, 11)),
-    # stride 1: the separable scan (rows, then the rows' winners)
+    # stride 1
     ((3, 3), (1, 1), (1, 1), "CEIL", (6, 7)),
     ((2, 3), (1, 1), (0, 1), "FLOOR", (5, 6)),
     ((3, 2), (1, 1), (0, 0), "CEIL", (4, 5)),
@@ -172,7 +172,8 @@ def test_max_pool_ties_mask_and_gradient_follow_caffe(kernel, stride, pad, round
     dy = rng.normal(size=y.shape).astype(np.float32)
     _, (dx,), _ = layer_vjp(_pool_layer("MAX", kernel, stride, pad, round_mode), [x], [dy])
     # Routing is exact (the mask above); where overlapping windows send several diffs to one element, the
-    # separable scan adds them in another order than Caffe's loop: float32 rounding, hence the atol.
+    # transpose of the window views adds them in another order than Caffe's loop: float32 rounding, hence the
+    # atol.
     np.testing.assert_allclose(np.asarray(dx), caffe_max_pool_backward(x.shape, ref_mask, dy), rtol=1e-6,
                                atol=1e-6)
 
@@ -203,7 +204,7 @@ def test_max_pool_skips_nan_like_caffe_strict_greater():
 
 
 @pytest.mark.parametrize("stride", [(2, 2), (1, 1)])
-def test_max_pool_nan_and_minus_inf_windows_in_either_scan(stride):
+def test_max_pool_nan_and_minus_inf_windows(stride):
     x = np.array([[[[np.nan, 1.0, -np.inf], [3.0, np.nan, -np.inf], [-np.inf, -np.inf, -np.inf]]]], np.float32)
     y, mask = layer_forward(_pool_layer("MAX", (2, 2), stride, (0, 0), "FLOOR", tops=("y", "mask")), [x])
     assert float(y[0, 0, 0, 0]) == 3.0 and float(mask[0, 0, 0, 0]) == 3
