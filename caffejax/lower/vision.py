@@ -5,8 +5,10 @@ Reshape do and is static; the math uses XLA's native convolution where it gives 
 window elements in Caffe's row-major scan order where the order matters: MAX pooling is Caffe's scan as a
 chain of ``where`` over shifted views (first maximum wins), STOCHASTIC pooling's sampling and Im2col's column
 layout use an explicit array of every window. Written that way, JAX's derivative of the forward is Caffe's
-Backward (MAX routes each output's gradient to its first maximum, Im2col's transpose is col2im), and the
-shifted-view forms fuse into one pass over the input on XLA:CPU, where reduce_window is slow.
+Backward (Im2col's transpose is col2im), and the shifted-view forms fuse into one pass over the input on
+XLA:CPU, where reduce_window is slow. Where that derivative is slow on XLA:CPU, the backward is written out
+with the same math (``custom_vjp``): MAX pooling routes each output's gradient to the winner its scan
+recorded, LRN is Caffe's CrossChannelBackward, and the depthwise filter gradient is summed by chunks.
 """
 
 from __future__ import annotations
