@@ -484,10 +484,12 @@ def _pool_taps(x: jax.Array, g: PoolGeometry, fill, first_axis: int) -> list[jax
     return _taps(_pad(x, first_axis, g.padding(), fill), first_axis, g.kernel, g.stride, (1, 1), g.out)
 
 
-def _window_index(g: PoolGeometry, t: int) -> np.ndarray:
-    """Caffe's flat bottom index h * W + w of window element ``t`` (row-major in the kernel) per output."""
-    rows = (np.arange(g.out[0]) * g.stride[0] - g.pad[0])[:, None]
-    cols = (np.arange(g.out[1]) * g.stride[1] - g.pad[1])[None, :]
+def _window_index(g: PoolGeometry, t: jax.Array, trailing: int) -> jax.Array:
+    """Caffe's flat bottom index h * W + w of window element ``t`` (row-major in the kernel; int32, one per
+    output, whose two spatial axes are followed by ``trailing`` axes)."""
+    ones = (1,) * trailing
+    rows = (np.arange(g.out[0]) * g.stride[0] - g.pad[0]).reshape((-1, 1) + ones)
+    cols = (np.arange(g.out[1]) * g.stride[1] - g.pad[1]).reshape((-1,) + ones)
     return (rows + t // g.kernel[1]) * g.size[1] + cols + t % g.kernel[1]
 
 
@@ -510,11 +512,9 @@ def max_pool(x: jax.Array, g: PoolGeometry, first_axis: int = 2,
     top, winner = _row_major_scan(x, g, first_axis)
     if not with_mask:
         return top, None
-    index_shape = g.out + (1,) * (x.ndim - first_axis - 2)
-    mask = jnp.asarray(-1, x.dtype)
-    for t in range(g.kernel[0] * g.kernel[1]):
-        mask = jnp.where(winner == t, jnp.asarray(_window_index(g, t).reshape(index_shape), x.dtype), mask)
-    return top, lax.stop_gradient(jnp.broadcast_to(mask, top.shape))
+    winner = winner.astype(jnp.int32)
+    index = _window_index(g, winner, trailing=x.ndim - first_axis - 2)
+    return top, lax.stop_gradient(jnp.where(winner >= 0, index, -1).astype(x.dtype))
 
 
 def _scan_with_winner(x: jax.Array, g: PoolGeometry, first_axis: int) -> tuple[jax.Array, jax.Array]:

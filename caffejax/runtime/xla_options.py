@@ -55,11 +55,8 @@ def compiler_options(graph: Graph, backward: bool = False) -> dict[str, str]:
     """The options for one program running ``graph``: one forward, or with ``backward`` a program that also
     computes gradients (a backward pass, a training step)."""
     forced = os.environ.get(ENVIRONMENT, "").strip().lower()
-    if forced in ("0", "false", "off", "no"):
+    if jax.default_backend() != "cpu" or forced in ("0", "false", "off", "no"):
         return {}
-    if forced in ("1", "true", "on", "yes") or (jax.default_backend() == "cpu"
-                                                and matmul_flops(graph) >= YNN_MIN_FLOPS):
-        if jax.default_backend() != "cpu":
-            return {}
+    if forced in ("1", "true", "on", "yes") or matmul_flops(graph) >= YNN_MIN_FLOPS:
         return {YNN_OPTION: YNN_DOT_AND_REDUCE if backward else YNN_DOT}
     return {}
