@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import caffejax  # before the first JAX computation, as in a user's program: its import chooses CPU dispatch
 from bench.measure import gemm_gflops, model_flops, once, timed
 from bench.nets import NETS, ROOT, BenchNet, randomize_weights, training_net_param
 
@@ -80,6 +81,7 @@ def main(argv=None) -> int:
 
     report = {"started": datetime.datetime.now().isoformat(timespec="seconds"), "jax": jax.__version__,
               "keep_freed_memory": kept,
+              "cpu_async_dispatch": jax.config.values["jax_cpu_enable_async_dispatch"],
               "cpu_count": os.cpu_count(), "load_average": os.getloadavg(), "repeats": repeats,
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "cpu_flags": _cpu_flags(),
               "gemm_gflops": gemm_gflops(), "nets": {}}
@@ -110,8 +112,6 @@ def _cpu_flags() -> list[str]:
 
 
 def bench_net(spec: BenchNet, batches, repeats: int, args) -> dict:
-    import caffejax
-
     with tempfile.TemporaryDirectory(prefix=f"bench-{spec.name}-") as tmp:
         net = caffejax.Net(str(spec.prototxt), caffejax.TEST,
                            **({"weights": str(spec.weights)} if spec.weights else {}))
@@ -133,7 +133,6 @@ def measure_load(spec: BenchNet, net, weights: pathlib.Path) -> dict:
     """read_weights (a memory-mapped parse; every array then copied out, so that every byte is read),
     copy_from (parse + install in the net's blobs), and a whole Net construction with weights (graph build
     included). The file was just written, so it is read from the page cache, as OpenCV reads it."""
-    import caffejax
     from caffejax.frontend.caffemodel import read_weights
 
     size = weights.stat().st_size
@@ -147,8 +146,6 @@ def measure_load(spec: BenchNet, net, weights: pathlib.Path) -> dict:
 
 
 def bench_batch(spec: BenchNet, net, weights: pathlib.Path, batch: int, repeats: int, args, tmp: str) -> dict:
-    import caffejax
-
     name = net.inputs[0]
     shape = (batch,) + tuple(net.blobs[name].shape[1:])
     x = np.random.default_rng(batch).random(shape, dtype=np.float32) * 2 - 1
@@ -233,7 +230,6 @@ def opencv_forward(spec: BenchNet, weights: pathlib.Path, x: np.ndarray, repeats
 def train_step(spec: BenchNet, weights: pathlib.Path, batch: int, repeats: int, lr: float = 1e-4) -> dict:
     """Forward + backward + SGD update as one jitted program (params donated), on the deploy net with a
     SoftmaxWithLoss appended (TRAIN phase: Dropout active; BatchNorm as the prototxt says)."""
-    import caffejax
     from caffejax.lower.optimize import layout_kernels
     from caffejax.lower.program import NetProgram
     from caffejax.runtime.xla_options import compiler_options

@@ -6,6 +6,7 @@ from caffejax.grad import value_and_grad
 from caffejax.lower.python_layer import Layer  # pycaffe's caffe.Layer, for (trusted) Python layers
 from caffejax.lower.registry import TEST, TRAIN, register_layer
 from caffejax.net_spec import NetSpec, layers, params, to_proto
+from caffejax.runtime.mode import run_cpu_programs_inline as _run_cpu_programs_inline
 from caffejax.runtime.mode import set_device, set_mode_cpu, set_mode_gpu, set_random_seed
 from caffejax.runtime.debug_nans import find_first_nan
 from caffejax.runtime.inference import compile_inference
@@ -19,6 +20,7 @@ from caffejax.classifier import Classifier, Detector
 __version__ = "0.1.0"
 
 _memory.apply_environment()  # CAFFEJAX_KEEP_FREED_MEMORY=1: see caffejax.runtime.memory
+_run_cpu_programs_inline()  # as Caffe runs; CAFFEJAX_CPU_ASYNC_DISPATCH=1 keeps JAX's worker thread
 
 __all__ = ["Net", "TRAIN", "TEST", "CaffejaxError", "ParseError", "SchemaError", "GraphError", "ShapeError",
            "WeightsError", "DataError", "SolverError", "UnsupportedError", "set_mode_cpu", "set_mode_gpu",
