@@ -34,6 +34,7 @@ import numpy as np
 import caffejax  # before the first JAX computation, as in a user's program: its import chooses CPU dispatch
 from bench.measure import gemm_gflops, model_flops, once, timed
 from bench.nets import NETS, ROOT, BenchNet, randomize_weights, training_net_param
+from caffejax.runtime import memory
 
 RESULTS = ROOT / "bench" / "results"
 QUICK_NETS = ("lenet", "squeezenet_v1.1")
@@ -58,8 +59,6 @@ def main(argv=None) -> int:
     parser.add_argument("--no-train", action="store_true")
     parser.add_argument("--no-bf16", action="store_true")
     parser.add_argument("--no-coldstart", action="store_true", help="skip the fresh-process compile runs")
-    parser.add_argument("--keep-freed-memory", action="store_true",
-                        help="caffejax.runtime.memory.keep_freed_memory() first (process-wide: OpenCV too)")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="JSON path (default bench/results/)")
     parser.add_argument("--table", type=pathlib.Path, default=None, help="print the table of a saved run")
     args = parser.parse_args(argv)
@@ -72,15 +71,10 @@ def main(argv=None) -> int:
         parser.error(f"unknown nets {unknown}; known: {list(NETS)}")
     batches = [int(b) for b in (args.batches or ("1" if args.quick else "1,16")).split(",")]
     repeats = max(args.repeats, 5)
-    kept = False
-    if args.keep_freed_memory:
-        from caffejax.runtime import memory
-
-        os.environ[memory.ENVIRONMENT] = "1"  # the fresh cold/warm start processes too
-        kept = memory.keep_freed_memory()
-
     report = {"started": datetime.datetime.now().isoformat(timespec="seconds"), "jax": jax.__version__,
-              "keep_freed_memory": kept,
+              # As importing caffejax set the process up (for OpenCV too: the same process), unless the
+              # environment opted out: CAFFEJAX_KEEP_FREED_MEMORY=0, CAFFEJAX_CPU_ASYNC_DISPATCH=1.
+              "keep_freed_memory": memory.apply_environment(),
               "cpu_async_dispatch": jax.config.values["jax_cpu_enable_async_dispatch"],
               "cpu_count": os.cpu_count(), "load_average": os.getloadavg(), "repeats": repeats,
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "cpu_flags": _cpu_flags(),

@@ -19,7 +19,7 @@ from caffejax.classifier import Classifier, Detector
 
 __version__ = "0.1.0"
 
-_memory.apply_environment()  # CAFFEJAX_KEEP_FREED_MEMORY=1: see caffejax.runtime.memory
+_memory.apply_environment()  # malloc keeps freed memory; CAFFEJAX_KEEP_FREED_MEMORY=0 opts out
 _run_cpu_programs_inline()  # as Caffe runs; CAFFEJAX_CPU_ASYNC_DISPATCH=1 keeps JAX's worker thread
 
 __all__ = ["Net", "TRAIN", "TEST", "CaffejaxError", "ParseError", "SchemaError", "GraphError", "ShapeError",
