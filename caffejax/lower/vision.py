@@ -8,7 +8,8 @@ layout use an explicit array of every window. Written that way, JAX's derivative
 Backward (Im2col's transpose is col2im), and the shifted-view forms fuse into one pass over the input on
 XLA:CPU, where reduce_window is slow. Where that derivative is slow on XLA:CPU, the backward is written out
 with the same math (``custom_vjp``): MAX pooling routes each output's gradient to the winner its scan
-recorded, LRN is Caffe's CrossChannelBackward, and the depthwise filter gradient is summed by chunks.
+recorded, LRN is Caffe's CrossChannelBackward, the depthwise input gradient is a correlation with the
+flipped filters, and the depthwise filter gradient is summed by chunks.
 """
 
 from __future__ import annotations
@@ -311,13 +312,37 @@ def _depthwise_fwd(x, w, g, padding, out, channels_last, accumulate):
     return _depthwise_taps(x, w, g, padding, out, channels_last, accumulate), (x, w)
 
 
+def _depthwise_input_gradient(dy, w, g: ConvGeometry, padding, spatial: Shape, channels_last: bool,
+                              accumulate) -> jax.Array:
+    """dx of :func:`_depthwise_taps`, written as the forward of another depthwise convolution: dy spread out by
+    the stride (zeros between its elements), padded by (k-1)*d - pad, correlated with the flipped filters.
+
+    JAX's own derivative pads each offset's contribution back to the input's shape and sums the k*k padded
+    arrays. XLA:CPU fuses that into one loop that tests, for every input element, every offset's padding
+    (interior padding too, for a stride), together with what it fused around it; in MobileNet v2's training
+    step at batch 16 the 112x112x96 stride-2 one took 83 ms, where this form's k*k plain views of one
+    padded array run as a forward does. The step went 1.13-1.31 -> 0.93-0.96 s."""
+    first = 1 if channels_last else 2
+    config = [(0, 0, 0)] * dy.ndim
+    for axis, (k, s, d, (lo, _), size, o) in enumerate(zip(g.kernel, g.stride, g.dilation, padding, spatial,
+                                                             dy.shape[first:first + len(spatial)])):
+        before = (k - 1) * d - lo
+        config[first + axis] = (before, size + (k - 1) * d - before - ((o - 1) * s + 1), s - 1)
+    spread = lax.pad(dy, np.zeros((), dy.dtype), config)
+    flipped = jnp.flip(w, tuple(range(len(spatial))) if channels_last else tuple(range(2, w.ndim)))
+    unit = dataclasses.replace(g, stride=(1,) * len(spatial), pad=(0,) * len(spatial))
+    return _depthwise_taps(spread, flipped, unit, ((0, 0),) * len(spatial), spatial, channels_last, accumulate)
+
+
 def _depthwise_bwd(g, padding, out, channels_last, accumulate, residuals, dy):
     x, w = residuals
 
     def forward(x, w):
         return _depthwise_taps(x, w, g, padding, out, channels_last, accumulate)
 
-    (dx,) = jax.vjp(lambda x: forward(x, w), x)[1](dy)
+    first = 1 if channels_last else 2
+    spatial = x.shape[first:first + len(g.kernel)]
+    dx = _depthwise_input_gradient(dy, w, g, padding, spatial, channels_last, accumulate).astype(x.dtype)
     total_dtype = jnp.promote_types(w.dtype, jnp.float32)
 
     def filter_gradient(x, dy):

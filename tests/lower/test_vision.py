@@ -379,11 +379,13 @@ def test_deconvolution_matches_caffe_col2im(spatial, cin, cout, group, kernel, s
     (5, (3, 3), (1, 1), (1, 1), (1, 1)),   # two chunks of 2 and a last image alone
     (4, (3, 3), (2, 2), (1, 1), (1, 1)),
     (3, (3, 2), (2, 1), (0, 1), (2, 1)),
+    (4, (3, 3), (2, 3), (3, 2), (1, 1)),   # pads past the kernel's reach: the input gradient crops dy's spread
 ])
 def test_depthwise_gradients_summed_by_chunks_are_the_whole_batch_gradients(monkeypatch, channels_last, batch,
                                                                              kernel, stride, pad, dilation):
     """The depthwise filter gradient, summed over 2-image chunks on the CPU (whatever the core count here),
-    equals XLA's own grouped-convolution gradient in float64; so do the forward and the input gradient."""
+    equals XLA's own grouped-convolution gradient in float64; so do the forward and the input gradient (a
+    correlation of dy, spread by the stride, with the flipped filters)."""
     from caffejax.lower import vision
 
     monkeypatch.setattr(vision, "_depthwise_chunk", lambda: 2)
