@@ -16,7 +16,7 @@ import jax
 
 log = logging.getLogger("caffejax")
 
-# Set to 1, caffejax leaves JAX's CPU dispatch as JAX has it (see run_cpu_programs_inline).
+# Set to 1 (true/on/yes), caffejax leaves JAX's CPU dispatch as JAX has it (see run_cpu_programs_inline).
 ASYNC_DISPATCH_ENVIRONMENT = "CAFFEJAX_CPU_ASYNC_DISPATCH"
 
 
@@ -73,7 +73,7 @@ def run_cpu_programs_inline() -> bool:
     (so does ``jax.config.update("jax_cpu_enable_async_dispatch", True)`` after importing caffejax, before
     the first JAX computation).
     """
-    if os.environ.get(ASYNC_DISPATCH_ENVIRONMENT) == "1":
+    if os.environ.get(ASYNC_DISPATCH_ENVIRONMENT, "").strip().lower() in ("1", "true", "on", "yes"):
         return False
     try:
         from jax._src import xla_bridge
