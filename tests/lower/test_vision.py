@@ -172,10 +172,23 @@ def test_max_pool_ties_mask_and_gradient_follow_caffe(kernel, stride, pad, round
     dy = rng.normal(size=y.shape).astype(np.float32)
     _, (dx,), _ = layer_vjp(_pool_layer("MAX", kernel, stride, pad, round_mode), [x], [dy])
     # Routing is exact (the mask above); where overlapping windows send several diffs to one element, the
-    # transpose of the window views adds them in another order than Caffe's loop: float32 rounding, hence the
-    # atol.
+    # backward adds them in kernel-offset order, not in Caffe's loop order: float32 rounding, hence the atol.
     np.testing.assert_allclose(np.asarray(dx), caffe_max_pool_backward(x.shape, ref_mask, dy), rtol=1e-6,
                                atol=1e-6)
+
+
+@pytest.mark.parametrize("kernel,stride,pad,round_mode,size", POOL_CONFIGS)
+def test_max_pool_channels_last_gradient_is_the_nchw_one(kernel, stride, pad, round_mode, size):
+    """The channels-last kernels (Net, training) pool with the spatial axes at 1: the same routing."""
+    from caffejax.lower import vision
+
+    rng = np.random.default_rng(1)
+    x = rng.integers(-2, 3, size=(2, 3) + size).astype(np.float32)
+    g = vision.pooling_geometry(_pool_layer("MAX", kernel, stride, pad, round_mode), x.shape)
+    dy = rng.normal(size=(2, 3) + g.out).astype(np.float32)
+    nchw = jax.vjp(lambda x: vision.max_pool(x, g, 2)[0], x)[1](dy)[0]
+    nhwc = jax.vjp(lambda x: vision.max_pool(x, g, 1)[0], x.transpose(0, 2, 3, 1))[1](dy.transpose(0, 2, 3, 1))[0]
+    np.testing.assert_array_equal(np.asarray(nhwc).transpose(0, 3, 1, 2), np.asarray(nchw))
 
 
 def test_max_pool_mask_top_gets_no_gradient():
