@@ -45,11 +45,15 @@ def _fail(layer_param: Any, message: str) -> ShapeError:
 
 # ---- shared window machinery ------------------------------------------------------------------------------
 
-def _pad(x: jax.Array, first_axis: int, pads: Sequence[tuple[int, int]], value) -> jax.Array:
+def _pad(x: jax.Array, first_axis: int, pads: Sequence[tuple[int, int]], value,
+         interior: Sequence[int] | None = None) -> jax.Array:
     """Pad (or, for negative amounts, crop) the spatial axes starting at ``first_axis``; axes after them
-    (channels, in a channels-last layout) are left alone."""
+    (channels, in a channels-last layout) are left alone. ``interior``: that many cells of ``value`` also
+    go between neighbouring elements along each axis (an array spread out by a stride, less one)."""
     trailing = x.ndim - first_axis - len(pads)
-    config = [(0, 0, 0)] * first_axis + [(lo, hi, 0) for lo, hi in pads] + [(0, 0, 0)] * trailing
+    interior = interior or (0,) * len(pads)
+    config = ([(0, 0, 0)] * first_axis + [(lo, hi, i) for (lo, hi), i in zip(pads, interior)]
+              + [(0, 0, 0)] * trailing)
     return lax.pad(x, np.asarray(value, x.dtype), config)
 
 
@@ -323,12 +327,12 @@ def _depthwise_input_gradient(dy, w, g: ConvGeometry, padding, spatial: Shape, c
     step at batch 16 the 112x112x96 stride-2 one took 83 ms, where this form's k*k plain views of one
     padded array run as a forward does. The step went 1.13-1.31 -> 0.93-0.96 s."""
     first = 1 if channels_last else 2
-    config = [(0, 0, 0)] * dy.ndim
-    for axis, (k, s, d, (lo, _), size, o) in enumerate(zip(g.kernel, g.stride, g.dilation, padding, spatial,
-                                                             dy.shape[first:first + len(spatial)])):
+    pads = []
+    for k, s, d, (lo, _), size, o in zip(g.kernel, g.stride, g.dilation, padding, spatial,
+                                         dy.shape[first:first + len(spatial)]):
         before = (k - 1) * d - lo
-        config[first + axis] = (before, size + (k - 1) * d - before - ((o - 1) * s + 1), s - 1)
-    spread = lax.pad(dy, np.zeros((), dy.dtype), config)
+        pads.append((before, size + (k - 1) * d - before - ((o - 1) * s + 1)))
+    spread = _pad(dy, first, pads, 0, interior=[s - 1 for s in g.stride])
     flipped = jnp.flip(w, tuple(range(len(spatial))) if channels_last else tuple(range(2, w.ndim)))
     unit = dataclasses.replace(g, stride=(1,) * len(spatial), pad=(0,) * len(spatial))
     return _depthwise_taps(spread, flipped, unit, ((0, 0),) * len(spatial), spatial, channels_last, accumulate)
@@ -585,18 +589,15 @@ def _row_major_scan_bwd(g, first_axis, winner, cotangents):
     AlexNet's and GoogLeNet's training steps at batch 16 (AlexNet 609-697 -> 545-580 ms, GoogLeNet
     1248-1303 -> 1081-1179 ms)."""
     dtop = cotangents[0]
-    trailing = winner.ndim - first_axis - 2
-    spread = ([(0, 0, 0)] * first_axis + [(k - 1, k - 1, s - 1) for k, s in zip(g.kernel, g.stride)]
-              + [(0, 0, 0)] * trailing)
-    winners = lax.pad(winner, np.asarray(-1, winner.dtype), spread)
-    gradients = lax.pad(dtop, np.zeros((), dtop.dtype), spread)
-    extent = [(o - 1) * s + k for o, s, k in zip(g.out, g.stride, g.kernel)]  # the padded input's
+    pads, interior = [(k - 1, k - 1) for k in g.kernel], [s - 1 for s in g.stride]
+    extent = tuple((o - 1) * s + k for o, s, k in zip(g.out, g.stride, g.kernel))  # the padded input's
+
+    def views(a, fill):  # offset t reads a's cell o where o*stride + t = j: _taps' views, last offset first
+        return _taps(_pad(a, first_axis, pads, fill, interior), first_axis, g.kernel, (1, 1), (1, 1), extent)[::-1]
+
     dxpad = None
-    for t, offset in enumerate(itertools.product(*(range(k) for k in g.kernel))):
-        start = [0] * first_axis + [k - 1 - a for k, a in zip(g.kernel, offset)] + [0] * trailing
-        limit = list(winners.shape)
-        limit[first_axis:first_axis + 2] = [b + e for b, e in zip(start[first_axis:], extent)]
-        term = jnp.where(lax.slice(winners, start, limit) == t, lax.slice(gradients, start, limit), 0)
+    for t, (won, gradient) in enumerate(zip(views(winner, -1), views(dtop, 0))):
+        term = jnp.where(won == t, gradient, 0)
         dxpad = term if dxpad is None else dxpad + term
     return (_pad(dxpad, first_axis, [(-lo, -hi) for lo, hi in g.padding()], 0),)
 
