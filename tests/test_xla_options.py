@@ -22,7 +22,7 @@ def test_matmul_flops_counts_convolutions_and_inner_products():
     assert xla_options.matmul_flops(graph) == batch * per_image
 
 
-def test_ynnpack_only_for_programs_with_enough_work(monkeypatch):
+def test_ynnpack_dot_fusions_for_big_forwards_and_every_backward(monkeypatch):
     monkeypatch.delenv(xla_options.ENVIRONMENT, raising=False)
     net = caffejax.Net(str(LENET), caffejax.TEST)
     big = net.graph  # batch 64: 294 MFLOP
@@ -34,9 +34,13 @@ def test_ynnpack_only_for_programs_with_enough_work(monkeypatch):
     with_backward = {xla_options.YNN_OPTION: xla_options.YNN_DOT_AND_REDUCE} if cpu else {}
     assert xla_options.compiler_options(big) == expected
     assert xla_options.compiler_options(big, backward=True) == with_backward
-    assert xla_options.compiler_options(small) == xla_options.compiler_options(small, backward=True) == {}
-    monkeypatch.setenv(xla_options.ENVIRONMENT, "0")
-    assert xla_options.compiler_options(big) == xla_options.compiler_options(big, backward=True) == {}
+    assert xla_options.compiler_options(small) == {}  # XLA's default: fastest for tiny forwards
+    assert xla_options.compiler_options(small, backward=True) == with_backward
+    off = {xla_options.YNN_OPTION: ""} if cpu else {}  # an empty list: unset would mean XLA's default
+    for spelling in ("0", "off"):
+        monkeypatch.setenv(xla_options.ENVIRONMENT, spelling)
+        for graph in (big, small):
+            assert xla_options.compiler_options(graph) == xla_options.compiler_options(graph, backward=True) == off
     monkeypatch.setenv(xla_options.ENVIRONMENT, "1")
     assert xla_options.compiler_options(small) == expected
     assert xla_options.compiler_options(small, backward=True) == with_backward
@@ -62,9 +66,27 @@ def test_ynnpack_convolutions_and_gradients_are_as_exact_as_xlas_own():
 
         with jax.enable_x64(True):
             want = [np.asarray(a) for a in jax.jit(forward_backward)(x, w, dy)]
-        for options in ({}, {xla_options.YNN_OPTION: xla_options.YNN_DOT},
+        for options in ({}, {xla_options.YNN_OPTION: xla_options.YNN_OFF}, {xla_options.YNN_OPTION: xla_options.YNN_DOT},
                         {xla_options.YNN_OPTION: xla_options.YNN_DOT_AND_REDUCE}):
             got = jax.jit(forward_backward, compiler_options=options)(*(a.astype(np.float32) for a in (x, w, dy)))
             for name, a, b in zip(("y", "dx", "dw"), got, want):
                 error = np.abs(np.asarray(a, np.float64) - b).max() / np.abs(b).max()
                 assert error < 1e-5, (options, (n, c, h, o, k, s), name, error)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="an XLA:CPU option")
+def test_ynnpack_off_means_no_ynnpack_fusions(monkeypatch):
+    """``CAFFEJAX_XLA_YNN=0`` leaves no YNNPACK fusion in a program: the option is set to an empty list,
+    since leaving it unset keeps XLA's default, which sends every dot to YNNPACK."""
+    graph = caffejax.Net(str(LENET), caffejax.TEST).graph
+    x = np.ones((16, 800), np.float32)
+    w = np.ones((800, 500), np.float32)
+
+    def compiled_text(options):
+        return jax.jit(lambda x, w: jax.nn.relu(x @ w), compiler_options=options).lower(x, w).compile().as_text()
+
+    monkeypatch.setenv(xla_options.ENVIRONMENT, "0")
+    assert "__ynn_fusion" not in compiled_text(xla_options.compiler_options(graph))
+    assert "__ynn_fusion" not in compiled_text(xla_options.compiler_options(graph, backward=True))
+    monkeypatch.setenv(xla_options.ENVIRONMENT, "1")
+    assert "__ynn_fusion" in compiled_text(xla_options.compiler_options(graph))

@@ -1,21 +1,29 @@
 """XLA compiler options caffejax picks per compiled program, from what was measured on Caffe's nets.
 
-``xla_cpu_experimental_ynn_fusion_type=dot`` (XLA_FLAGS spelling) sends XLA:CPU's dot products and
-convolutions through YNNPACK. On 2 AVX2 cores it runs 3x3 convolutions twice as fast as XLA's own kernels and
-their filter gradient (XLA: ~10 GFLOP/s) ten times as fast, with the same float32 results up to rounding;
-ResNet-50's training step takes half the time. On tiny programs (LeNet at batch 1: 5 MFLOP a pass) its
-per-call cost makes them slower; from LeNet at batch 16 (74 MFLOP) on it wins. So it is set per program,
-through ``jax.jit(compiler_options=...)``, for programs with at least :data:`YNN_MIN_FLOPS` of convolution
-and inner-product work per pass on the CPU; nothing process-wide changes.
+The option is ``xla_cpu_experimental_ynn_fusion_type``: which instructions XLA:CPU hands to YNNPACK.
+XLA's own default (jaxlib 0.10) is ``LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT``: dots *and all but small
+convolutions*, one by one. YNNPACK's forward convolutions are as fast as XLA's (Eigen) ones, but the
+convolutions XLA builds for a filter gradient run 2-3x slower there: a 3x3 convolution on 16x28x28x128,
+forward and filter gradient, takes 122 ms under the default against 49-54 ms with any of the settings
+below (2 AVX2 cores).
 
-Programs with a backward pass also send reductions through YNNPACK (``...,LIBRARY_FUSION_TYPE_REDUCE``): a
-training step sums over batch and space for every bias and depthwise-filter gradient, and XLA's own
-reductions that keep the minor (channel) axis run at 3-4 GB/s. Measured on 2 AVX2 cores, batch 16, one
-training step: MobileNet v2 5.0 -> 2.4 s, AlexNet 1.1 -> 0.85 s, SqueezeNet 0.99 -> 0.88 s, ResNet-50
-4.5 -> 4.1 s, LeNet 7.3 -> 6.2 ms, GoogLeNet unchanged. Forward-only programs keep dot fusions alone:
-there it was no faster and at times slower. Element-wise fusions through YNNPACK made every step slower.
+- ``LIBRARY_FUSION_TYPE_DOT`` (:data:`YNN_DOT`; XLA_FLAGS spells it ``dot``): dots, with the element-wise
+  work around them, become YNNPACK fusions; convolutions stay XLA's, except one whose result is summed with
+  a dot's (a fire module's input gradient), which joins that fusion. Forward programs with at least
+  :data:`YNN_MIN_FLOPS` of convolution and inner-product work per pass get it. Smaller forward programs keep
+  XLA's default, which there was fastest: LeNet at batch 1, 0.16 ms a forward, against 0.35-0.41 ms with
+  dot fusions and 0.32-0.44 ms with YNNPACK off.
+- ``...,LIBRARY_FUSION_TYPE_REDUCE`` (:data:`YNN_DOT_AND_REDUCE`): every program with a backward pass (a
+  ``Net.backward``, a training step), whatever its size. A training step sums over batch and space for every
+  bias and depthwise-filter gradient, and XLA's own reductions that keep the minor (channel) axis run at 3-4
+  GB/s. Measured on 2 AVX2 cores, one training step at batch 16: MobileNet v2 5.0 -> 2.4 s, AlexNet 1.1 ->
+  0.85 s, SqueezeNet 0.99 -> 0.88 s, ResNet-50 4.5 -> 4.1 s, LeNet 7.3 -> 6.2 ms, GoogLeNet unchanged; LeNet
+  at batch 1, 1.26-1.28 ms against 1.39-1.64 ms under XLA's default and 1.47-1.91 ms with YNNPACK off.
+  Element-wise fusions through YNNPACK made every step slower.
 
-``CAFFEJAX_XLA_YNN=0`` (or ``1``) in the environment turns it off (on) for every program.
+Options go through ``jax.jit(compiler_options=...)``; nothing process-wide changes. ``CAFFEJAX_XLA_YNN=0``
+in the environment turns YNNPACK off for every program (an empty fusion list, not XLA's default);
+``CAFFEJAX_XLA_YNN=1`` gives every program the settings above as if it were large.
 """
 
 from __future__ import annotations
@@ -28,7 +36,8 @@ from caffejax.frontend.ir import Graph, Layer
 from caffejax.lower.registry import count
 
 YNN_OPTION = "xla_cpu_experimental_ynn_fusion_type"
-YNN_DOT = "LIBRARY_FUSION_TYPE_DOT"  # XLA_FLAGS spells it "dot"; XLA:CPU then runs convolutions as YNN dots too
+YNN_DOT = "LIBRARY_FUSION_TYPE_DOT"
+YNN_OFF = ""  # no fusion type at all (leaving the option unset keeps XLA's default, individual dots)
 YNN_DOT_AND_REDUCE = f"{YNN_DOT},LIBRARY_FUSION_TYPE_REDUCE"
 YNN_MIN_FLOPS = 20e6
 ENVIRONMENT = "CAFFEJAX_XLA_YNN"
@@ -54,9 +63,13 @@ def layer_matmul_flops(graph: Graph, layer: Layer) -> int:
 def compiler_options(graph: Graph, backward: bool = False) -> dict[str, str]:
     """The options for one program running ``graph``: one forward, or with ``backward`` a program that also
     computes gradients (a backward pass, a training step)."""
-    forced = os.environ.get(ENVIRONMENT, "").strip().lower()
-    if jax.default_backend() != "cpu" or forced in ("0", "false", "off", "no"):
+    if jax.default_backend() != "cpu":
         return {}
+    forced = os.environ.get(ENVIRONMENT, "").strip().lower()
+    if forced in ("0", "false", "off", "no"):
+        return {YNN_OPTION: YNN_OFF}
+    if backward:
+        return {YNN_OPTION: YNN_DOT_AND_REDUCE}
     if forced in ("1", "true", "on", "yes") or matmul_flops(graph) >= YNN_MIN_FLOPS:
-        return {YNN_OPTION: YNN_DOT_AND_REDUCE if backward else YNN_DOT}
+        return {YNN_OPTION: YNN_DOT}
     return {}
