@@ -54,6 +54,21 @@ def model_flops(graph) -> int:
     return matmul_flops(graph)
 
 
+def training_flops(graph) -> int:
+    """Multiply-adds x 2 of one training step's products: each convolution and inner product once forward,
+    once more for its weight gradient where a weight needs one, and once more for its input gradient where
+    its bottom needs one (a net's first layer has none: the data is not differentiated)."""
+    from caffejax.runtime.xla_options import layer_matmul_flops
+
+    total = 0
+    for layer in graph.layers:
+        flops = layer_matmul_flops(graph, layer)
+        if flops:
+            passes = 1 + any(layer.param_need_backward[:1]) + any(layer.bottom_need_backward)
+            total += passes * flops
+    return total
+
+
 def peak_rss_mb() -> float:
     """This process's peak resident set size (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import caffejax  # before the first JAX computation, as in a user's program: its import chooses CPU dispatch
-from bench.measure import gemm_gflops, model_flops, once, timed
+from bench.measure import gemm_gflops, model_flops, once, timed, training_flops
 from bench.nets import NETS, ROOT, BenchNet, randomize_weights, training_net_param
 from caffejax.runtime import memory
 
@@ -173,7 +173,7 @@ def bench_batch(spec: BenchNet, net, weights: pathlib.Path, batch: int, repeats:
 
     if not args.no_train:
         out["train"] = train_step(spec, weights, batch, repeats)
-        line += f", train step {out['train']['median_ms']:.1f} ms"
+        line += f", train step {out['train']['median_ms']:.1f} ms ({out['train']['gflops']:.0f} GFLOP/s)"
 
     if not args.no_coldstart:
         cache = tempfile.mkdtemp(prefix="jaxcache-", dir=tmp)
@@ -263,6 +263,8 @@ def train_step(spec: BenchNet, weights: pathlib.Path, batch: int, repeats: int, 
     _, compile_s = once(one)
     result = timed(one, repeats)
     result["compile_s"] = compile_s
+    result["gflop"] = training_flops(net.graph) / 1e9
+    result["gflops"] = result["gflop"] / result["median_ms"] * 1e3
     return result
 
 
@@ -286,7 +288,7 @@ def print_table(report: dict) -> None:
     gemm = report["gemm_gflops"]["numpy_openblas"]
     print(f"\nmedian ms; ratios < 1 mean caffejax is faster. In-run GEMM (OpenBLAS 2048^2): {gemm:.0f} GFLOP/s")
     header = ("net", "batch", "fwd ms", "OpenCV ms", "cj/OCV", "GFLOP/s", "%GEMM", "bf16 ms", "bf16 x", "top1",
-              "train ms", "train/Caffe", "train/Caffe@here", "cold s", "warm s", "start-up s", "read GB/s", "copy_from GB/s", "RSS MB")
+              "train ms", "train/Caffe", "train/Caffe@here", "train %GEMM", "floor/Caffe", "cold s", "warm s", "start-up s", "read GB/s", "copy_from GB/s", "RSS MB")
     rows = [header]
     misses = []
     for name, result in report["nets"].items():
@@ -305,6 +307,11 @@ def print_table(report: dict) -> None:
             # OpenCV runs here than in the anchor table, as a second, machine-matched reading of the ratio.
             here = spec.caffe_fwd_bwd[batch] * ocv / spec.opencv_fwd[batch] if train_ratio and ocv else None
             train_here = train / here if here else None
+            # The step's products alone at the in-run GEMM rate: the least time (and ratio) this machine
+            # allows without doing fewer multiplications (runs saved before training FLOPs were recorded: -).
+            train_gflops = b.get("train", {}).get("gflops")
+            floor_ms = b["train"]["gflop"] / gemm * 1e3 if train_gflops else None
+            floor_ratio = floor_ms / spec.caffe_fwd_bwd[batch] if floor_ms and batch in spec.caffe_fwd_bwd else None
             cold, warm = b.get("cold", {}).get("first_call_s"), b.get("warm", {}).get("first_call_s")
             # Warm start-up: the fresh process's first call less its second, i.e. without the forward itself
             # (ResNet-50 at batch 16 computes for a second; no cache can start it in under one).
@@ -315,6 +322,7 @@ def print_table(report: dict) -> None:
             rows.append((name, batch_key, _fmt(fwd, ".1f"), _fmt(ocv, ".1f"), _fmt(ratio), _fmt(b["gflops"], ".0f"),
                          _fmt(100 * b["gflops"] / gemm, ".0f"), _fmt(bf16.get("median_ms"), ".1f"), _fmt(speedup),
                          _fmt(top1, ".3f"), _fmt(train, ".1f"), _fmt(train_ratio), _fmt(train_here),
+                         _fmt(100 * train_gflops / gemm if train_gflops else None, ".0f"), _fmt(floor_ratio),
                          _fmt(cold, ".1f"), _fmt(warm, ".2f"), _fmt(startup, ".2f"),
                          _fmt(load, ".2f"), _fmt(copy, ".2f"), _fmt(rss, ".0f")))
             limit = TARGET_FWD_RATIO.get(batch)
