@@ -55,6 +55,42 @@ def test_dropout_same_key_same_mask_and_gradient_uses_it():
     np.testing.assert_allclose(np.asarray(gx), np.where(np.asarray(a) != 0, 1 / (1 - np.float32(0.3)), 0), rtol=1e-6)
 
 
+def test_dropout_bits_are_threefry_2x32_of_the_element_index():
+    """random_words is JAX's Threefry-2x32 (word 0 of counter (i, 0)) under two words drawn from the key."""
+    from jax.extend.random import threefry_2x32
+    from caffejax.lower.neuron import random_words
+
+    key = jax.random.key(11)
+    words = np.asarray(random_words(key, (3, 5, 7)))
+    k = jax.random.bits(key, (2,), jnp.uint32)
+    index = jnp.arange(words.size, dtype=jnp.uint32)
+    want = np.asarray(threefry_2x32(k, jnp.concatenate([index, jnp.zeros_like(index)])))[:words.size]
+    np.testing.assert_array_equal(words.ravel(), want)
+    assert np.asarray(random_words(jax.random.key(12), (3, 5, 7))).tolist() != words.tolist()
+
+
+def test_dropout_bits_are_uniform():
+    from caffejax.lower.neuron import random_words
+
+    words = np.asarray(random_words(jax.random.key(5), (1 << 20,)))
+    counts = np.bincount(words >> 24, minlength=256)  # top byte: chi-square with 255 degrees of freedom
+    expected = words.size / 256
+    assert ((counts - expected) ** 2 / expected).sum() < 350  # p ~ 1e-4
+    bits = (words[:, None] >> np.arange(32, dtype=np.uint32)) & 1
+    np.testing.assert_allclose(bits.mean(axis=0), 0.5, atol=0.005)
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.5, 0.9])
+def test_dropout_keeps_one_minus_ratio(ratio):
+    x = jnp.ones((1 << 20,), jnp.float32)
+    layer = f'name: "d" type: "Dropout" bottom: "x" top: "y" dropout_param {{ dropout_ratio: {ratio} }}'
+    (y,) = layer_forward(layer, [x], phase=TRAIN, key=jax.random.key(2))
+    kept = np.asarray(y) != 0
+    assert abs(kept.mean() - (1 - ratio)) < 0.003
+    if ratio == 0:
+        assert kept.all()
+
+
 def test_dropout_test_phase_is_identity_without_key():
     x = jnp.arange(12.0).reshape(3, 4)
     (y,) = layer_forward(DROPOUT, [x], phase=TEST, key=None)
