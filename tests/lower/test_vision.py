@@ -620,3 +620,53 @@ def test_crop_rejects_what_caffe_rejects(param, ref_shape, match):
     lp = parse_layer(f'name: "c" type: "Crop" bottom: "x" bottom: "r" top: "y" crop_param {{ {param} }}')
     with pytest.raises(ShapeError, match=match):
         layer_forward(lp, [np.zeros((2, 3, 6, 6), np.float32), np.zeros(ref_shape, np.float32)])
+
+
+@pytest.mark.parametrize("kernel,pad,dilation,batch", [((5, 5), (0, 0), (1, 1), 3), ((3, 3), (0, 0), (2, 2), 2),
+                                                       ((5, 3), (0, 1), (1, 1), 1)])
+def test_valid_convolution_input_gradient_by_gemm_is_xlas(kernel, pad, dilation, batch):
+    """An unpadded channels-last convolution's input gradient as col2im(dy . W^T) equals XLA's own (a
+    convolution over the padded dy) in float64; the backward then holds one convolution, the filter
+    gradient's."""
+    from caffejax.lower import vision
+
+    rng = np.random.default_rng(5)
+    spatial, channels, outputs = (12, 11), 4, 6
+    g = vision.ConvGeometry(channel_axis=3, kernel=kernel, stride=(1, 1), pad=pad, dilation=dilation)
+    out = tuple(n + 2 * p - d * (k - 1) for n, k, p, d in zip(spatial, kernel, pad, dilation))
+    padding = [(p, p) for p in pad]
+    x = rng.normal(size=(batch,) + spatial + (channels,))
+    w = rng.normal(size=kernel + (channels, outputs))
+    dy = rng.normal(size=(batch,) + out + (outputs,))
+    assert vision._input_gradient_by_gemm(g, x.shape, out, w.shape)
+
+    def xla(x, w):
+        return jax.lax.conv_general_dilated(x, w, (1, 1), padding, rhs_dilation=dilation,
+                                            dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                            precision=jax.lax.Precision.HIGHEST)
+
+    def ours(x, w):
+        return vision.grouped_convolution(x, w, g, padding, out, 1, channels_last=True,
+                                          precision=jax.lax.Precision.HIGHEST)
+
+    with jax.enable_x64(True):
+        want_y, want_vjp = jax.vjp(xla, x, w)
+        got_y, got_vjp = jax.vjp(ours, x, w)
+        np.testing.assert_allclose(got_y, want_y, rtol=1e-12, atol=1e-12)
+        for got, want, name in zip(got_vjp(dy), want_vjp(dy), ("dx", "dw")):
+            np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=name)
+    x, w, dy = (a.astype(np.float32) for a in (x, w, dy))
+
+    def convolutions(f):
+        return jax.jit(lambda x, w, dy: jax.vjp(f, x, w)[1](dy)).lower(x, w, dy).as_text().count("stablehlo.convolution")
+
+    assert (convolutions(xla), convolutions(ours)) == (2, 1)  # dx and dw; dw alone
+
+
+def test_same_padded_convolution_keeps_xlas_input_gradient():
+    from caffejax.lower import vision
+
+    g = vision.ConvGeometry(channel_axis=3, kernel=(3, 3), stride=(1, 1), pad=(1, 1), dilation=(1, 1))
+    assert not vision._input_gradient_by_gemm(g, (16, 56, 56, 64), (56, 56), (3, 3, 64, 64))
+    strided = vision.ConvGeometry(channel_axis=3, kernel=(5, 5), stride=(2, 2), pad=(0, 0), dilation=(1, 1))
+    assert not vision._input_gradient_by_gemm(strided, (16, 12, 12, 20), (4, 4), (5, 5, 20, 50))
