@@ -386,6 +386,16 @@ def test_deconvolution_matches_caffe_col2im(spatial, cin, cout, group, kernel, s
     np.testing.assert_allclose(np.asarray(y), caffe_deconv(x, w, b, group, kernel, stride, pad, dilation),
                                rtol=1e-4, atol=1e-4)
 
+def _assert_same_forward_and_gradients_in_float64(ours, xla, x, w, dy):
+    """ours(x, w) equals xla(x, w), and so do dx and dw pulled back from dy, to 1e-12 in float64."""
+    with jax.enable_x64(True):
+        want_y, want_vjp = jax.vjp(xla, x, w)
+        got_y, got_vjp = jax.vjp(ours, x, w)
+        np.testing.assert_allclose(got_y, want_y, rtol=1e-12, atol=1e-12)
+        for got, want, name in zip(got_vjp(dy), want_vjp(dy), ("dx", "dw")):
+            np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=name)
+
+
 
 @pytest.mark.parametrize("channels_last", [False, True])
 @pytest.mark.parametrize("batch,kernel,stride,pad,dilation", [
@@ -423,12 +433,7 @@ def test_depthwise_gradients_summed_by_chunks_are_the_whole_batch_gradients(monk
                                        channels_last=True)
         return y.transpose(0, 3, 1, 2)
 
-    with jax.enable_x64(True):
-        want_y, want_vjp = jax.vjp(xla, x, w)
-        got_y, got_vjp = jax.vjp(ours, x, w)
-        np.testing.assert_allclose(got_y, want_y, rtol=1e-12, atol=1e-12)
-        for got, want, name in zip(got_vjp(dy), want_vjp(dy), ("dx", "dw")):
-            np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=name)
+    _assert_same_forward_and_gradients_in_float64(ours, xla, x, w, dy)
     if jax.default_backend() == "cpu":  # the chunked loops are what ran
         x, w, dy = (a.astype(np.float32) for a in (x, w, dy))
         assert "stablehlo.while" not in jax.jit(ours).lower(x, w).as_text()
@@ -649,12 +654,7 @@ def test_valid_convolution_input_gradient_by_gemm_is_xlas(kernel, pad, dilation,
         return vision.grouped_convolution(x, w, g, padding, out, 1, channels_last=True,
                                           precision=jax.lax.Precision.HIGHEST)
 
-    with jax.enable_x64(True):
-        want_y, want_vjp = jax.vjp(xla, x, w)
-        got_y, got_vjp = jax.vjp(ours, x, w)
-        np.testing.assert_allclose(got_y, want_y, rtol=1e-12, atol=1e-12)
-        for got, want, name in zip(got_vjp(dy), want_vjp(dy), ("dx", "dw")):
-            np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=name)
+    _assert_same_forward_and_gradients_in_float64(ours, xla, x, w, dy)
     x, w, dy = (a.astype(np.float32) for a in (x, w, dy))
 
     def convolutions(f):
