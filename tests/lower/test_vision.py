@@ -386,6 +386,7 @@ def test_deconvolution_matches_caffe_col2im(spatial, cin, cout, group, kernel, s
     np.testing.assert_allclose(np.asarray(y), caffe_deconv(x, w, b, group, kernel, stride, pad, dilation),
                                rtol=1e-4, atol=1e-4)
 
+
 def _assert_same_forward_and_gradients_in_float64(ours, xla, x, w, dy):
     """ours(x, w) equals xla(x, w), and so do dx and dw pulled back from dy, to 1e-12 in float64."""
     with jax.enable_x64(True):
