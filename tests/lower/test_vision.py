@@ -397,7 +397,6 @@ def _assert_same_forward_and_gradients_in_float64(ours, xla, x, w, dy):
             np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=name)
 
 
-
 @pytest.mark.parametrize("channels_last", [False, True])
 @pytest.mark.parametrize("batch,kernel,stride,pad,dilation", [
     (5, (3, 3), (1, 1), (1, 1), (1, 1)),   # two chunks of 2 and a last image alone
