@@ -288,7 +288,8 @@ def print_table(report: dict) -> None:
     gemm = report["gemm_gflops"]["numpy_openblas"]
     print(f"\nmedian ms; ratios < 1 mean caffejax is faster. In-run GEMM (OpenBLAS 2048^2): {gemm:.0f} GFLOP/s")
     header = ("net", "batch", "fwd ms", "OpenCV ms", "cj/OCV", "GFLOP/s", "%GEMM", "bf16 ms", "bf16 x", "top1",
-              "train ms", "train/Caffe", "train/Caffe@here", "train %GEMM", "floor/Caffe", "cold s", "warm s", "start-up s", "read GB/s", "copy_from GB/s", "RSS MB")
+              "train ms", "train/Caffe", "train/Caffe@here", "train %GEMM", "floor/Caffe", "cold s", "warm s",
+              "start-up s", "read GB/s", "copy_from GB/s", "RSS MB")
     rows = [header]
     misses = []
     for name, result in report["nets"].items():

@@ -66,7 +66,8 @@ def test_ynnpack_convolutions_and_gradients_are_as_exact_as_xlas_own():
 
         with jax.enable_x64(True):
             want = [np.asarray(a) for a in jax.jit(forward_backward)(x, w, dy)]
-        for options in ({}, {xla_options.YNN_OPTION: xla_options.YNN_OFF}, {xla_options.YNN_OPTION: xla_options.YNN_DOT},
+        for options in ({}, {xla_options.YNN_OPTION: xla_options.YNN_OFF},
+                        {xla_options.YNN_OPTION: xla_options.YNN_DOT},
                         {xla_options.YNN_OPTION: xla_options.YNN_DOT_AND_REDUCE}):
             got = jax.jit(forward_backward, compiler_options=options)(*(a.astype(np.float32) for a in (x, w, dy)))
             for name, a, b in zip(("y", "dx", "dw"), got, want):

@@ -294,7 +294,8 @@ _GEMM_INPUT_GRADIENT_MAX_COLUMNS = 1 << 26
 def _input_gradient_by_gemm(g: ConvGeometry, x_shape: Shape, out: Shape, w_shape: Shape) -> bool:
     spatial = x_shape[1:-1]
     columns = x_shape[0] * math.prod(out) * math.prod(w_shape[:-1])
-    return (all(s == 1 for s in g.stride) and math.prod(spatial) >= _GEMM_INPUT_GRADIENT_MIN_WASTE * math.prod(out)
+    waste = math.prod(spatial) / math.prod(out)
+    return (all(s == 1 for s in g.stride) and waste >= _GEMM_INPUT_GRADIENT_MIN_WASTE
             and columns <= _GEMM_INPUT_GRADIENT_MAX_COLUMNS)
 
 
@@ -328,8 +329,8 @@ def _conv_gemm_input_gradient_bwd(g, padding, options, residuals, dy):
     dx = None
     for t, offset in enumerate(itertools.product(*(range(k) for k in g.kernel))):
         starts = [o * d for o, d in zip(offset, g.dilation)]
-        placed = _pad(columns[..., t, :], 1, [(b, p - b - o) for b, p, o in zip(starts, padded, dy.shape[1:1 + nsp])],
-                      0)
+        spans = zip(starts, padded, dy.shape[1:1 + nsp])
+        placed = _pad(columns[..., t, :], 1, [(b, p - b - o) for b, p, o in spans], 0)
         dx = placed if dx is None else dx + placed
     dx = _pad(dx, 1, [(-lo, -hi) for lo, hi in padding], 0)
     return dx.astype(x.dtype), dw.astype(w.dtype)
