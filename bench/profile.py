@@ -13,6 +13,7 @@ the time per kernel kind, and each convolution's GFLOP/s.
 from __future__ import annotations
 
 import argparse
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -71,12 +72,31 @@ def profile_training(net_name: str, batch: int, repeats: int = 5) -> list[dict]:
         blobs = [jnp.asarray(a) for a in params.get(layer.name, [])]
         diffs = [jnp.asarray(rng.random(t.shape, dtype=np.float32)) for t in jax.eval_shape(forward, bottoms, blobs)]
         run_forward = jax.jit(forward, compiler_options=compiler_options(graph))
-        run_both = jax.jit(lambda b, p, g, f=forward: jax.vjp(f, b, p)[1](g),
+        run_both = jax.jit(functools.partial(_pull_back, forward, _needed(layer.bottom_need_backward),
+                                             _needed(layer.param_need_backward)),
                            compiler_options=compiler_options(graph, backward=True))
         fwd = timed(lambda: run_forward(bottoms, blobs), repeats, warmup=1)["median_ms"]
         both = timed(lambda: run_both(bottoms, blobs, diffs), repeats, warmup=1)["median_ms"]
         rows.append(_row(graph, layer, kernel, fwd_ms=fwd, ms=both, bwd_ms=max(both - fwd, 0.0), gflops=None))
     return rows
+
+
+def _needed(flags) -> tuple[int, ...]:
+    return tuple(i for i, need in enumerate(flags) if need)
+
+
+def _pull_back(forward, bottoms_needed, params_needed, bottoms, params, diffs):
+    """The diffs Caffe's Backward computes for one layer: of the bottoms and params that need them only (a
+    net's first convolution has no input gradient to compute)."""
+    def of(wanted_bottoms, wanted_params):
+        b, p = list(bottoms), list(params)
+        for i, value in zip(bottoms_needed, wanted_bottoms):
+            b[i] = value
+        for i, value in zip(params_needed, wanted_params):
+            p[i] = value
+        return forward(b, p)
+
+    return jax.vjp(of, [bottoms[i] for i in bottoms_needed], [params[i] for i in params_needed])[1](diffs)
 
 
 def _layers_as_in_the_net(graph, kernels, dtype, key, prepare: bool = False):
