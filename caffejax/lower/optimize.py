@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -248,6 +249,7 @@ class ConvShape:
     num_output: int
     out: tuple[int, ...]
     padding: tuple[tuple[int, int], ...]
+    batch: int
 
     @property
     def is_pointwise(self) -> bool:
@@ -267,7 +269,7 @@ def _conv_shape(layer: Layer, graph: Graph) -> ConvShape | None:
         return None
     channels, num_output, group = vision.conv_channels(layer.proto, shape, g)
     out = vision.conv_out_shape(layer.proto, g, shape[2:])
-    return ConvShape(g, group, channels, num_output, out, tuple(vision.conv_padding(g, out, shape[2:])))
+    return ConvShape(g, group, channels, num_output, out, tuple(vision.conv_padding(g, out, shape[2:])), shape[0])
 
 
 def _hwio(params: ParamArrays) -> ParamArrays:
@@ -521,6 +523,39 @@ def conv_gemm(plan: Plan) -> Plan:
     return _replace_conv_kernels(plan, lambda conv: _pointwise_conv_kernel(conv) if conv.is_pointwise else None)
 
 
+# A convolution over one input channel (a first layer on a gray image) with at most this many kernel terms,
+# and at least this many outputs, runs as shifted multiply-adds (vision.few_channel_convolution). Measured in
+# whole programs on 2 AVX2 cores, two sessions of alternating processes: LeNet's forward at batch 16 (conv1
+# 1 x 5x5 -> 16x24x24x20) 1.28-1.69 -> 1.13-1.39 ms (minimum 1.18-1.21 -> 0.97-1.04); at batch 1 (11520
+# outputs) slower, 0.158 -> 0.185 ms (minimum), as
+# were SqueezeNet v1.1's 3-channel conv1 (batch 16: 112 -> 122-136 ms) and MobileNet v2's (within noise).
+TAPS_MAX_TERMS = 32
+TAPS_MIN_OUTPUTS = 1 << 16
+
+
+def _taps_applies(conv: ConvShape) -> bool:
+    outputs = conv.batch * math.prod(conv.out) * conv.num_output
+    return (conv.group == 1 and conv.channels == 1 and math.prod(conv.geometry.kernel) <= TAPS_MAX_TERMS
+            and outputs >= TAPS_MIN_OUTPUTS)
+
+
+def _taps_conv_kernel(conv: ConvShape) -> Kernel:
+    g = conv.geometry
+
+    def forward(ctx, bottoms, params):
+        (x,) = bottoms
+        y = vision.few_channel_convolution(x, params[0].astype(x.dtype), g, conv.padding, conv.out,
+                                           tuple(sorted(_accumulating(x).items())))
+        return [_add_bias(y, params, x.dtype)]
+
+    return Kernel("conv_taps", forward, NHWC, _hwio)
+
+
+def conv_taps(plan: Plan) -> Plan:
+    """Big convolutions over one input channel (a first layer on a gray image) as shifted multiply-adds."""
+    return _replace_conv_kernels(plan, lambda conv: _taps_conv_kernel(conv) if _taps_applies(conv) else None)
+
+
 # Winograd pays a transform per tile and 16 skinny products; measured on 2 AVX2 cores it beats XLA's direct
 # NHWC convolution for 3x3 layers on images up to 14x14 (ResNet stages 4-5, the tail of GoogLeNet) and loses
 # on bigger ones, where the direct convolution is already near its best.
@@ -546,7 +581,7 @@ _PREPARED_ONCE_ONLY = frozenset({"conv_winograd_f2x2_3x3", "inner_product_nhwc"}
 
 
 def layout_kernels(graph: Graph) -> dict[str, Kernel]:
-    """The channels-last kernels (``nhwc``, ``conv_gemm``) for running a net's own program: the same values
+    """The channels-last kernels (``nhwc``, ``conv_gemm``, ``conv_taps``) for running a net's own program: the same values
     as Caffe's rules up to float rounding, with traced weights, so forward, backward and training use them.
 
     Nothing is folded and every blob keeps its meaning; layers drawing random numbers (Dropout) keep Caffe's
@@ -554,7 +589,7 @@ def layout_kernels(graph: Graph) -> dict[str, Kernel]:
     """
     shapes = {layer.name: [jax.ShapeDtypeStruct(slot.shape, jnp.float32) for slot in layer.params]
               for layer in graph.layers}
-    plan = conv_gemm(nhwc(Plan(graph, shapes, {})))
+    plan = conv_taps(conv_gemm(nhwc(Plan(graph, shapes, {}))))
     random = {layer.name for layer in graph.layers if layer.type == "Dropout"}
     return {name: kernel for name, kernel in plan.kernels.items()
             if kernel.name not in _PREPARED_ONCE_ONLY and name not in random}
@@ -564,6 +599,7 @@ PASSES: dict[str, Callable[[Plan], Plan]] = {
     "fold_batchnorm": fold_batchnorm,
     "nhwc": nhwc,
     "conv_gemm": conv_gemm,
+    "conv_taps": conv_taps,
     "winograd": winograd,
 }
 DEFAULT_PASSES: tuple[str, ...] = tuple(PASSES)

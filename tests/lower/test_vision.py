@@ -671,3 +671,32 @@ def test_same_padded_convolution_keeps_xlas_input_gradient():
     assert not vision._input_gradient_by_gemm(g, (16, 56, 56, 64), (56, 56), (3, 3, 64, 64))
     strided = vision.ConvGeometry(channel_axis=3, kernel=(5, 5), stride=(2, 2), pad=(0, 0), dilation=(1, 1))
     assert not vision._input_gradient_by_gemm(strided, (16, 12, 12, 20), (4, 4), (5, 5, 20, 50))
+
+
+@pytest.mark.parametrize("channels,kernel,stride,pad,dilation", [(1, (5, 5), (1, 1), (0, 0), (1, 1)),
+                                                                 (3, (3, 3), (2, 2), (1, 1), (1, 1)),
+                                                                 (2, (3, 2), (1, 2), (2, 0), (2, 1))])
+def test_few_channel_convolution_is_xlas(channels, kernel, stride, pad, dilation):
+    """The shifted multiply-adds give XLA's convolution, and its gradients are XLA's, in float64."""
+    from caffejax.lower import vision
+
+    rng = np.random.default_rng(8)
+    spatial, outputs, batch = (11, 9), 5, 2
+    g = vision.ConvGeometry(channel_axis=3, kernel=kernel, stride=stride, pad=pad, dilation=dilation)
+    out = tuple((n + 2 * p - d * (k - 1) - 1) // s + 1 for n, k, s, p, d in zip(spatial, kernel, stride, pad,
+                                                                                dilation))
+    padding = tuple((p, p) for p in pad)
+    x = rng.normal(size=(batch,) + spatial + (channels,))
+    w = rng.normal(size=kernel + (channels, outputs))
+    dy = rng.normal(size=(batch,) + out + (outputs,))
+    options = (("precision", jax.lax.Precision.HIGHEST),)
+
+    def xla(x, w):
+        return jax.lax.conv_general_dilated(x, w, stride, padding, rhs_dilation=dilation,
+                                            dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                            precision=jax.lax.Precision.HIGHEST)
+
+    def ours(x, w):
+        return vision.few_channel_convolution(x, w, g, padding, out, options)
+
+    _assert_same_forward_and_gradients_in_float64(ours, xla, x, w, dy)
