@@ -525,10 +525,10 @@ def conv_gemm(plan: Plan) -> Plan:
 
 # A convolution over one input channel (a first layer on a gray image) with at most this many kernel terms,
 # and at least this many outputs, runs as shifted multiply-adds (vision.few_channel_convolution). Measured in
-# whole programs on 2 AVX2 cores, two sessions of alternating processes: LeNet's forward at batch 16 (conv1
-# 1 x 5x5 -> 16x24x24x20) 1.28-1.69 -> 1.13-1.39 ms (minimum 1.18-1.21 -> 0.97-1.04); at batch 1 (11520
-# outputs) slower, 0.158 -> 0.185 ms (minimum), as
-# were SqueezeNet v1.1's 3-channel conv1 (batch 16: 112 -> 122-136 ms) and MobileNet v2's (within noise).
+# whole programs on 2 AVX2 cores, two series of alternating processes: LeNet's forward at batch 16 (conv1,
+# 1 x 5x5 -> 16x24x24x20) 1.28-1.69 -> 1.13-1.39 ms (minimum 1.18-1.21 -> 0.97-1.04). Slower at batch 1
+# (11520 outputs; minimum 0.158 -> 0.185 ms) and for SqueezeNet v1.1's 3-channel conv1 (batch 16: 112 ->
+# 122-136 ms); MobileNet v2's 3-channel conv1 within noise.
 TAPS_MAX_TERMS = 32
 TAPS_MIN_OUTPUTS = 1 << 16
 
