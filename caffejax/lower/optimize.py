@@ -581,8 +581,9 @@ _PREPARED_ONCE_ONLY = frozenset({"conv_winograd_f2x2_3x3", "inner_product_nhwc"}
 
 
 def layout_kernels(graph: Graph) -> dict[str, Kernel]:
-    """The channels-last kernels (``nhwc``, ``conv_gemm``, ``conv_taps``) for running a net's own program: the same values
-    as Caffe's rules up to float rounding, with traced weights, so forward, backward and training use them.
+    """The channels-last kernels (``nhwc``, ``conv_gemm``, ``conv_taps``) for running a net's own program: the
+    same values as Caffe's rules up to float rounding, with traced weights, so forward, backward and training
+    use them.
 
     Nothing is folded and every blob keeps its meaning; layers drawing random numbers (Dropout) keep Caffe's
     layout, so their masks are the ones the NCHW program draws.

@@ -319,9 +319,8 @@ def _conv_gemm_input_gradient_bwd(g, padding, options, residuals, dy):
     dw = jax.vjp(lambda w: _conv_nhwc(x, w, g, padding, options), w)[1](dy)[0]
     nsp = len(g.kernel)
     kernel_cells, channels = math.prod(g.kernel), w.shape[-2]
-    accumulate = dict(options)
     columns = lax.dot_general(dy, w.reshape(kernel_cells * channels, w.shape[-1]).astype(dy.dtype),
-                              (((dy.ndim - 1,), (1,)), ((), ())), **accumulate)
+                              (((dy.ndim - 1,), (1,)), ((), ())), **dict(options))
     columns = columns.reshape(dy.shape[:-1] + (kernel_cells, channels))
     # col2im: offset t's columns land at t*d in the padded input (the adjoint of _taps at stride 1), then the
     # padding is cropped off.
