@@ -700,3 +700,19 @@ def test_few_channel_convolution_is_xlas(channels, kernel, stride, pad, dilation
         return vision.few_channel_convolution(x, w, g, padding, out, options)
 
     _assert_same_forward_and_gradients_in_float64(ours, xla, x, w, dy)
+
+
+def test_few_channel_convolution_differentiated_runs_xlas_forward():
+    """Alone the forward is the multiply-adds; under differentiation it is XLA's convolution, whose output
+    XLA computes once instead of recomputing the taps inside the backward's fusions."""
+    from caffejax.lower import vision
+
+    g = vision.ConvGeometry(channel_axis=3, kernel=(5, 5), stride=(1, 1), pad=(0, 0), dilation=(1, 1))
+    x, w = jnp.ones((2, 12, 12, 1)), jnp.ones((5, 5, 1, 4))
+
+    def ours(x, w):
+        return vision.few_channel_convolution(x, w, g, ((0, 0), (0, 0)), (8, 8), ())
+
+    assert "convolution" not in jax.jit(ours).lower(x, w).as_text()
+    forward_of_vjp = jax.jit(lambda x, w: jax.vjp(ours, x, w)[0]).lower(x, w).as_text()
+    assert forward_of_vjp.count("stablehlo.convolution") == 1 and "stablehlo.multiply" not in forward_of_vjp
