@@ -242,8 +242,9 @@ def train_step(spec: BenchNet, weights: pathlib.Path, batch: int, repeats: int, 
                       else rng.random(shape, dtype=np.float32))
     learnable = {slot.storage for slot in net.graph.learnable_slots if slot.lr_mult != 0}
 
-    def step(params, inputs, key):
-        loss, grads, (_, updates) = program.loss_and_grads(params, inputs, key)
+    def step(params, inputs, seed_key, count):
+        # The step's key is folded in inside the program: made eagerly it costs two dispatches (0.3 ms).
+        loss, grads, (_, updates) = program.loss_and_grads(params, inputs, jax.random.fold_in(seed_key, count))
         new = {owner: [p - lr * g if (owner, i) in learnable else p for i, (p, g) in enumerate(zip(ps, grads[owner]))]
                for owner, ps in params.items()}
         for owner, changed in updates.items():
@@ -254,10 +255,11 @@ def train_step(spec: BenchNet, weights: pathlib.Path, batch: int, repeats: int, 
     jitted = jax.jit(step, donate_argnums=0, compiler_options=compiler_options(net.graph, backward=True))
     state = {"params": net.param_arrays(), "step": 0}
     inputs = {v: jnp.asarray(a) for v, a in fed.items()}
+    seed_key = jax.random.key(0)
 
     def one():
         state["step"] += 1
-        state["params"], loss = jitted(state["params"], inputs, jax.random.key(state["step"]))
+        state["params"], loss = jitted(state["params"], inputs, seed_key, np.uint32(state["step"]))
         return loss
 
     _, compile_s = once(one)

@@ -157,6 +157,26 @@ def test_dropout_train_is_random_per_pass_and_test_is_identity():
     np.testing.assert_array_equal(caffejax.Net(text, caffejax.TEST).forward(x=x)["y"], x)
 
 
+def test_pass_keys_are_the_seeds_key_with_the_pass_count_folded_in():
+    """Each pass draws from fold_in(key(seed), pass count) with the seed of that moment, as before the seed's
+    key was kept between passes (it is made once per seed now, and the fold is one compiled call)."""
+    import jax
+    from caffejax.runtime import mode
+
+    net = caffejax.Net(str(LENET), caffejax.TEST)
+    saved, keys = mode.random_seed(), []
+    try:
+        for seed in (7, 7, 8, 7):
+            caffejax.set_random_seed(seed)
+            key = jax.random.key_data(net._next_key())
+            want = jax.random.key_data(jax.random.fold_in(jax.random.key(seed), net._pass_count))
+            np.testing.assert_array_equal(key, want)
+            keys.append(np.asarray(key))
+    finally:
+        caffejax.set_random_seed(saved)
+    assert len({k.tobytes() for k in keys}) == 4
+
+
 def test_backward_seeds_loss_weight_and_accumulates_param_diffs():
     case = layer_case("inner_product")
     net = case.make_net()
