@@ -123,6 +123,7 @@ layer { name: "data" type: "Input" top: "x" top: "label"
         input_param { shape { dim: 5 dim: 3 dim: 6 dim: 6 } shape { dim: 5 } } }
 layer { name: "conv" type: "Convolution" bottom: "x" top: "c"
         convolution_param { num_output: 4 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "bn" type: "BatchNorm" bottom: "c" top: "c" batch_norm_param { use_global_stats: true } }
 layer { name: "norm" type: "LRN" bottom: "c" top: "n" lrn_param { local_size: 3 alpha: 0.5 beta: 0.75 } }
 layer { name: "pool" type: "Pooling" bottom: "n" top: "p" pooling_param { pool: MAX kernel_size: 3 stride: 1 pad: 1 } }
 layer { name: "pool2" type: "Pooling" bottom: "p" top: "p2" pooling_param { pool: MAX kernel_size: 3 stride: 2 } }
@@ -135,14 +136,17 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "score" bottom: "label" top
 
 
 def test_hessian_vector_product_through_written_out_backwards(monkeypatch):
-    """The written-out backwards (LRN's, MAX pooling's with stride 1 and 2, the depthwise convolution's
-    filter gradient over 2-image chunks) compose with forward-over-reverse (jax.jvp of grad)."""
+    """The written-out backwards (BatchNorm's with global statistics, LRN's, MAX pooling's with stride 1 and 2,
+    the depthwise convolution's filter gradient over 2-image chunks) compose with forward-over-reverse
+    (jax.jvp of grad)."""
     from caffejax.lower import vision
 
     monkeypatch.setattr(vision, "_depthwise_chunk", lambda: 2)
     with jax.enable_x64(True):
         net = caffejax.Net(CONV_NET, caffejax.TRAIN, dtype=np.float64)
         rng = np.random.default_rng(0)
+        bn = net.params["bn"]
+        bn[0].data[...], bn[1].data[...], bn[2].data[...] = rng.normal(size=4), rng.uniform(0.5, 2, 4), 1.0
         inputs = {"x": rng.standard_normal((5, 3, 6, 6)), "label": np.array([0.0, 2.0, 1.0, 1.0, 0.0])}
         params = net.param_arrays()
         fn = caffejax.value_and_grad(net)
@@ -151,6 +155,7 @@ def test_hessian_vector_product_through_written_out_backwards(monkeypatch):
             return fn(p, inputs)[1]
 
         tangent = jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape)), params)
+        tangent["bn"] = [jnp.zeros_like(b) for b in tangent["bn"]]  # Caffe's statistics are constants here
         _, hvp = jax.jvp(grad_of, (params,), (tangent,))
         eps = 1e-5
         plus = grad_of(jax.tree.map(lambda p, t: p + eps * t, params, tangent))

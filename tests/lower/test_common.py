@@ -80,6 +80,7 @@ def test_accuracy_spatial_axis():
 # ---- BatchNorm --------------------------------------------------------------------------------------------------
 
 BN = 'name: "bn" type: "BatchNorm" batch_norm_param { use_global_stats: false moving_average_fraction: 0.5 }'
+BN_GLOBAL = 'name: "bn" type: "BatchNorm" batch_norm_param { use_global_stats: true }'
 
 
 def test_batch_norm_train_updates_running_sums_like_caffe():
@@ -108,6 +109,29 @@ def test_batch_norm_global_stats_give_no_gradient_to_the_blobs():
     _, _, (d_mean, d_var, d_factor) = layer_vjp('type: "BatchNorm"', [x], [np.ones((2, 3))],
                                                 [np.ones(3), np.ones(3), [2.0]])
     assert not np.any(d_mean) and not np.any(d_var) and not np.any(d_factor)
+
+
+def test_batch_norm_global_stats_gradient_keeps_its_broadcast_inside_the_product():
+    """A product followed by BatchNorm with global statistics, differentiated: XLA does not write the
+    per-channel factor out as a full tensor for the product's fusion, and the input gradient is
+    dy / sqrt(var + eps) through the product."""
+    from caffejax.runtime.xla_options import YNN_DOT_AND_REDUCE, YNN_OPTION
+
+    ctx = layer_context(BN_GLOBAL, TRAIN)
+    rng = np.random.default_rng(3)
+    x, w, upstream = (jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in [(1024, 16), (32, 16), (1024, 32)])
+    blobs = [jnp.asarray(rng.normal(size=32), jnp.float32), jnp.asarray(rng.uniform(1, 2, 32), jnp.float32),
+             jnp.ones(1)]
+
+    def loss(x, w):
+        (y,) = get_rule("BatchNorm").forward(ctx, [x @ w.T], blobs)
+        return jnp.sum(jnp.maximum(y, 0) * upstream)
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)), compiler_options={YNN_OPTION: YNN_DOT_AND_REDUCE})
+    assert "wrapped_broadcast" not in grad.lower(x, w).compile().as_text()
+    (y,) = get_rule("BatchNorm").forward(ctx, [x @ w.T], blobs)
+    want = (jnp.where(y > 0, upstream, 0) / jnp.sqrt(blobs[1] + 1e-5)) @ w
+    np.testing.assert_allclose(grad(x, w)[0], want, rtol=1e-4, atol=1e-4)
 
 
 def test_batch_norm_rejects_learnable_statistics():
