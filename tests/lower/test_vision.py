@@ -549,6 +549,22 @@ def test_lrn_across_channels_formula():
     np.testing.assert_allclose(np.asarray(y), x * scale ** -0.6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("beta", [0.75, 0.5, 1.0, 0.6])
+def test_lrn_inverse_power_is_pow_with_its_edge_cases(beta):
+    """s^-beta through square roots for the usual betas: pow's values in float64 (within a few ulp in
+    float32), and pow's inf at 0, 0 at inf and NaN below 0."""
+    from caffejax.lower.vision import _inverse_power
+
+    s = np.concatenate([np.geomspace(1e-6, 1e6, 97), [0.0, np.inf, -1.0]])
+    with jax.enable_x64(True):
+        got = np.asarray(_inverse_power(jnp.asarray(s), beta))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        want = np.power(s, -beta)
+    np.testing.assert_allclose(got, want, rtol=1e-14)
+    got32 = np.asarray(_inverse_power(jnp.asarray(s, jnp.float32), beta))
+    np.testing.assert_allclose(got32, want.astype(np.float32), rtol=1e-6)
+
+
 def test_lrn_within_channel_ignores_k_and_uses_caffe_divisor():
     rng = np.random.default_rng(11)
     x = rng.normal(size=(1, 2, 5, 5)).astype(np.float32)
