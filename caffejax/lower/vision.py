@@ -893,7 +893,7 @@ def _lrn_scale(x, channel_axis, pre_pad, k, alpha_over_n, beta):
 def _inverse_power(s: jax.Array, beta: float) -> jax.Array:
     """s^-beta, with square roots for Caffe's usual betas (AlexNet's and GoogLeNet's 0.75): XLA:CPU runs them
     at the speed of the memory traffic, where exp(-beta log s) makes the LRN's forward 2x slower (GoogLeNet's
-    norm2 at batch 16: 14 -> 6.6 ms) and its general pow is 1.7x slower again. Like Caffe's pow they give
+    norm2 at batch 16: 13.5 -> 6.8 ms) and its general pow is 1.7x slower again. Like Caffe's pow they give
     inf at s = 0, 0 at s = inf and NaN below 0 (k <= 0 or alpha < 0)."""
     if beta == 0.75:
         root = jnp.sqrt(s)
