@@ -39,3 +39,13 @@ def _async_dispatch_after(prelude: str, environment: dict[str, str]) -> str:
 ], ids=["default", "opt-out", "opt-out-0", "jax-started-first"])
 def test_cpu_dispatch_on_import(prelude, environment, expected):
     assert _async_dispatch_after(prelude, environment) == expected
+
+
+@pytest.mark.parametrize("value,expected", [("1", True), (" On ", True), ("YES", True), ("true", True),
+                                            ("0", False), ("off", False), (" No", False), ("FALSE", False),
+                                            ("", None), ("2", None), ("/some/path", None)])
+def test_environment_switch_reads_the_words_every_caffejax_switch_takes(monkeypatch, value, expected):
+    monkeypatch.setenv("CAFFEJAX_TEST_SWITCH", value)
+    assert mode.environment_switch("CAFFEJAX_TEST_SWITCH") is expected
+    monkeypatch.delenv("CAFFEJAX_TEST_SWITCH")
+    assert mode.environment_switch("CAFFEJAX_TEST_SWITCH") is None

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
+
+from caffejax.runtime.mode import environment_switch
 
 ENVIRONMENT = "CAFFEJAX_KEEP_FREED_MEMORY"
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's malloc.h
@@ -47,6 +48,6 @@ def keep_freed_memory() -> bool:
 def apply_environment() -> bool:
     """keep_freed_memory() unless ``CAFFEJAX_KEEP_FREED_MEMORY`` says no (0/false/off/no). True where it
     took effect."""
-    if os.environ.get(ENVIRONMENT, "").strip().lower() in ("0", "false", "off", "no"):
+    if environment_switch(ENVIRONMENT) is False:
         return False
     return keep_freed_memory()

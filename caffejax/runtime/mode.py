@@ -30,6 +30,13 @@ class _Mode:
 _MODE = _Mode()
 
 
+def environment_switch(name: str) -> bool | None:
+    """An on/off switch from the environment: True for 1/true/on/yes, False for 0/false/off/no (any case,
+    surrounding spaces ignored), None when unset or anything else."""
+    value = os.environ.get(name, "").strip().lower()
+    return True if value in ("1", "true", "on", "yes") else False if value in ("0", "false", "off", "no") else None
+
+
 def set_mode_cpu() -> None:
     _MODE.device_kind = "cpu"
 
@@ -73,7 +80,7 @@ def run_cpu_programs_inline() -> bool:
     (so does ``jax.config.update("jax_cpu_enable_async_dispatch", True)`` after importing caffejax, before
     the first JAX computation).
     """
-    if os.environ.get(ASYNC_DISPATCH_ENVIRONMENT, "").strip().lower() in ("1", "true", "on", "yes"):
+    if environment_switch(ASYNC_DISPATCH_ENVIRONMENT):
         return False
     try:
         from jax._src import xla_bridge

@@ -30,6 +30,7 @@ from typing import Any, Callable, Mapping
 import jax
 
 from caffejax.fileio import atomic_write
+from caffejax.runtime.mode import environment_switch
 
 ENVIRONMENT = "CAFFEJAX_PROGRAM_CACHE"
 SUBDIRECTORY = "caffejax-programs"
@@ -40,10 +41,10 @@ log = logging.getLogger(__name__)
 
 def cache_directory() -> pathlib.Path | None:
     """Where programs are kept: ``$CAFFEJAX_PROGRAM_CACHE``, else beside JAX's persistent cache, else None."""
-    chosen = os.environ.get(ENVIRONMENT, "").strip()
-    if chosen.lower() in ("0", "false", "off", "no"):
+    chosen, switch = os.environ.get(ENVIRONMENT, "").strip(), environment_switch(ENVIRONMENT)
+    if switch is False:
         return None
-    if chosen and chosen.lower() not in ("1", "true", "on", "yes"):
+    if chosen and switch is None:
         return pathlib.Path(chosen)
     jax_cache = jax.config.jax_compilation_cache_dir
     if not jax_cache or "://" in str(jax_cache):  # remote caches (gs://...) are JAX's business alone

@@ -28,12 +28,11 @@ in the environment turns YNNPACK off for every program (an empty fusion list, no
 
 from __future__ import annotations
 
-import os
-
 import jax
 
 from caffejax.frontend.ir import Graph, Layer
 from caffejax.lower.registry import count
+from caffejax.runtime.mode import environment_switch
 
 YNN_OPTION = "xla_cpu_experimental_ynn_fusion_type"
 YNN_DOT = "LIBRARY_FUSION_TYPE_DOT"
@@ -65,11 +64,11 @@ def compiler_options(graph: Graph, backward: bool = False) -> dict[str, str]:
     computes gradients (a backward pass, a training step)."""
     if jax.default_backend() != "cpu":
         return {}
-    forced = os.environ.get(ENVIRONMENT, "").strip().lower()
-    if forced in ("0", "false", "off", "no"):
+    forced = environment_switch(ENVIRONMENT)
+    if forced is False:
         return {YNN_OPTION: YNN_OFF}
     if backward:
         return {YNN_OPTION: YNN_DOT_AND_REDUCE}
-    if forced in ("1", "true", "on", "yes") or matmul_flops(graph) >= YNN_MIN_FLOPS:
+    if forced or matmul_flops(graph) >= YNN_MIN_FLOPS:
         return {YNN_OPTION: YNN_DOT}
     return {}
