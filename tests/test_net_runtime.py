@@ -72,6 +72,27 @@ def test_forward_from_to_equals_full_pass(lenet):
     assert set(out) == {"conv2", "pool1"}
 
 
+def test_intermediate_blobs_read_later_are_those_of_the_pass_that_made_them():
+    """A forward computes only its outputs; an intermediate blob read afterwards is recomputed from what that
+    pass saw, even when the input and the weights were changed in place since."""
+    net = caffejax.Net(str(LENET), str(LENET_WEIGHTS), caffejax.TEST)
+    net.blobs["data"].reshape(2, 1, 28, 28)
+    x = digits(2, seed=6)
+    net.blobs["data"].data[...] = x
+    w = net.params["conv1"][0].data  # a host copy, handed out before the pass
+    net.forward()
+    net.blobs["data"].data[...] = 0
+    w[...] = 0
+    expected = caffejax.Net(str(LENET), str(LENET_WEIGHTS), caffejax.TEST)
+    expected.blobs["data"].reshape(2, 1, 28, 28)
+    expected.forward(data=x)
+    for name in ("conv1", "pool2", "ip1"):
+        np.testing.assert_array_equal(net.blobs[name].data, expected.blobs[name].data)
+    now = net.forward()["prob"]  # the next pass sees the zeros: equal rows, unlike before
+    np.testing.assert_array_equal(now[0], now[1])
+    assert not np.allclose(now, expected.blobs["prob"].data)
+
+
 def test_param_surgery_takes_effect(lenet):
     lenet.blobs["data"].reshape(1, 1, 28, 28)
     x = digits(1, seed=5)
