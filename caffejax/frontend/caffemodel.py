@@ -157,7 +157,8 @@ def _fields(buf: memoryview, start: int, end: int) -> Iterator[tuple[int, int, i
     pos = start
     while pos < end:
         field_start = pos
-        key, pos = _varint(buf, pos)
+        key = buf[pos]  # one-byte varints (field numbers below 16, short lengths) without the call: most of them
+        key, pos = (key, pos + 1) if key < 0x80 else _varint(buf, pos)
         number, wire = key >> 3, key & 7
         if number == 0:
             raise ValueError(f"invalid field number 0 at byte {field_start}")
@@ -165,7 +166,8 @@ def _fields(buf: memoryview, start: int, end: int) -> Iterator[tuple[int, int, i
             value, pos = _varint(buf, pos)
             yield number, wire, value, pos, field_start
         elif wire == _LEN:
-            length, pos = _varint(buf, pos)
+            length = buf[pos]
+            length, pos = (length, pos + 1) if length < 0x80 else _varint(buf, pos)
             if pos + length > end:
                 raise ValueError(f"field {number} at byte {field_start} runs past the end of its message")
             yield number, wire, pos, pos + length, field_start
