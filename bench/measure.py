@@ -5,7 +5,7 @@ from __future__ import annotations
 import resource
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import jax
 import numpy as np
@@ -25,6 +25,34 @@ def timed(fn: Callable[[], Any], repeats: int, warmup: int = 2, min_seconds: flo
         jax.block_until_ready(fn())
         times.append((time.perf_counter() - start) * 1e3)
     return {"median_ms": statistics.median(times), "min_ms": min(times), "runs": len(times)}
+
+
+def timed_alternating(fns: Mapping[str, Callable[[], Any]], repeats: int, rounds: int = 5, warmup: int = 2,
+                      min_seconds: float = 0.0, max_runs: int = 2000) -> dict[str, dict[str, float]]:
+    """:func:`timed` for several functions, measured in alternating blocks (the order reversed every other
+    round), so that each sees the same machine: on a shared VM two times taken a minute apart move with the
+    neighbours, and so does their ratio. Each function gets at least ``repeats`` runs and, over all its
+    blocks, at least ``min_seconds`` (at most ``max_runs`` runs)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            jax.block_until_ready(fn())
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    spent = dict.fromkeys(fns, 0.0)
+    runs_per_block = -(-repeats // rounds)
+    order, done = list(fns), 0
+    while done < rounds or any(spent[n] < min_seconds and len(times[n]) < max_runs for n in fns):
+        for name in order if done % 2 == 0 else order[::-1]:
+            began = time.perf_counter()
+            block = 0
+            while block < runs_per_block or (time.perf_counter() - began < min_seconds / rounds
+                                             and len(times[name]) < max_runs):
+                start = time.perf_counter()
+                jax.block_until_ready(fns[name]())
+                times[name].append((time.perf_counter() - start) * 1e3)
+                block += 1
+            spent[name] += time.perf_counter() - began
+        done += 1
+    return {name: {"median_ms": statistics.median(t), "min_ms": min(t), "runs": len(t)} for name, t in times.items()}
 
 
 def once(fn: Callable[[], Any]) -> tuple[Any, float]:

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import caffejax  # before the first JAX computation, as in a user's program: its import chooses CPU dispatch
-from bench.measure import gemm_gflops, model_flops, once, timed, training_flops
+from bench.measure import gemm_gflops, model_flops, once, timed, timed_alternating, training_flops
 from bench.nets import NETS, ROOT, BenchNet, randomize_weights, training_net_param
 from caffejax.runtime import memory
 
@@ -147,28 +147,34 @@ def bench_batch(spec: BenchNet, net, weights: pathlib.Path, batch: int, repeats:
 
     infer = caffejax.compile_inference(net)
     fp32, out["compile_in_process_s"] = once(lambda: infer({name: x}))
-    out["fwd"] = timed(lambda: infer({name: x}), repeats, min_seconds=FORWARD_MIN_SECONDS)
+    forwards = {"fwd": lambda: infer({name: x})}
+    if not args.no_bf16:
+        infer16 = caffejax.compile_inference(net, dtype=jnp.bfloat16)
+        bf16, _ = once(lambda: infer16({name: x}))
+        forwards["bf16"] = lambda: infer16({name: x})
+    if not args.no_opencv:
+        out["opencv"] = opencv_forward(spec, weights, x)
+        if "forward" in out["opencv"]:
+            forwards["opencv"] = out["opencv"].pop("forward")
+    # The forwards the ratios compare are timed in alternation, each for FORWARD_MIN_SECONDS in all.
+    for kind, timing in timed_alternating(forwards, repeats, min_seconds=FORWARD_MIN_SECONDS).items():
+        out.setdefault(kind, {}).update(timing, interleaved=sorted(forwards))
+    del forwards
+
     plan = infer.plan({name: shape})
     flops = model_flops(plan.graph)  # folding BatchNorm leaves the convolutions' shapes as they were
     out["gflop"] = flops / 1e9
     out["gflops"] = flops / out["fwd"]["median_ms"] / 1e6
     out["kernels"] = _kernel_counts(plan)
     line = f"  b{batch}: fwd {out['fwd']['median_ms']:.1f} ms ({out['gflops']:.0f} GFLOP/s)"
-
-    if not args.no_bf16:
-        infer16 = caffejax.compile_inference(net, dtype=jnp.bfloat16)
-        bf16, _ = once(lambda: infer16({name: x}))
-        out["bf16"] = timed(lambda: infer16({name: x}), repeats, min_seconds=FORWARD_MIN_SECONDS)
+    if "bf16" in out:
         out["bf16"].update(_agreement(fp32, bf16))
         line += f", bf16 {out['bf16']['median_ms']:.1f} ms (top-1 {out['bf16']['top1_agree']}/{batch})"
         del infer16
-
-    if not args.no_opencv:
-        out["opencv"] = opencv_forward(spec, weights, x, repeats)
-        if "median_ms" in out["opencv"]:
-            ref = np.asarray(next(iter(fp32.values())))
-            out["opencv"]["max_abs_diff_vs_caffejax"] = float(np.max(np.abs(out["opencv"].pop("output").reshape(ref.shape) - ref)))
-            line += f", OpenCV {out['opencv']['median_ms']:.1f} ms"
+    if "median_ms" in out.get("opencv", {}):
+        ref = np.asarray(next(iter(fp32.values())))
+        out["opencv"]["max_abs_diff_vs_caffejax"] = float(np.max(np.abs(out["opencv"].pop("output").reshape(ref.shape) - ref)))
+        line += f", OpenCV {out['opencv']['median_ms']:.1f} ms"
     del infer
 
     if not args.no_train:
@@ -202,7 +208,9 @@ def _agreement(reference: dict, other: dict) -> dict:
     return {"top1_agree": agree, "top1_total": len(ref), "max_abs_diff": float(np.max(np.abs(ref - got)))}
 
 
-def opencv_forward(spec: BenchNet, weights: pathlib.Path, x: np.ndarray, repeats: int) -> dict:
+def opencv_forward(spec: BenchNet, weights: pathlib.Path, x: np.ndarray) -> dict:
+    """OpenCV DNN on the same prototxt and weights: its ``forward`` (for timing beside caffejax's), output and
+    version, or an ``error``."""
     try:
         import cv2
     except ImportError:
@@ -215,10 +223,8 @@ def opencv_forward(spec: BenchNet, weights: pathlib.Path, x: np.ndarray, repeats
         dnn.setInput(x)
         return dnn.forward()
 
-    output = forward()
-    result = timed(forward, repeats, min_seconds=FORWARD_MIN_SECONDS)
-    result.update(version=cv2.__version__, threads=cv2.getNumThreads(), output=np.asarray(output))
-    return result
+    return {"forward": forward, "output": np.asarray(forward()), "version": cv2.__version__,
+            "threads": cv2.getNumThreads()}
 
 
 def train_step(spec: BenchNet, weights: pathlib.Path, batch: int, repeats: int, lr: float = 1e-4) -> dict:
