@@ -2,22 +2,26 @@
 
 from __future__ import annotations
 
-import time
+import types
 
-from bench.measure import timed_alternating
+import pytest
+
+from bench import measure
 
 
-def test_alternating_blocks_give_each_function_its_runs_and_time():
+def test_alternating_blocks_give_each_function_its_runs_and_time(monkeypatch):
+    clock = [0.0]  # a fake clock that only the functions move: the counts below are exact
+    monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     calls = []
 
-    def recorder(name, seconds):
+    def taking(name, seconds):
         def fn():
             calls.append(name)
-            time.sleep(seconds)
+            clock[0] += seconds
         return fn
 
-    result = timed_alternating({"a": recorder("a", 0.001), "b": recorder("b", 0.003)}, repeats=5, rounds=5,
-                               warmup=1, min_seconds=0.05)
+    result = measure.timed_alternating({"a": taking("a", 0.001), "b": taking("b", 0.003)}, repeats=5, rounds=5,
+                                       warmup=1, min_seconds=0.05)
     assert calls[:2] == ["a", "b"]  # the warm-ups
     blocks = [calls[2]]
     for name in calls[3:]:
@@ -26,5 +30,18 @@ def test_alternating_blocks_give_each_function_its_runs_and_time():
     # Round by round a, b then b, a: runs of one name alternate, at least once per round.
     assert len(blocks) >= 6 and blocks == ["a", "b"] * (len(blocks) // 2) + ["a"] * (len(blocks) % 2)
     for name, seconds in (("a", 0.001), ("b", 0.003)):
-        assert result[name]["runs"] >= 5 and result[name]["runs"] * seconds >= 0.05 * 0.9
-        assert seconds * 1e3 <= result[name]["min_ms"] <= result[name]["median_ms"]
+        assert result[name]["runs"] >= 5 and result[name]["runs"] * seconds >= 0.05 - 1e-9
+        assert result[name]["min_ms"] == pytest.approx(seconds * 1e3)
+        assert result[name]["median_ms"] == pytest.approx(seconds * 1e3)
+    assert calls.count("a") - 1 == result["a"]["runs"]  # every timed call is counted, the warm-up is not
+
+
+def test_alternating_blocks_honour_max_runs(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def tiny():
+        clock[0] += 1e-6
+
+    result = measure.timed_alternating({"a": tiny}, repeats=5, min_seconds=1.0, max_runs=50, warmup=0)
+    assert 50 <= result["a"]["runs"] <= 55  # the cap, reached within the round that crossed it
