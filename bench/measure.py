@@ -15,16 +15,9 @@ def timed(fn: Callable[[], Any], repeats: int, warmup: int = 2, min_seconds: flo
           max_runs: int = 2000) -> dict[str, float]:
     """Median and min wall ms of ``fn()`` (results blocked on) over ``repeats`` runs after ``warmup``, and
     more runs until ``min_seconds`` have passed (at most ``max_runs``): five samples of a 0.2 ms forward
-    measure the machine's hiccups, not the forward."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn())
-    times = []
-    began = time.perf_counter()
-    while len(times) < repeats or (time.perf_counter() - began < min_seconds and len(times) < max_runs):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append((time.perf_counter() - start) * 1e3)
-    return {"median_ms": statistics.median(times), "min_ms": min(times), "runs": len(times)}
+    measure the machine's hiccups, not the forward. (:func:`timed_alternating` with one function, one block.)"""
+    return timed_alternating({"fn": fn}, repeats, rounds=1, warmup=warmup, min_seconds=min_seconds,
+                             max_runs=max_runs)["fn"]
 
 
 def timed_alternating(fns: Mapping[str, Callable[[], Any]], repeats: int, rounds: int = 5, warmup: int = 2,

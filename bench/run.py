@@ -173,7 +173,8 @@ def bench_batch(spec: BenchNet, net, weights: pathlib.Path, batch: int, repeats:
         del infer16
     if "median_ms" in out.get("opencv", {}):
         ref = np.asarray(next(iter(fp32.values())))
-        out["opencv"]["max_abs_diff_vs_caffejax"] = float(np.max(np.abs(out["opencv"].pop("output").reshape(ref.shape) - ref)))
+        output = out["opencv"].pop("output").reshape(ref.shape)
+        out["opencv"]["max_abs_diff_vs_caffejax"] = float(np.max(np.abs(output - ref)))
         line += f", OpenCV {out['opencv']['median_ms']:.1f} ms"
     del infer
 

@@ -45,3 +45,18 @@ def test_alternating_blocks_honour_max_runs(monkeypatch):
 
     result = measure.timed_alternating({"a": tiny}, repeats=5, min_seconds=1.0, max_runs=50, warmup=0)
     assert 50 <= result["a"]["runs"] <= 55  # the cap, reached within the round that crossed it
+
+
+def test_timed_is_one_block_of_runs(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    calls = []
+
+    def fn():
+        calls.append(1)
+        clock[0] += 0.002
+
+    result = measure.timed(fn, repeats=3, warmup=2, min_seconds=0.02)
+    assert result["runs"] == 10 and len(calls) == 12  # 0.02 s of 2 ms runs, after two warm-ups
+    assert result["median_ms"] == pytest.approx(2.0) and result["min_ms"] == pytest.approx(2.0)
+    assert measure.timed(fn, repeats=7, warmup=0)["runs"] == 7
