@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from caffejax.errors import WeightsError
-from caffejax.frontend.caffemodel import (_encode_len_field, _encode_varint, encode_blob, encode_net, read_weights,
-                                          write_hdf5)
+from caffejax.frontend.caffemodel import (_encode_len_field, _encode_varint, _plain_blob_array, encode_blob,
+                                          encode_net, read_weights, write_hdf5)
 from caffejax.frontend.upgrade import upgrade_net_as_needed
 from caffejax.proto import caffe_pb2
 from conftest import BUNDLED, FIXTURES
@@ -103,6 +103,27 @@ def test_zero_axis_blob_is_written_without_shape(write_model_bytes):
     assert not encoded.HasField("shape") and list(encoded.data) == [0.25]
     written = read_weights(write_model_bytes(one_layer_model(encode_blob(np.array(0.25, np.float32)))))
     assert written.blobs["ip"][0].shape == ()
+
+
+def test_plain_blobs_are_read_as_views_in_either_field_order():
+    # Caffe writes a blob's data (field 5) before its shape (field 7); caffejax writes the shape first. Both are
+    # read without the general walk, as views of the file's bytes; anything else falls through to it.
+    values = np.arange(6, dtype=np.float32).reshape(2, 3) - 2.5
+    shape = _encode_len_field(7, _encode_len_field(1, _encode_varint(2) + _encode_varint(3)))
+    data = _encode_len_field(5, values.tobytes())
+    for blob in (data + shape, shape + data, encode_blob(values)):
+        buf = memoryview(bytearray(blob))
+        arr = _plain_blob_array(buf, 0, len(buf))
+        assert arr is not None and not arr.flags.owndata
+        np.testing.assert_array_equal(arr, values)
+        assert caffe_pb2.BlobProto.FromString(blob) == caffe_pb2.BlobProto.FromString(data + shape)
+    wide = np.zeros((200, 3), np.float32)  # two-byte dims and lengths
+    buf = memoryview(encode_blob(wide))
+    assert _plain_blob_array(buf, 0, len(buf)).shape == (200, 3)
+    legacy = caffe_pb2.BlobProto(num=1, channels=1, height=2, width=3, data=values.ravel()).SerializeToString()
+    for other in (legacy, data, shape, data + data + shape, data + shape + shape,
+                  _encode_len_field(7, b"") + data):
+        assert _plain_blob_array(memoryview(other), 0, len(other)) is None
 
 
 # ---- legacy and unusual encodings -------------------------------------------------------------------------------
@@ -199,10 +220,20 @@ def test_truncated_file(tmp_path):
         read_weights(path)
 
 
-def test_every_truncation_fails_cleanly_or_reads_a_prefix(tmp_path):
+def small_model_bytes(writer: str) -> bytes:
+    """The small model as BVLC Caffe wrote it (a blob's data before its shape), or as caffejax writes it."""
+    raw = SMALL_MODEL.read_bytes()
+    if writer == "caffe":
+        return raw
+    weights = read_weights(SMALL_MODEL)
+    return b"".join(encode_net(weights.net, weights.blobs))
+
+
+@pytest.mark.parametrize("writer", ["caffe", "caffejax"])
+def test_every_truncation_fails_cleanly_or_reads_a_prefix(tmp_path, writer):
     # Cut inside a field: WeightsError. Cut exactly between fields: a valid (shorter) NetParameter, which
     # must then read exactly as protobuf reads it.
-    raw = SMALL_MODEL.read_bytes()
+    raw = small_model_bytes(writer)
     path = tmp_path / "cut.caffemodel"
     valid = 0
     for n in range(1, len(raw)):
@@ -217,10 +248,11 @@ def test_every_truncation_fails_cleanly_or_reads_a_prefix(tmp_path):
     assert valid < 5
 
 
-def test_bit_flips_fail_cleanly_or_read_as_protobuf_reads(tmp_path):
+@pytest.mark.parametrize("writer", ["caffe", "caffejax"])
+def test_bit_flips_fail_cleanly_or_read_as_protobuf_reads(tmp_path, writer):
     # One bit flipped per byte (bit i % 8 at byte i) over a whole small model: structure bytes (tags,
     # lengths, shapes) must give a WeightsError; flips that leave a valid file must read as protobuf does.
-    raw = SMALL_MODEL.read_bytes()
+    raw = small_model_bytes(writer)
     path = tmp_path / "flipped.caffemodel"
     errors = 0
     for i in range(len(raw)):
@@ -249,10 +281,11 @@ def test_invalid_wire_type_names_the_file(tmp_path):
 
 @pytest.mark.parametrize("blob, match", [
     (caffe_pb2.BlobProto(num=-1, channels=1, height=1, width=1, data=[1]), r"negative dimension.*\(-1, 1, 1, 1\)"),
+    (caffe_pb2.BlobProto(shape=caffe_pb2.BlobShape(dim=[2, -3]), data=[1] * 6), r"negative dimension.*\(2, -3\)"),
     (caffe_pb2.BlobProto(shape=caffe_pb2.BlobShape(dim=[2, 3]), data=[1, 2, 3]), r"\(2, 3\) should hold 6.*holds 3"),
     # 2**32 * 2**32 wraps to 0 in int64: the count must be exact, not a wrapped product.
     (caffe_pb2.BlobProto(shape=caffe_pb2.BlobShape(dim=[2**32, 2**32])), r"should hold 18446744073709551616 "),
-], ids=["negative_dim", "count", "overflowing_dims"])
+], ids=["negative_dim", "negative_shape_dim", "count", "overflowing_dims"])
 def test_blob_that_does_not_fit_its_shape(write_model_bytes, blob, match):
     with pytest.raises(WeightsError, match=r"m\d\.caffemodel: layer 'ip', blob 0: .*" + match):
         read_weights(write_model_bytes(one_layer_model(blob.SerializeToString())))

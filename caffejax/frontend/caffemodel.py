@@ -230,6 +230,51 @@ def _layer_blobs(buf: memoryview, ranges: list[tuple[int, int]], path: str, laye
 
 
 def _blob_array(buf: memoryview, start: int, end: int) -> np.ndarray:
+    arr = _plain_blob_array(buf, start, end)
+    return arr if arr is not None else _any_blob_array(buf, start, end)
+
+
+_DATA_KEY, _SHAPE_KEY, _DIM_KEY = (_BLOB_DATA << 3) | _LEN, (_BLOB_SHAPE << 3) | _LEN, (1 << 3) | _LEN
+
+
+def _plain_blob_array(buf: memoryview, start: int, end: int) -> np.ndarray | None:
+    """The blob as a view of ``buf`` if it is one packed ``data`` field and one ``shape`` in either order (Caffe
+    writes data first, caffejax shape first) and they agree; None for anything else, which the general walk
+    reads or reports. Nearly every blob is this, and a model of many small blobs (MobileNet's 320) spends
+    most of its load in the walk's per-field generator."""
+    data = shape = None
+    pos = start
+    while pos < end:
+        key = buf[pos]
+        if key != _DATA_KEY and key != _SHAPE_KEY:
+            return None
+        length = buf[pos + 1]
+        length, pos = (length, pos + 2) if length < 0x80 else _varint(buf, pos + 1)
+        if key == _DATA_KEY and data is None:
+            data = pos, pos + length
+        elif key == _SHAPE_KEY and shape is None:
+            shape = pos, pos + length
+        else:
+            return None
+        pos += length
+    if data is None or shape is None or pos != end or shape[0] == shape[1] or buf[shape[0]] != _DIM_KEY:
+        return None
+    dims_end, pos = _varint(buf, shape[0] + 1)
+    dims_end += pos
+    if dims_end != shape[1]:
+        return None
+    dims = []
+    while pos < dims_end:
+        dim = buf[pos]
+        dim, pos = (dim, pos + 1) if dim < 0x80 else _varint(buf, pos)
+        dims.append(dim)
+    a, b = data  # both fields end within the blob: the walk above ended exactly at its end
+    if pos != dims_end or any(d >= 1 << 63 for d in dims) or (b - a) != 4 * math.prod(dims):
+        return None  # negative dims (int64 as 10-byte varints) and a wrong count are the general walk's to report
+    return np.frombuffer(buf[a:b], dtype="<f4").reshape(dims)
+
+
+def _any_blob_array(buf: memoryview, start: int, end: int) -> np.ndarray:
     legacy = {}
     shape = None
     chunks: list[np.ndarray] = []
