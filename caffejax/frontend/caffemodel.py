@@ -185,14 +185,17 @@ def _fields(buf: memoryview, start: int, end: int) -> Iterator[tuple[int, int, i
 
 
 def _read_binary(buf: memoryview, path: str) -> Weights:
+    # Each layer, less its blobs, is parsed straight into the net (repeated fields keep their order); the
+    # net's other fields are parsed last, merged, which gives what one parse of the whole file would.
+    net = caffe_pb2.NetParameter()
     net_rest = bytearray()
     blobs: dict[str, list[np.ndarray]] = {}
     for number, wire, a, b, field_start in _fields(buf, 0, len(buf)):
         if wire == _LEN and number in (_NET_LAYER, _NET_LAYERS_V1):
             v1 = number == _NET_LAYERS_V1
             layer_bytes, blob_ranges = _split_layer(buf, a, b, v1)
-            net_rest += _encode_len_field(number, layer_bytes)
-            layer = (caffe_pb2.V1LayerParameter if v1 else caffe_pb2.LayerParameter).FromString(layer_bytes)
+            layer = (net.layers if v1 else net.layer).add()
+            layer.MergeFromString(layer_bytes)
             layer_blobs = _layer_blobs(buf, blob_ranges, path, layer.name)
             if layer.name in blobs and layer_blobs:
                 raise WeightsError(f"{path}: layer '{layer.name}' appears twice with weights")
@@ -200,7 +203,7 @@ def _read_binary(buf: memoryview, path: str) -> Weights:
                 blobs[layer.name] = layer_blobs
         else:
             net_rest += buf[field_start:b]
-    net = caffe_pb2.NetParameter.FromString(bytes(net_rest))
+    net.MergeFromString(bytes(net_rest))
     return Weights(net=net, blobs=blobs, path=path)
 
 
