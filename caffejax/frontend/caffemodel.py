@@ -212,11 +212,13 @@ def _split_layer(buf: memoryview, start: int, end: int, v1: bool) -> tuple[bytes
     blobs_field = _V1_BLOBS if v1 else _LAYER_BLOBS
     rest = bytearray()
     blobs = []
+    kept = start  # the fields from here up to the next blob are kept, copied as one run
     for number, wire, a, b, field_start in _fields(buf, start, end):
         if number == blobs_field and wire == _LEN:
+            rest += buf[kept:field_start]
+            kept = b
             blobs.append((a, b))
-        else:
-            rest += buf[field_start:b]
+    rest += buf[kept:end]
     return bytes(rest), blobs
 
 
