@@ -76,6 +76,38 @@ def test_unterminated_message():
         load_net_param("layer { name: 'a' ")
 
 
+def test_windows_path_in_a_string_is_refused_where_it_is(tmp_path):
+    # Caffe's C++ text parser refuses an unknown escape ("Invalid escape sequence in string literal"); Python's
+    # would keep "\\d" with a DeprecationWarning and read the "\\t" of "\\train" as a tab.
+    text = ('name: "n"  # a comment may say C:\\data\\train\n'
+            'layer {\n  name: "d#1"\n  type: "Data"\n  top: "x"\n  data_param { source: "C:\\data\\train_lmdb" }\n}\n')
+    path = write(tmp_path, text)
+    with pytest.raises(ParseError) as info:
+        load_net_param(path)
+    e = info.value
+    assert (e.path, e.line, e.column) == (str(path), 6, 27)  # the backslash before "data"
+    assert e.text == 'data_param { source: "C:\\data\\train_lmdb" }'
+    assert "Invalid escape sequence in string literal: '\\d'" in str(e) and "write /" in str(e)
+
+
+@pytest.mark.parametrize("written, value", [
+    (r"a\tb", "a\tb"), (r"a\\b", "a\\b"), (r"\101\x41\u0041", "AAA"), (r"it\'s", "it's"),
+    (r'say \"hi\"', 'say "hi"'), (r"why\?", "why?"), ("#not a comment", "#not a comment"),
+], ids=["tab", "backslash", "octal_hex_unicode", "quote", "double_quote", "question_mark", "hash"])
+def test_string_escapes_read_as_caffe_reads_them(written, value):
+    for quote in "\"'":
+        if quote in written.replace("\\" + quote, ""):
+            continue  # that quote would end this string
+        net = load_net_param(f"name: {quote}{written}{quote}\nlayer {{ name: 'a' type: 'ReLU' }}\n")
+        assert net.name == value
+
+
+@pytest.mark.parametrize("written", [r"a\ b", r"\d", r"C:\\\x", r"\N{DASH}"])
+def test_unknown_or_truncated_escapes_are_parse_errors(written):
+    with pytest.raises(ParseError, match=r"<string>:1:\d+: "):
+        load_net_param(f"name: '{written}'\nlayer {{ name: 'a' type: 'ReLU' }}\n")
+
+
 def test_non_utf8_file(tmp_path):
     path = tmp_path / "latin1.prototxt"
     path.write_bytes(b"name: 'caf\xe9'\nlayer { name: 'a' }\n")

@@ -47,6 +47,14 @@ MAX_TEXT_BYTES = 16 * 2 ** 20
 # file full of them from taking hours (a real net rewrites a handful of pooling layers).
 _MAX_REWRITE_WORK = 64 * 2 ** 20
 
+# Caffe reads prototxts with protobuf's C++ tokenizer, which refuses a string escape it does not know (most often
+# a Windows path, "C:\data\train"). Python's text_format keeps such a sequence as written, with a DeprecationWarning,
+# while the path's "\t" silently becomes a tab. So strings are checked against the C++ escapes first: comments and
+# strings are found in one left-to-right scan, and each backslash pair inside a string in order.
+_STRING_OR_COMMENT = re.compile(r"""#[^\n]*|"(?:[^"\\\n]|\\.)*"?|'(?:[^'\\\n]|\\.)*'?""")
+_BACKSLASH_PAIR = re.compile(r"\\(.?)", re.S)
+_C_ESCAPES = frozenset("abfnrtv\\'\"?01234567xXuU")  # truncated \x, \u, \U are text_format's to report
+
 # protobuf's messages look like '12:5 : Message type "caffe.X" has no field named "y".'
 _POSITION = re.compile(r"^(\d+):(\d+) : (.*)$", re.S)
 _NO_FIELD = re.compile(r'Message type "([\w.]+)" has no field named "(\w+)"')
@@ -78,6 +86,7 @@ def parse_text(text: str, msg: M, path: str | None = None) -> M:
     if len(text) > MAX_TEXT_BYTES:
         raise ParseError(f"text is larger than {MAX_TEXT_BYTES >> 20} MiB: not a prototxt caffejax will parse",
                          path=where)
+    text = _with_c_escapes(text, where)
     target = _fork_aware(msg)
     fork_rewrites = reparsed = 0
     while True:
@@ -127,6 +136,30 @@ def _split_position(error: str) -> tuple[int | None, int | None, str]:
     if not m:
         return None, None, error
     return int(m.group(1)), int(m.group(2)), m.group(3)
+
+
+def _with_c_escapes(text: str, where: str) -> str:
+    """``text`` with its strings' escapes checked as Caffe's C++ parser checks them: an unknown one is a
+    ParseError at its line and column; ``\\?`` (a question mark in C++, kept as two characters by Python's
+    parser) becomes ``?``."""
+    if "\\" not in text:
+        return text
+    pieces, copied = [], 0
+    for token in _STRING_OR_COMMENT.finditer(text):
+        if token.group().startswith("#") or "\\" not in token.group():
+            continue
+        for pair in _BACKSLASH_PAIR.finditer(token.group()):
+            offset = token.start() + pair.start()
+            if pair.group(1) == "?":
+                pieces += [text[copied:offset], "?"]
+                copied = offset + 2
+            elif pair.group(1) not in _C_ESCAPES or not pair.group(1):
+                line = text.count("\n", 0, offset) + 1
+                column = offset - text.rfind("\n", 0, offset)
+                raise ParseError(f"Invalid escape sequence in string literal: '{pair.group()}'. Caffe refuses it; "
+                                 "in a path, write / (or \\\\) for each \\", path=where, line=line, column=column,
+                                 text=_source_line(text, line))
+    return "".join(pieces) + text[copied:]
 
 
 def _source_line(text: str, line: int | None) -> str | None:
