@@ -284,6 +284,26 @@ def test_time_reports_layers_and_whole_net(capsys):
     assert re.search(r"Average Forward-Backward \(whole net, one compiled program\): [\d.e-]+ ms\.", err)
 
 
+def test_time_forward_backward_of_a_deploy_net_runs_its_forward():
+    # LeNet's deploy net has no loss: its gradients are all zero, and a program returning only them would let
+    # XLA drop the forward, so "Forward-Backward" came out shorter than "Forward pass".
+    import jax
+
+    from caffejax.cli.nets import whole_net_programs
+
+    net = caffejax.Net(str(LENET), str(LENET_WEIGHTS), caffejax.TEST)
+    assert not any(net.blob_loss_weights.values())
+    x = np.random.default_rng(0).random(net.blobs["data"].shape, dtype=np.float32)
+    expected = np.array(net.forward(data=x)["prob"])
+    forward, forward_backward = whole_net_programs(net)
+    args = (net.param_arrays(), {net.graph.fed["data"]: x}, jax.random.key(0))
+    (prob,) = forward(*args)
+    loss, grads, (prob_too,) = forward_backward(*args)
+    np.testing.assert_allclose(prob, expected, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(prob_too, expected, rtol=1e-5, atol=1e-7)
+    assert float(loss) == 0 and all(not np.any(np.asarray(g)) for gs in grads.values() for g in gs)
+
+
 # ---- train ------------------------------------------------------------------------------------------------------
 
 def small_solver(tmp_path):

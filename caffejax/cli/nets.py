@@ -281,11 +281,10 @@ def time(args) -> int:
     params = net.param_arrays()
     fed = {value: net.blobs[name].data for name, value in graph.fed.items()}
     key = jax.random.key(0)
-    forward = jax.jit(lambda p, env, k: program.run_layers(graph.layers, p, env, k, kernels=program.kernels)[0],
-                      compiler_options=compiler_options(graph))
-    forward_backward = jax.jit(lambda p, env, k: program.loss_and_grads(p, env, k)[:2],
-                               compiler_options=compiler_options(graph, backward=True))
-    env = forward(params, fed, key)
+    every_blob = jax.jit(lambda p, env, k: program.run_layers(graph.layers, p, env, k, kernels=program.kernels)[0],
+                         compiler_options=compiler_options(graph))
+    env = every_blob(params, fed, key)  # each layer's inputs, for the per-layer timings
+    forward, forward_backward = whole_net_programs(net)
     whole_forward = _mean_seconds(forward, (params, fed, key), iterations)
     whole_forward_backward = _mean_seconds(forward_backward, (params, fed, key), iterations)
 
@@ -308,6 +307,31 @@ def time(args) -> int:
     log.info("Total Time: %s ms.", _g(whole_forward_backward * iterations * 1e3))
     log.info("*** Benchmark ends ***")
     return 0
+
+
+def whole_net_programs(net):
+    """``time``'s two whole-net programs, ``(params, fed values, key) -> ...``: the forward, which returns the net's
+    outputs as ``Net.forward`` does (its other blobs are not copied out), and Net::ForwardBackward, which returns
+    the loss, the gradients and those outputs."""
+    import jax
+
+    from caffejax.runtime.xla_options import compiler_options
+
+    graph, program = net.graph, net._program
+    outputs = [graph.blob_value[name] for name in graph.outputs]
+
+    def forward(p, env, k):
+        values = program.run_layers(graph.layers, p, env, k, kernels=program.kernels)[0]
+        return [values[v] for v in outputs]
+
+    def forward_backward(p, env, k):
+        # ForwardBackward runs the whole forward even where no loss needs it. A deploy net's gradients are all
+        # zero, and XLA would drop the forward with them, were the outputs not returned too.
+        loss, grads, (values, _) = program.loss_and_grads(p, env, k)
+        return loss, grads, [values[v] for v in outputs]
+
+    return (jax.jit(forward, compiler_options=compiler_options(graph)),
+            jax.jit(forward_backward, compiler_options=compiler_options(graph, backward=True)))
 
 
 def _mean_seconds(fn, args, iterations: int) -> float:
