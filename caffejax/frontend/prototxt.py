@@ -153,7 +153,7 @@ def _with_c_escapes(text: str, where: str) -> str:
             if pair.group(1) == "?":
                 pieces += [text[copied:offset], "?"]
                 copied = offset + 2
-            elif pair.group(1) not in _C_ESCAPES or not pair.group(1):
+            elif pair.group(1) not in _C_ESCAPES:
                 line = text.count("\n", 0, offset) + 1
                 column = offset - text.rfind("\n", 0, offset)
                 raise ParseError(f"Invalid escape sequence in string literal: '{pair.group()}'. Caffe refuses it; "
