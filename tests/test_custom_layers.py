@@ -323,8 +323,9 @@ def test_python_layer_failures_inside_the_program_are_the_layers_typed_errors(la
                                                   "failed: KeyError") as raised:
         net.forward(x=np.ones(2, np.float32))
     assert isinstance(raised.value.__cause__, jax.errors.JaxRuntimeError)
-    with pytest.raises(caffejax.GraphError, match="layer 'f' \\(type Python\\): the Python layer's forward"):
+    with pytest.raises(caffejax.GraphError, match="layer 'f' \\(type Python\\): the Python layer's forward") as raised:
         caffejax.compile_inference(net)({"x": np.ones(2, np.float32)})
+    assert isinstance(raised.value.__cause__, jax.errors.JaxRuntimeError)
     text = "force_backward: true\n" + _input(2) + _python_layer("b", "BackwardFails", ["x"], "y")
     net = caffejax.Net(text, caffejax.TEST, allow_python_layers=True)
     net.forward(x=np.ones(2, np.float32))

@@ -201,6 +201,8 @@ def test_one_program_per_input_shape_and_weights_snapshot(zoo):
     infer = caffejax.compile_inference(net)
     first = infer({"data": x})
     infer({"data": x + 1})
+    infer({"data": jnp.asarray(x)})                      # a device array of the same shape: the same program
+    infer.plan({"data": [np.int64(d) for d in x.shape]})  # shapes given as NumPy ints: the same program
     assert infer.compile_count == 1
     single = infer({"data": x[:1]})                       # another batch size: a second program
     assert infer.compile_count == 2

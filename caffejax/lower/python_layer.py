@@ -134,12 +134,19 @@ def host_failures():
     try:
         yield
     except jax.errors.JaxRuntimeError as error:
-        failures = [instance.failure for instance in _INSTANCES.values() if instance.failure is not None]
-        for instance in _INSTANCES.values():
-            instance.failure = None
-        if not failures:
+        failure = host_failure()
+        if failure is None:
             raise
-        raise failures[0] from error
+        raise failure from error
+
+
+def host_failure() -> CaffejaxError | None:
+    """The typed error a Python layer left on the host during the program that just failed (and forget them
+    all), or None. :func:`host_failures` in an ``except`` clause, for a caller too hot for a context manager."""
+    failures = [instance.failure for instance in _INSTANCES.values() if instance.failure is not None]
+    for instance in _INSTANCES.values():
+        instance.failure = None
+    return failures[0] if failures else None
 
 
 def _recording(instance: _Instance, fn: Callable) -> Callable:
