@@ -304,6 +304,27 @@ def test_time_forward_backward_of_a_deploy_net_runs_its_forward():
     assert float(loss) == 0 and all(not np.any(np.asarray(g)) for gs in grads.values() for g in gs)
 
 
+def test_time_forward_runs_layers_whose_blobs_only_silence_reads():
+    # Caffe's Forward runs every layer; a branch ending in Silence is no output, and XLA would drop it.
+    import jax
+
+    from caffejax.cli.nets import whole_net_programs
+
+    n = caffejax.NetSpec()
+    n.data = L.Input(shape=dict(dim=[2, 3]))
+    n.kept = L.InnerProduct(n.data, num_output=2, weight_filler=dict(type="constant", value=1))
+    n.side = L.InnerProduct(n.data, num_output=4, weight_filler=dict(type="constant", value=2))
+    n.silence = L.Silence(n.side, ntop=0)
+    net = caffejax.Net(str(n.to_proto()), caffejax.TEST)
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    forward, forward_backward = whole_net_programs(net)
+    args = (net.param_arrays(), {net.graph.fed["data"]: x}, jax.random.key(0))
+    for values in (forward(*args), forward_backward(*args)[2]):
+        assert len(values) == 2  # the output and the silenced blob
+        np.testing.assert_allclose(values[0], np.tile(x.sum(1, keepdims=True), 2))
+        np.testing.assert_allclose(values[1], np.tile(2 * x.sum(1, keepdims=True), 4))
+
+
 # ---- train ------------------------------------------------------------------------------------------------------
 
 def small_solver(tmp_path):

@@ -311,14 +311,17 @@ def time(args) -> int:
 
 def whole_net_programs(net):
     """``time``'s two whole-net programs, ``(params, fed values, key) -> ...``: the forward, which returns the net's
-    outputs as ``Net.forward`` does (its other blobs are not copied out), and Net::ForwardBackward, which returns
-    the loss, the gradients and those outputs."""
+    outputs as ``Net.forward`` does (its other blobs are not copied out) and the blobs silenced, and
+    Net::ForwardBackward, which returns the loss, the gradients and those values."""
     import jax
 
     from caffejax.runtime.xla_options import compiler_options
 
     graph, program = net.graph, net._program
-    outputs = [graph.blob_value[name] for name in graph.outputs]
+    # Caffe's Forward runs every layer. A blob only a Silence layer reads is no output, so it is returned too:
+    # else XLA drops the layers that make it.
+    silenced = [v for layer in graph.layers if not layer.is_input and not layer.top_values for v in layer.bottom_values]
+    outputs = list(dict.fromkeys([graph.blob_value[name] for name in graph.outputs] + silenced))
 
     def forward(p, env, k):
         values = program.run_layers(graph.layers, p, env, k, kernels=program.kernels)[0]
