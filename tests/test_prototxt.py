@@ -108,6 +108,22 @@ def test_unknown_or_truncated_escapes_are_parse_errors(written):
         load_net_param(f"name: '{written}'\nlayer {{ name: 'a' type: 'ReLU' }}\n")
 
 
+def test_errors_after_question_mark_escapes_point_into_the_source():
+    # "\\?" is read as "?", one character shorter: an error later on that line is still reported at the
+    # column of the source, with the source's text.
+    line = "layer { name: 'why\\?\\?' type: 'ReLU' bogus: 1 }"
+    with pytest.raises(ParseError) as info:
+        load_net_param(f"name: 'n\\?'\n{line}\n")
+    e = info.value
+    assert (e.line, e.column) == (2, line.index("bogus") + 1)
+    assert e.text == line
+    # an unknown escape after them is found in the source itself, on their line or a later one
+    for text, where in [("name: 'a\\?\\?\\q'\n", (1, 13)), ("name: 'a\\?'\nlayer { name: '\\?\\q' }\n", (2, 18))]:
+        with pytest.raises(ParseError, match="Invalid escape") as info:
+            load_net_param(text)
+        assert (info.value.line, info.value.column) == where
+
+
 def test_non_utf8_file(tmp_path):
     path = tmp_path / "latin1.prototxt"
     path.write_bytes(b"name: 'caf\xe9'\nlayer { name: 'a' }\n")

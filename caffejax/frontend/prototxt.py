@@ -86,7 +86,8 @@ def parse_text(text: str, msg: M, path: str | None = None) -> M:
     if len(text) > MAX_TEXT_BYTES:
         raise ParseError(f"text is larger than {MAX_TEXT_BYTES >> 20} MiB: not a prototxt caffejax will parse",
                          path=where)
-    text = _with_c_escapes(text, where)
+    source = text
+    text, question_marks = _with_c_escapes(text, where)
     target = _fork_aware(msg)
     fork_rewrites = reparsed = 0
     while True:
@@ -101,8 +102,9 @@ def parse_text(text: str, msg: M, path: str | None = None) -> M:
                 reason += f" (caffejax rewrote {fork_rewrites} fork fields and stops there: too many for a net)"
                 rewritten = None
             if rewritten is None:
-                raise ParseError(reason + _fork_hint(reason), path=where, line=line, column=column,
-                                 text=_source_line(text, line)) from None
+                raise ParseError(reason + _fork_hint(reason), path=where, line=line,
+                                 column=_source_column(question_marks, line, column),
+                                 text=_source_line(source, line)) from None
             text, fork_rewrites = rewritten, fork_rewrites + 1
             target.Clear()
         except RecursionError:
@@ -138,28 +140,42 @@ def _split_position(error: str) -> tuple[int | None, int | None, str]:
     return int(m.group(1)), int(m.group(2)), m.group(3)
 
 
-def _with_c_escapes(text: str, where: str) -> str:
+def _with_c_escapes(text: str, where: str) -> tuple[str, dict[int, list[int]]]:
     """``text`` with its strings' escapes checked as Caffe's C++ parser checks them: an unknown one is a
     ParseError at its line and column; ``\\?`` (a question mark in C++, kept as two characters by Python's
-    parser) becomes ``?``."""
+    parser) becomes ``?``. Also returns, per line, the columns of the text returned where such a ``?`` now is,
+    for :func:`_source_column`."""
+    question_marks: dict[int, list[int]] = {}
     if "\\" not in text:
-        return text
+        return text, question_marks
     pieces, copied = [], 0
+    line, line_start, counted = 1, 0, 0  # the line at offset ``counted`` and where it starts: one pass in all
     for token in _STRING_OR_COMMENT.finditer(text):
         if token.group().startswith("#") or "\\" not in token.group():
             continue
         for pair in _BACKSLASH_PAIR.finditer(token.group()):
             offset = token.start() + pair.start()
+            newlines = text.count("\n", counted, offset)
+            if newlines:
+                line, line_start = line + newlines, text.rfind("\n", counted, offset) + 1
+            counted, column = offset, offset - line_start + 1
             if pair.group(1) == "?":
                 pieces += [text[copied:offset], "?"]
                 copied = offset + 2
+                earlier = question_marks.setdefault(line, [])
+                earlier.append(column - len(earlier))  # each earlier one on the line took a character out
             elif pair.group(1) not in _C_ESCAPES:
-                line = text.count("\n", 0, offset) + 1
-                column = offset - text.rfind("\n", 0, offset)
                 raise ParseError(f"Invalid escape sequence in string literal: '{pair.group()}'. Caffe refuses it; "
                                  "in a path, write / (or \\\\) for each \\", path=where, line=line, column=column,
                                  text=_source_line(text, line))
-    return "".join(pieces) + text[copied:]
+    return "".join(pieces) + text[copied:], question_marks
+
+
+def _source_column(question_marks: dict[int, list[int]], line: int | None, column: int | None) -> int | None:
+    """A column of the parsed text as a column of the source: one more for each ``\\?`` before it."""
+    if line is None or column is None:
+        return column
+    return column + sum(1 for mark in question_marks.get(line, ()) if mark < column)
 
 
 def _source_line(text: str, line: int | None) -> str | None:
