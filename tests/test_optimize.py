@@ -94,6 +94,14 @@ def _randomize_batchnorm(net, seed=0):
             blobs[2].data[...] = 4
 
 
+@pytest.fixture(autouse=True)
+def winograd_on_small_batches(monkeypatch):
+    """The zoo's batch of 2 (and the published nets' batch of 1 below) has fewer 2x2 tiles than Winograd takes
+    by default: lower the minimum, so their 3x3 layers run (and are checked in) the Winograd kernel.
+    test_winograd_needs_enough_tiles checks the rule itself."""
+    monkeypatch.setattr(optimize, "WINOGRAD_MIN_TILES", 1)
+
+
 @pytest.fixture(scope="module")
 def zoo():
     caffejax.set_random_seed(3)
@@ -162,6 +170,18 @@ def test_every_rewrite_and_kernel_is_exercised(zoo):
     assert kernels["lrn"] == "lrn_nhwc" and kernels["cat"] == "concat_nhwc"
     assert kernels["p_bn"] == "per_channel_nhwc"
     assert "flat" not in kernels and "prob" not in kernels
+
+
+def test_winograd_needs_enough_tiles(zoo, monkeypatch):
+    """At the default minimum, 'a' (9x9 out: 25 tiles an image) and 'c' (3x3 out: 4) run Winograd only from the
+    batch that gives each product 64 rows: 3 images for 'a', 16 for 'c'."""
+    net, x, _ = zoo
+    monkeypatch.undo()  # the default minimum again (winograd_on_small_batches lowered it)
+    assert optimize.WINOGRAD_MIN_TILES == 64
+    infer = caffejax.compile_inference(net)
+    for batch, winograd in [(1, set()), (2, set()), (3, {"a"}), (15, {"a"}), (16, {"a", "c", "c5"})]:
+        plan = infer.plan({"data": (batch,) + x.shape[1:]})
+        assert {name for name, kernel in plan.kernels.items() if kernel.name == "conv_winograd_f2x2_3x3"} == winograd
 
 
 def test_fold_keeps_values_other_layers_read():

@@ -12,7 +12,8 @@ per layer (sharing resolved, BatchNorm folded) and the kernel chosen for each la
   transposes around every call), NCHW at the boundary. Layers without a channels-last kernel get their
   input transposed back and run Caffe's rule; each transpose of a value is made once.
 - ``conv_gemm``: 1x1 convolutions as one matrix product over all pixels (needs ``nhwc``).
-- ``winograd``: 3x3 stride-1 convolutions on small images as Winograd F(2x2, 3x3) (needs ``nhwc``).
+- ``winograd``: 3x3 stride-1 convolutions on small images, over at least 64 output tiles, as Winograd F(2x2, 3x3)
+  (needs ``nhwc``).
 
 Grouped and depthwise convolutions run as Caffe's rule runs them (one convolution per group; depthwise as
 shifted multiply-adds: ``vision.grouped_convolution``), in either layout.
@@ -560,16 +561,23 @@ def conv_taps(plan: Plan) -> Plan:
 # NHWC convolution for 3x3 layers on images up to 14x14 (ResNet stages 4-5, the tail of GoogLeNet) and loses
 # on bigger ones, where the direct convolution is already near its best.
 WINOGRAD_MAX_SIZE = 14
+# Each of the 16 products has one row per 2x2 output tile of the batch. With fewer rows than this they cost
+# more than they save: at batch 1 (16-49 tiles) whole forwards were slower with Winograd (paired A/B, 10-12
+# rounds: ResNet-50 +5% to +19%, GoogLeNet +12%) and compiled 1.5-3.5 s longer; from batch 2 (ResNet-50's
+# 14x14 layers: 98 tiles) they were faster (-3% to -8%).
+WINOGRAD_MIN_TILES = 64
 
 
 def _winograd_applies(conv: ConvShape) -> bool:
     g = conv.geometry
+    tiles = conv.batch * math.ceil(conv.out[0] / 2) * math.ceil(conv.out[1] / 2)
     return (g.kernel == (3, 3) and g.stride == (1, 1) and g.dilation == (1, 1) and conv.group == 1
-            and max(conv.out) <= WINOGRAD_MAX_SIZE)
+            and max(conv.out) <= WINOGRAD_MAX_SIZE and tiles >= WINOGRAD_MIN_TILES)
 
 
 def winograd(plan: Plan) -> Plan:
-    """3x3 stride-1 convolutions on small images as Winograd F(2x2, 3x3): 2.25x fewer multiplications."""
+    """3x3 stride-1 convolutions on small images, over enough tiles, as Winograd F(2x2, 3x3): 2.25x fewer
+    multiplications."""
     return _replace_conv_kernels(plan, lambda conv: _winograd_conv_kernel(conv) if _winograd_applies(conv) else None)
 
 
