@@ -180,6 +180,16 @@ def test_ceil_mode_on_several_lines_and_layers():
     assert [layer.pooling_param.HasField("round_mode") for layer in net.layer] == [True, True, False]
 
 
+def test_errors_after_a_ceil_mode_over_two_lines_name_the_source_line():
+    # The rewrite keeps the line break between "ceil_mode:" and its value, so the line numbers still count the
+    # source's lines.
+    text = ("layer { name: 'b' type: 'Pooling' pooling_param {\n  ceil_mode:\n    true\n  kernel_size: 3 } }\n"
+            "layer { name: 'c' type: 'Pooling' bogus: 1 }\n")
+    with pytest.raises(ParseError, match="bogus") as info:
+        load_net_param(text)
+    assert info.value.line == 5 and info.value.text == "layer { name: 'c' type: 'Pooling' bogus: 1 }"
+
+
 def test_ceil_mode_together_with_round_mode_is_an_error():
     with pytest.raises(ParseError, match="round_mode"):
         pooling("ceil_mode: false round_mode: CEIL")

@@ -206,7 +206,8 @@ def _rewrite_fork_field(text: str, line: int, column: int, reason: str) -> str |
     replacement = rewrite(fm.group(1))
     if replacement is None:
         return None
-    return text[:offset] + replacement + text[fm.end():]
+    # The line breaks of "field:\n value" are kept, so later errors still name the source's lines.
+    return text[:offset] + replacement + "\n" * text.count("\n", offset, fm.end()) + text[fm.end():]
 
 
 # ---- layer parameters of Caffe forks ------------------------------------------------------------------------
