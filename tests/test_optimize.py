@@ -148,7 +148,7 @@ def test_grouped_convolution_is_xla_grouped_convolution(group, channels_last):
 
 
 @pytest.mark.parametrize("passes", [("fold_batchnorm",), ("nhwc",), ("nhwc", "conv_gemm"), ("nhwc", "winograd"),
-                                    optimize.DEFAULT_PASSES])
+                                    optimize.DEFAULT_PASSES, tuple(optimize.PASSES)])
 def test_pass_keeps_outputs(zoo, passes):
     net, x, reference = zoo
     infer = caffejax.compile_inference(net, passes=passes)
@@ -157,7 +157,7 @@ def test_pass_keeps_outputs(zoo, passes):
 
 def test_every_rewrite_and_kernel_is_exercised(zoo):
     net, x, _ = zoo
-    plan = caffejax.compile_inference(net).plan({"data": x.shape})
+    plan = caffejax.compile_inference(net, passes=tuple(optimize.PASSES)).plan({"data": x.shape})
     types = [layer.type for layer in plan.graph.layers]
     assert "BatchNorm" not in types                       # all four folded away
     assert types.count("Scale") == 1                      # the one after the pooling, BN + Scale as one
@@ -170,6 +170,15 @@ def test_every_rewrite_and_kernel_is_exercised(zoo):
     assert kernels["lrn"] == "lrn_nhwc" and kernels["cat"] == "concat_nhwc"
     assert kernels["p_bn"] == "per_channel_nhwc"
     assert "flat" not in kernels and "prob" not in kernels
+
+
+def test_default_passes_leave_1x1_convolutions_to_xla(zoo):
+    """conv_gemm is named, not a default: by default a 1x1 convolution is the direct NHWC convolution, which
+    XLA turns into a dot itself (see optimize.DEFAULT_PASSES)."""
+    net, x, _ = zoo
+    assert "conv_gemm" in optimize.PASSES and "conv_gemm" not in optimize.DEFAULT_PASSES
+    kernels = caffejax.compile_inference(net).plan({"data": x.shape}).kernels
+    assert kernels["b"].name == kernels["e"].name == "conv_nhwc"
 
 
 def test_winograd_needs_enough_tiles(zoo, monkeypatch):

@@ -183,7 +183,8 @@ def compile_inference(net, *, passes: Sequence[str] = DEFAULT_PASSES, dtype=jnp.
                       devices=None) -> InferenceFunction:
     """The net's forward to its outputs, optimised for inference (see :mod:`caffejax.lower.optimize`).
 
-    ``passes``: the optimisation passes to run (default: all; ``()`` runs Caffe's rules unchanged).
+    ``passes``: the optimisation passes to run (default: :data:`~caffejax.lower.optimize.DEFAULT_PASSES`, all
+    but ``conv_gemm``; ``()`` runs Caffe's rules unchanged).
     ``dtype``: the storage and compute dtype of weights and activations; ``jnp.bfloat16`` halves the memory
     traffic, products still summed in float32. Outputs are float32 either way.
     ``devices``: a number (the first N of ``jax.devices()``) or a list of devices to split each batch over,
