@@ -342,10 +342,15 @@ def _combine(terms: Sequence[jax.Array], coefficients: np.ndarray) -> jax.Array:
     return total
 
 
+def _winograd_tiles(conv: ConvShape) -> tuple[int, int]:
+    """The 2x2 output tiles along the height and the width of one image (the last ones cropped)."""
+    return -(-conv.out[0] // 2), -(-conv.out[1] // 2)
+
+
 def _winograd_conv_kernel(conv: ConvShape) -> Kernel:
     (pad_h, _), (pad_w, _) = conv.padding
     oh, ow = conv.out
-    th, tw = -(-oh // 2), -(-ow // 2)
+    th, tw = _winograd_tiles(conv)
 
     def forward(ctx, bottoms, params):
         (x,) = bottoms
@@ -571,7 +576,7 @@ WINOGRAD_MIN_TILES = 64
 
 def _winograd_applies(conv: ConvShape) -> bool:
     g = conv.geometry
-    tiles = conv.batch * math.ceil(conv.out[0] / 2) * math.ceil(conv.out[1] / 2)
+    tiles = conv.batch * math.prod(_winograd_tiles(conv))
     return (g.kernel == (3, 3) and g.stride == (1, 1) and g.dilation == (1, 1) and conv.group == 1
             and max(conv.out) <= WINOGRAD_MAX_SIZE and tiles >= WINOGRAD_MIN_TILES)
 
