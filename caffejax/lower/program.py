@@ -94,10 +94,11 @@ class NetProgram:
                                key=None if key is None else jax.random.fold_in(key, index),
                                num_tops=len(layer.tops), in_place=tuple(layer.in_place), dtype=dtype,
                                state=state)
-            if kernel is not None:
-                tops = list(kernel.forward(ctx, bottoms, kernel.prepare(blobs)))
-            else:
-                tops = list(rule.forward(ctx, bottoms, blobs))
+            with jax.named_scope(layer.name):  # profiles and XLA dumps name the layer each op comes from
+                if kernel is not None:
+                    tops = list(kernel.forward(ctx, bottoms, kernel.prepare(blobs)))
+                else:
+                    tops = list(rule.forward(ctx, bottoms, blobs))
             if tracked:
                 tracked.produced(layer.top_values, tops, layout)
             for i, value in ctx.state_updates.items():

@@ -406,9 +406,9 @@ def _assert_same_forward_and_gradients_in_float64(ours, xla, x, w, dy):
 ])
 def test_depthwise_gradients_summed_by_chunks_are_the_whole_batch_gradients(monkeypatch, channels_last, batch,
                                                                              kernel, stride, pad, dilation):
-    """The depthwise filter gradient, summed over 2-image chunks on the CPU (whatever the core count here),
-    equals XLA's own grouped-convolution gradient in float64; so do the forward and the input gradient (a
-    correlation of dy, spread by the stride, with the flipped filters)."""
+    """The depthwise filter gradient, summed over 2-image chunks on the CPU (whatever the core count here), or
+    channels-last by blocks of rows, equals XLA's own grouped-convolution gradient in float64; so do the
+    forward and the input gradient (a correlation of dy, spread by the stride, with the flipped filters)."""
     from caffejax.lower import vision
 
     monkeypatch.setattr(vision, "_depthwise_chunk", lambda: 2)
@@ -439,6 +439,39 @@ def test_depthwise_gradients_summed_by_chunks_are_the_whole_batch_gradients(monk
         assert "stablehlo.while" not in jax.jit(ours).lower(x, w).as_text()
         backward = jax.jit(lambda x, w, dy: jax.vjp(ours, x, w)[1](dy)[1]).lower(x, w, dy).as_text()
         assert backward.count("stablehlo.while") == 1  # the filter gradient's
+
+
+@pytest.mark.parametrize("products", [9, 36, 54, 252])
+@pytest.mark.parametrize("batch,spatial,kernel,stride,pad,dilation", [
+    (3, (9, 8), (3, 3), (1, 1), (1, 1), (1, 1)),
+    (2, (13, 7), (3, 3), (1, 1), (1, 0), (1, 1)),   # 13 output rows: a prime, the last block filled with zeros
+    (4, (11, 9), (3, 2), (2, 1), (0, 1), (2, 1)),
+    (1, (16, 5), (5, 5), (3, 1), (2, 2), (1, 1)),
+])
+def test_depthwise_filter_gradient_by_rows_every_block_shape(monkeypatch, products, batch, spatial, kernel, stride,
+                                                            pad, dilation):
+    """The channels-last filter gradient summed by blocks of rows, with blocks of several images, of some rows of
+    one image, and of a row count that does not divide the image (zero rows fill the last block), equals XLA's
+    grouped-convolution gradient in float64."""
+    from caffejax.lower import vision
+
+    monkeypatch.setattr(vision, "_DEPTHWISE_BLOCK_PRODUCTS", products)
+    rng = np.random.default_rng(12)
+    channels = 5
+    g = vision.ConvGeometry(channel_axis=3, kernel=kernel, stride=stride, pad=pad, dilation=dilation)
+    out = tuple((n + 2 * p - (d * (k - 1) + 1)) // s + 1 for n, k, s, p, d in zip(spatial, kernel, stride, pad,
+                                                                                    dilation))
+    padding = tuple((p, p) for p in pad)
+    x = rng.normal(size=(batch,) + spatial + (channels,))
+    dy = rng.normal(size=(batch,) + out + (channels,))
+    with jax.enable_x64(True):
+        got = vision._depthwise_filter_gradient_by_rows(jnp.asarray(x), jnp.asarray(dy), g, padding, out,
+                                                        jnp.float64)
+        want = jax.vjp(lambda w: jax.lax.conv_general_dilated(
+            x, w, stride, padding, rhs_dilation=dilation, feature_group_count=channels,
+            dimension_numbers=("NHWC", "HWIO", "NHWC"), precision=jax.lax.Precision.HIGHEST),
+            jnp.zeros(kernel + (1, channels)))[1](dy)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
 
 
 def test_convolution_channel_axis_and_several_bottoms():
