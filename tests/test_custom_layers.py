@@ -253,6 +253,14 @@ class Scale(caffejax.Layer):
         bottom[0].diff[...] = top[0].diff * self.factor
 
 
+class Counts(Scale):
+    calls = 0
+
+    def forward(self, bottom, top):
+        Counts.calls += 1
+        super().forward(bottom, top)
+
+
 class Grows(Scale):
     def forward(self, bottom, top):
         top[0].reshape(7)
@@ -301,6 +309,20 @@ def test_allowed_python_layers_run_forward_and_backward(layers_module):
     net.backward()
     np.testing.assert_allclose(net.blobs["a"].diff, (2.5 * a - b) / 2 * 2.5)
     np.testing.assert_allclose(net.blobs["b"].diff, -(2.5 * a - b) / 2)
+
+
+def test_a_forward_over_a_python_layer_runs_it_once(layers_module):
+    """A Python layer may keep state between calls (a Python data layer serves the next batch): a pass over one hands
+    back every blob, where others recompute the blobs they did not hand back when read."""
+    text = (_input(2, 3, name="a") + _python_layer("count", "Counts", ["a"], "counted")
+            + 'layer { name: "relu" type: "ReLU" bottom: "counted" top: "out" }\n')
+    net = caffejax.Net(text, caffejax.TEST, allow_python_layers=True)
+    counts = sys.modules["caffejax_test_pylayers"].Counts
+    start = counts.calls
+    net.forward(a=np.full((2, 3), -1.0, np.float32))
+    np.testing.assert_allclose(net.blobs["counted"].data, -2.5)
+    np.testing.assert_allclose(net.blobs["out"].data, 0.0)
+    assert counts.calls - start == 1
 
 
 def test_python_layer_failures_name_the_layer(layers_module):

@@ -392,10 +392,7 @@ class Net:
         self._sync_shapes()
         layers = self._program.layers_between(start, end)
         program = self._program
-        consumed = {v for layer in layers for v in layer.bottom_values}
-        returned = sorted({v for layer in layers if not layer.is_input for v in layer.top_values
-                           if v not in consumed} | set(program.loss_weighted_values(layers))
-                          | {v for layer in layers for v in layer.state_out})
+        returned = sorted(self._returned_values(layers))
 
         def outputs_only(params, env, key):
             values, updates = program.run_layers(layers, params, env, key, kernels=program.kernels)
@@ -414,26 +411,49 @@ class Net:
         for layer in layers:
             if not layer.is_input:
                 final.update((top, value) for top, value in zip(layer.tops, layer.top_values) if top in self.blobs)
-        deferred = {top: value for top, value in final.items() if value not in values}
         for top, value in final.items():
             if value in values:
                 self.blobs[top]._data.set(values[value])
-        if deferred:
-            all_values = self._jitted("forward-all", start, end, self._with_concrete(
-                lambda params, env, key: program.run_layers(layers, params, env, key, kernels=program.kernels)[0]))
-
-            def materialize():
-                computed = all_values(params, env, key)
-                for top, value in deferred.items():
-                    if self.blobs[top]._data._pending is materialize:
-                        self.blobs[top]._data.set(computed[value])
-
-            for top in deferred:
-                self.blobs[top]._data.defer(materialize)
+        self._defer_blobs(start, end, {top: value for top, value in final.items() if value not in values},
+                          params, env, key)
         for owner, changed in updates.items():
             for i, value in changed.items():
                 self._param_blobs[(owner, i)]._data.set(value)
         return float(loss)
+
+    def _returned_values(self, layers) -> set[str]:
+        """The values a compiled pass over ``layers`` hands back: the outputs (values no layer there reads), the
+        loss-weighted values and the carried state. The other blobs are recomputed when read
+        (:meth:`_defer_blobs`), except over a Python layer, which may keep state between calls (a Python data
+        layer serves the next batch): such a pass is not run twice, and hands back every value."""
+        tops = {v for layer in layers if not layer.is_input for v in layer.top_values}
+        state = {v for layer in layers for v in layer.state_out}
+        if any(layer.type == "Python" for layer in layers):
+            return tops | state
+        consumed = {v for layer in layers for v in layer.bottom_values}
+        return {v for v in tops if v not in consumed} | set(self._program.loss_weighted_values(layers)) | state
+
+    def _defer_blobs(self, start: int, end: int, deferred: Mapping[str, str], params, env, key,
+                     fold: int | None = None) -> None:
+        """Blobs (name -> value id) a pass over layers start..end computed without returning them: on the first
+        read of any of them, the pass runs again over the same params, inputs and key (with ``fold`` folded in,
+        as a training step's pass has it; the same kernels, so the same Dropout masks), and sets them all.
+        Returning every blob makes a program write each one out."""
+        if not deferred:
+            return
+        program = self._program
+        layers = program.layers_between(start, end)
+        all_values = self._jitted("forward-all", start, end, self._with_concrete(
+            lambda params, env, key: program.run_layers(layers, params, env, key, kernels=program.kernels)[0]))
+
+        def materialize():
+            computed = all_values(params, env, key if fold is None else jax.random.fold_in(key, fold))
+            for top, value in deferred.items():
+                if self.blobs[top]._data._pending is materialize:
+                    self.blobs[top]._data.set(computed[value])
+
+        for top in deferred:
+            self.blobs[top]._data.defer(materialize)
 
     def forward(self, blobs: Iterable[str] | None = None, start: str | None = None, end: str | None = None,
                 **kwargs) -> dict[str, np.ndarray]:
