@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 
+import jax
 import numpy as np
 import pytest
 
@@ -380,3 +381,25 @@ def test_blobs_after_a_step_hold_its_forward(monkeypatch):
         for name in ("conv", "ip"):
             np.testing.assert_allclose(lazy.net.params[name][0].data, every.net.params[name][0].data, rtol=1e-5,
                                        atol=1e-6)
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_the_gradient_norm_is_computed_only_to_clip(clip):
+    """Only gradient clipping reads the diffs' L2 norm: without it the update does not sum their squares (a fifth
+    of LeNet's iteration at batch 1)."""
+    param = caffe_pb2.SolverParameter(type="SGD", base_lr=0.5, lr_policy="fixed", max_iter=5)
+    if clip is not None:
+        param.clip_gradients = clip
+    param.net_param.CopyFrom(parse_net_text(DROPOUT_NET))
+    solver = caffejax.SGDSolver(param)
+    params = solver.net.param_arrays()
+    diffs = [3 * np.ones(solver.net.params[l.layer][l.index].shape, np.float32) for l in solver._learnables]
+    scalars = solver.step_scalars(0.5)
+    jaxpr = str(jax.make_jaxpr(solver._apply_update)(params, diffs, solver._history, scalars))
+    norm = solver._apply_update(params, diffs, solver._history, scalars)[3]
+    if clip is None:
+        assert "sqrt" not in jaxpr
+        assert float(norm) == 0
+    else:
+        assert "sqrt" in jaxpr
+        np.testing.assert_allclose(float(norm), 3 * np.sqrt(sum(d.size for d in diffs)), rtol=1e-6)

@@ -278,11 +278,13 @@ class Solver:
         """ClipGradients, then per learnable blob Normalize, Regularize, ComputeUpdateValue and Update.
 
         ``diffs`` are the accumulated param diffs in learnable order. Returns (new params, new history,
-        update values, the diffs' L2 norm before clipping).
+        update values, the diffs' L2 norm before clipping). Only clipping reads the norm: without it the norm is
+        0, not summed (its squares cost LeNet's iteration at batch 1 a fifth of its time: 5.7 -> 4.5 ms).
         """
         p = self.param
-        norm = jnp.sqrt(sum((jnp.sum(d * d) for d in diffs), jnp.zeros((), jnp.float32)))
+        norm = jnp.zeros((), jnp.float32)
         if p.clip_gradients >= 0:
+            norm = jnp.sqrt(sum((jnp.sum(d * d) for d in diffs), norm))
             clip = np.float32(p.clip_gradients)
             scale = jnp.where(norm > clip, clip / norm, np.float32(1))
             diffs = [d * scale for d in diffs]
