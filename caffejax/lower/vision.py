@@ -428,7 +428,7 @@ def _depthwise_filter_gradient_by_rows(x, dy, g: ConvGeometry, padding, out: Sha
     block's rows staying cached while every offset uses them. Measured alone at batch 16 (2 AVX2 cores)
     against two images at a time of XLA's form: 112x112x32 28 -> 14 ms, 56x56x144 25 -> 11 ms, 28x28x192
     6.3 -> 4.4 ms, 7x7x960 5.1 -> 2.6 ms; stride 2, 112x112x96 23 -> 18 ms and 56x56x144 6.2 -> 7.0 ms."""
-    (kh, kw), (sh, sw), (dh, dw) = g.kernel, g.stride, g.dilation
+    (kh, kw), (sh, sw), (dil_h, dil_w) = g.kernel, g.stride, g.dilation
     xpad = _pad(x, 1, padding, 0)
     n, (oh, ow), channels = x.shape[0], out, x.shape[-1]
     terms = max(1, _DEPTHWISE_BLOCK_PRODUCTS // (kh * kw))
@@ -438,12 +438,12 @@ def _depthwise_filter_gradient_by_rows(x, dy, g: ConvGeometry, padding, out: Sha
             rows = terms
             extra = -oh % rows
             dy = _pad(dy, 1, [(0, extra), (0, 0)], 0)
-            need = (oh + extra - 1) * sh + (kh - 1) * dh + 1
+            need = (oh + extra - 1) * sh + (kh - 1) * dil_h + 1
             xpad = _pad(xpad, 1, [(0, max(0, need - xpad.shape[1])), (0, 0)], 0)
     else:
         images, rows = _divisor_at_most(n, terms // oh), oh
     row_blocks = dy.shape[1] // rows
-    span = (rows - 1) * sh + (kh - 1) * dh + 1
+    span = (rows - 1) * sh + (kh - 1) * dil_h + 1
 
     def block(i, total):
         b, r0 = (i // row_blocks) * images, (i % row_blocks) * rows
@@ -451,8 +451,8 @@ def _depthwise_filter_gradient_by_rows(x, dy, g: ConvGeometry, padding, out: Sha
         ds = lax.dynamic_slice(dy, (b, r0, 0, 0), (images, rows, ow, channels)).astype(dtype)
         sums = []
         for ki, kj in itertools.product(range(kh), range(kw)):
-            products = [lax.slice(xs[m, r * sh + ki * dh], (kj * dw, 0), (kj * dw + (ow - 1) * sw + 1, channels),
-                                  (sw, 1)) * ds[m, r]
+            products = [lax.slice(xs[m, r * sh + ki * dil_h], (kj * dil_w, 0),
+                                  (kj * dil_w + (ow - 1) * sw + 1, channels), (sw, 1)) * ds[m, r]
                         for m in range(images) for r in range(rows)]
             sums.append(functools.reduce(jnp.add, products))
         return total + jnp.stack(sums)
@@ -464,7 +464,8 @@ def _depthwise_filter_gradient_by_rows(x, dy, g: ConvGeometry, padding, out: Sha
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
 def _depthwise(x, w, g: ConvGeometry, padding, out: Shape, channels_last: bool, accumulate=None) -> jax.Array:
-    """:func:`_depthwise_taps`, whose filter gradient is summed a few images at a time on the CPU."""
+    """:func:`_depthwise_taps`, whose filter gradient is summed by blocks of rows (channels-last) or a few images
+    at a time on the CPU."""
     return _depthwise_taps(x, w, g, padding, out, channels_last, accumulate)
 
 
@@ -504,12 +505,12 @@ def _depthwise_bwd(g, padding, out, channels_last, accumulate, residuals, dy):
     spatial = x.shape[first:first + len(g.kernel)]
     dx = _depthwise_input_gradient(dy, w, g, padding, spatial, channels_last, accumulate).astype(x.dtype)
     total_dtype = jnp.promote_types(w.dtype, jnp.float32)
+    if jax.default_backend() == "cpu" and channels_last and len(g.kernel) == 2:
+        return dx, _depthwise_filter_gradient_by_rows(x, dy, g, padding, out, total_dtype).astype(w.dtype)
 
     def filter_gradient(x, dy):
         return jax.vjp(lambda w: forward(x, w), w)[1](dy)[0].astype(total_dtype)
 
-    if jax.default_backend() == "cpu" and channels_last and len(g.kernel) == 2:
-        return dx, _depthwise_filter_gradient_by_rows(x, dy, g, padding, out, total_dtype).astype(w.dtype)
     chunk, batch = _depthwise_chunk(), x.shape[0]
     if jax.default_backend() != "cpu" or batch <= chunk:
         return dx, filter_gradient(x, dy).astype(w.dtype)
