@@ -327,8 +327,7 @@ def print_table(report: dict) -> None:
     print(f"\nmedian ms; ratios < 1 mean caffejax is faster. In-run GEMM (OpenBLAS 2048^2): {gemm:.0f} GFLOP/s")
     header = ("net", "batch", "fwd ms", "OpenCV ms", "cj/OCV", "GFLOP/s", "%GEMM", "bf16 ms", "bf16 x", "top1",
               "train ms", "train/Caffe", "train/Caffe@here", "train %GEMM", "floor/Caffe", "Solver ms", "cold s",
-              "warm s",
-              "start-up s", "read GB/s", "copy_from GB/s", "RSS MB")
+              "warm s", "start-up s", "read GB/s", "copy_from GB/s", "RSS MB")
     rows = [header]
     misses = []
     for name, result in report["nets"].items():
@@ -363,7 +362,8 @@ def print_table(report: dict) -> None:
                          _fmt(100 * b["gflops"] / gemm, ".0f"), _fmt(bf16.get("median_ms"), ".1f"), _fmt(speedup),
                          _fmt(top1, ".3f"), _fmt(train, ".1f"), _fmt(train_ratio), _fmt(train_here),
                          _fmt(100 * train_gflops / gemm if train_gflops else None, ".0f"), _fmt(floor_ratio),
-                         _fmt(b.get("solver", {}).get("median_ms"), ".1f"), _fmt(cold, ".1f"), _fmt(warm, ".2f"), _fmt(startup, ".2f"),
+                         _fmt(b.get("solver", {}).get("median_ms"), ".1f"), _fmt(cold, ".1f"), _fmt(warm, ".2f"),
+                         _fmt(startup, ".2f"),
                          _fmt(load, ".2f"), _fmt(copy, ".2f"), _fmt(rss, ".0f")))
             limit = TARGET_FWD_RATIO.get(batch)
             if ratio is not None and limit is not None and ratio > limit:

@@ -391,11 +391,12 @@ class Solver:
         self._write_back(params, updates)
         for name, value in blobs.items():
             net.blobs[name]._data.set(value)
-        if self._parallel is None and self.param.iter_size == 1:  # the pass's key: train_step folds in 0
-            produced = {blob: value for blob, value in graph.blob_value.items()
-                        if blob not in blobs and value not in fed and value not in pulled}
-            net._defer_blobs(0, len(graph.layers) - 1, produced, before,
-                             {**fed, **{v: a[0] for v, a in pulled.items()}}, key, fold=0)
+        # Blobs the program did not hand back (_returned_blobs: only ever with one pass an iteration, whose key
+        # train_step folds 0 into) are recomputed when read.
+        unreturned = {blob: value for blob, value in graph.blob_value.items()
+                      if blob not in blobs and value not in fed and value not in pulled}
+        net._defer_blobs(0, len(graph.layers) - 1, unreturned, before,
+                         {**fed, **{v: a[0] for v, a in pulled.items()}}, key, fold=0)
         net._state.update(state)
         return loss, norm
 
