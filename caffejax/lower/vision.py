@@ -740,42 +740,62 @@ def _row_major_scan_fwd(x, g, first_axis):
 def _row_major_scan_bwd(g, first_axis, winner, cotangents):
     """Each output's gradient to its winner, added in Caffe's order (outputs row-major, from zero).
 
-    Padded-input cell j = m*s + r (residue r < s per axis) is reached by kernel offsets t = r + s*q only, from
-    output o = m - q. So each residue class of cells is a sum of at most ceil(k/s) masked views per axis of the
-    winners and gradients themselves, and the classes interleave into the padded input's gradient. Spreading
-    the gradients out by the stride instead (k*k masked views of arrays s*s times bigger) cost 1.5-1.6x more
-    at 3x3/2 (batch 16, with the ReLU before the pool: 14.2 -> 8.1 ms on SqueezeNet's 113x113x64, 9.2 -> 6.0
-    ms on 56x56x128, 4.9 -> 3.0 ms on AlexNet's 55x55x96), and its views' sums rounded differently from
-    Caffe's where one cell won several windows; for stride 1 the two are the same views."""
+    Padded-input cell j = m*s + r (r < s per axis) is reached only from output o = m - q, through kernel
+    offset t = r + s*q. So the gradient, as cells (m, r), is a sum over the ceil(k/s) shifts q per axis of one
+    view of the winners and one of the top diffs at m - q, each broadcast over r and kept where the winner
+    is offset t(r, q). Spreading the diffs out by the stride instead (k*k views of arrays s*s times bigger)
+    cost 1.5-1.6x more at 3x3/2 (batch 16, with the ReLU before the pool: 14.2 -> 8.1 ms on SqueezeNet's
+    113x113x64, 9.2 -> 6.0 ms on 56x56x128, 4.9 -> 3.0 ms on AlexNet's 55x55x96), and its views' sums rounded
+    differently from Caffe's where one cell won several windows; for stride 1 the two are the same views.
+    The residues stay an axis of one array (not classes stacked together), and the padded views are computed
+    once. Windows that do not overlap need no padding, and there XLA:CPU fuses what makes the diffs into every
+    one of the s*s reads of them (LeNet's 2x2/2 pool re-summed its 25-view input gradient 4 times: a training
+    step 1.6x slower), so those spread the diffs out (:func:`_spread_to_winners`)."""
     dtop = cotangents[0]
+    if all(k <= s for k, s in zip(g.kernel, g.stride)):
+        return (_spread_to_winners(g, first_axis, winner, dtop),)
     lead, trailing = dtop.shape[:first_axis], dtop.shape[first_axis + 2:]
     reach = [-(-k // s) for k, s in zip(g.kernel, g.stride)]   # outputs whose windows hold one cell, per axis
-    cells = [o + q - 1 for o, q in zip(g.out, reach)]           # cells of one residue class, per axis
+    cells = [o + q - 1 for o, q in zip(g.out, reach)]           # values of m per axis
     pads = [(q - 1, q - 1) for q in reach]
     won, gradient = _pad(winner, first_axis, pads, -1), _pad(dtop, first_axis, pads, 0)
+    (sh, sw), (kh, kw) = g.stride, g.kernel
+    ones_lead, ones_trailing = (1,) * first_axis, (1,) * len(trailing)
 
-    def view(a, q):  # a's output m - q at cell m of a class (the fill where that output does not exist)
+    def view(a, q):  # lead, m_h, 1, m_w, 1, trailing: a's output m - q (the fill where there is none)
         start = [0] * first_axis + [r - 1 - qi for r, qi in zip(reach, q)] + [0] * len(trailing)
         limit = list(lead) + [b + m for b, m in zip(start[first_axis:], cells)] + list(trailing)
-        return lax.slice(a, start, limit)
+        return lax.slice(a, start, limit).reshape(lead + (cells[0], 1, cells[1], 1) + trailing)
 
-    classes = []
-    for residue in itertools.product(*(range(s) for s in g.stride)):
-        dx = jnp.zeros(lead + tuple(cells) + trailing, dtop.dtype)
-        # q descending: the earlier output first, as Caffe's loop over outputs adds them.
-        for q in itertools.product(*(reversed(range(n)) for n in reach)):
-            offset = [r + s * qi for r, s, qi in zip(residue, g.stride, q)]
-            if all(t < k for t, k in zip(offset, g.kernel)):
-                t = offset[0] * g.kernel[1] + offset[1]
-                dx = dx + jnp.where(view(won, q) == t, view(gradient, q), 0)
-        classes.append(dx)
-    # (residue_h, residue_w) row-major -> lead, cells_h, s_h, cells_w, s_w, trailing -> the padded input's cells
-    sh, sw = g.stride
-    rows = [jnp.stack(classes[i * sw:(i + 1) * sw], axis=first_axis + 2) for i in range(sh)]
-    dxpad = jnp.stack(rows, axis=first_axis + 1).reshape(lead + (cells[0] * sh, cells[1] * sw) + trailing)
+    dx = jnp.zeros(lead + (cells[0], sh, cells[1], sw) + trailing, dtop.dtype)
+    for q in itertools.product(*(reversed(range(n)) for n in reach)):  # the earlier output first, as Caffe
+        th, tw = np.arange(sh)[:, None] + sh * q[0], np.arange(sw)[None, :] + sw * q[1]
+        offset = np.where((th < kh) & (tw < kw), th * kw + tw, -2).astype(winner.dtype)  # -2: no such offset
+        offset = offset.reshape(ones_lead + (1, sh, 1, sw) + ones_trailing)
+        dx = dx + jnp.where(view(won, q) == offset, view(gradient, q), 0)
+    dxpad = dx.reshape(lead + (cells[0] * sh, cells[1] * sw) + trailing)
     extent = [(o - 1) * s + k for o, s, k in zip(g.out, g.stride, g.kernel)]
     dxpad = lax.slice(dxpad, [0] * dxpad.ndim, list(lead) + extent + list(trailing))
     return (_pad(dxpad, first_axis, [(-lo, -hi) for lo, hi in g.padding()], 0),)
+
+
+
+def _spread_to_winners(g: PoolGeometry, first_axis: int, winner: jax.Array, dtop: jax.Array) -> jax.Array:
+    """The max-pool input gradient through the winners and diffs spread out by the stride (-1 and 0 between
+    them) and padded by k-1: offset t reads one plain view of each, and the k*k masked views add up to the
+    gradient of the padded input. Used for windows that do not overlap, where each cell takes at most one
+    diff (so no order of sums to keep) and the spread arrays are computed once."""
+    pads, interior = [(k - 1, k - 1) for k in g.kernel], [s - 1 for s in g.stride]
+    extent = tuple((o - 1) * s + k for o, s, k in zip(g.out, g.stride, g.kernel))  # the padded input's
+
+    def views(a, fill):  # offset t reads a's cell o where o*stride + t = j: _taps' views, last offset first
+        return _taps(_pad(a, first_axis, pads, fill, interior), first_axis, g.kernel, (1, 1), (1, 1), extent)[::-1]
+
+    dxpad = None
+    for t, (won, gradient) in enumerate(zip(views(winner, -1), views(dtop, 0))):
+        term = jnp.where(won == t, gradient, 0)
+        dxpad = term if dxpad is None else dxpad + term
+    return _pad(dxpad, first_axis, [(-lo, -hi) for lo, hi in g.padding()], 0)
 
 
 _row_major_scan.defvjp(_row_major_scan_fwd, _row_major_scan_bwd)
