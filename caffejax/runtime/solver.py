@@ -326,7 +326,11 @@ class Solver:
 
                 return counted
 
+            # The history is the solver's alone: the step writes the new one over it (AlexNet's iteration at
+            # batch 1 peaked at 2.8 GB RSS instead of 3.3). The weights are not given up: the blobs the step
+            # deferred are recomputed from them when read.
             fn = self._programs[cache_key] = (jax.jit(counted_step(net._program, returned=self._returned_blobs()),
+                                                      donate_argnums=1,
                                                       compiler_options=compiler_options(net.graph, backward=True))
                                               if self._parallel is None
                                               else self._parallel.train_step(net, counted_step))
