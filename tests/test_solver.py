@@ -407,8 +407,7 @@ def test_the_gradient_norm_is_computed_only_to_clip(clip):
 
 def test_a_step_writes_the_new_history_over_the_old():
     """The momentum history is the solver's alone, so the iteration's program is given its buffers to write the
-    next history into (AlexNet's iteration at batch 1: 3.3 -> 2.8 GB peak RSS); snapshots still read it, and a
-    restored history is given up the same way."""
+    next history into (AlexNet's iteration at batch 1: 3.3 -> 2.8 GB peak RSS)."""
     param = caffe_pb2.SolverParameter(type="SGD", base_lr=0.5, momentum=0.9, lr_policy="fixed", max_iter=5,
                                       random_seed=3)
     param.net_param.CopyFrom(parse_net_text(DROPOUT_NET))
