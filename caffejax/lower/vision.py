@@ -599,10 +599,14 @@ class PoolGeometry:
     size: tuple[int, int]
     out: tuple[int, int]
 
+    @property
+    def padded_size(self) -> tuple[int, ...]:
+        """The padded input's size per axis: exactly the ``out`` windows."""
+        return tuple((o - 1) * s + k for o, s, k in zip(self.out, self.stride, self.kernel))
+
     def padding(self) -> list[tuple[int, int]]:
         """(low, high) per axis so the padded input holds exactly the ``out`` windows (high may crop)."""
-        return [(p, (o - 1) * s + k - n - p)
-                for p, o, s, k, n in zip(self.pad, self.out, self.stride, self.kernel, self.size)]
+        return [(p, e - n - p) for p, e, n in zip(self.pad, self.padded_size, self.size)]
 
 
 def _pool_geometry(layer_param, method: int, kernel, stride, pad, size, round_mode: int,
@@ -738,7 +742,20 @@ def _row_major_scan_fwd(x, g, first_axis):
 
 
 def _row_major_scan_bwd(g, first_axis, winner, cotangents):
-    """Each output's gradient to its winner, added in Caffe's order (outputs row-major, from zero).
+    """Each output's gradient to its winner, added in Caffe's order (outputs row-major, from zero): the
+    gradient of the padded input (:func:`_residues_to_winners`, or :func:`_spread_to_winners` for windows
+    that do not overlap), its padding cropped off.
+
+    JAX's own transpose of the window views (k*k padded arrays, summed) ran as one loop testing every offset's
+    interior padding per element: about 10% of AlexNet's and GoogLeNet's training steps at batch 16."""
+    dtop = cotangents[0]
+    overlap = any(k > s for k, s in zip(g.kernel, g.stride))
+    dxpad = (_residues_to_winners if overlap else _spread_to_winners)(g, first_axis, winner, dtop)
+    return (_pad(dxpad, first_axis, [(-lo, -hi) for lo, hi in g.padding()], 0),)
+
+
+def _residues_to_winners(g: PoolGeometry, first_axis: int, winner: jax.Array, dtop: jax.Array) -> jax.Array:
+    """The padded input's gradient by residues of the stride.
 
     Padded-input cell j = m*s + r (r < s per axis) is reached only from output o = m - q, through kernel
     offset t = r + s*q. So the gradient, as cells (m, r), is a sum over the ceil(k/s) shifts q per axis of one
@@ -750,12 +767,7 @@ def _row_major_scan_bwd(g, first_axis, winner, cotangents):
     The residues stay an axis of one array (not classes stacked together), and the padded views are computed
     once. Windows that do not overlap need no padding, and there XLA:CPU fuses what makes the diffs into every
     one of the s*s reads of them (LeNet's 2x2/2 pool re-summed its 25-view input gradient 4 times: a training
-    step 1.6x slower), so those spread the diffs out (:func:`_spread_to_winners`). JAX's own transpose of the
-    window views (k*k padded arrays, summed) ran as one loop testing every offset's interior padding per
-    element: about 10% of AlexNet's and GoogLeNet's training steps at batch 16."""
-    dtop = cotangents[0]
-    if all(k <= s for k, s in zip(g.kernel, g.stride)):
-        return (_spread_to_winners(g, first_axis, winner, dtop),)
+    step 1.6x slower), so those take :func:`_spread_to_winners`."""
     lead, trailing = dtop.shape[:first_axis], dtop.shape[first_axis + 2:]
     reach = [-(-k // s) for k, s in zip(g.kernel, g.stride)]   # outputs whose windows hold one cell, per axis
     cells = [o + q - 1 for o, q in zip(g.out, reach)]           # values of m per axis
@@ -776,27 +788,25 @@ def _row_major_scan_bwd(g, first_axis, winner, cotangents):
         offset = offset.reshape(ones_lead + (1, sh, 1, sw) + ones_trailing)
         dx = dx + jnp.where(view(won, q) == offset, view(gradient, q), 0)
     dxpad = dx.reshape(lead + (cells[0] * sh, cells[1] * sw) + trailing)
-    extent = [(o - 1) * s + k for o, s, k in zip(g.out, g.stride, g.kernel)]
-    dxpad = lax.slice(dxpad, [0] * dxpad.ndim, list(lead) + extent + list(trailing))
-    return (_pad(dxpad, first_axis, [(-lo, -hi) for lo, hi in g.padding()], 0),)
+    return lax.slice(dxpad, [0] * dxpad.ndim, list(lead) + list(g.padded_size) + list(trailing))
 
 
 def _spread_to_winners(g: PoolGeometry, first_axis: int, winner: jax.Array, dtop: jax.Array) -> jax.Array:
-    """The max-pool input gradient through the winners and diffs spread out by the stride (-1 and 0 between
-    them) and padded by k-1: offset t reads one plain view of each, and the k*k masked views add up to the
-    gradient of the padded input. Used for windows that do not overlap, where each cell takes at most one
-    diff (so no order of sums to keep) and the spread arrays are computed once."""
+    """The padded input's gradient through the winners and diffs spread out by the stride (-1 and 0 between
+    them) and padded by k-1: offset t reads one plain view of each, and the k*k masked views add up. Used for
+    windows that do not overlap, where each cell takes at most one diff (so no order of sums to keep) and the
+    spread arrays are computed once."""
     pads, interior = [(k - 1, k - 1) for k in g.kernel], [s - 1 for s in g.stride]
-    extent = tuple((o - 1) * s + k for o, s, k in zip(g.out, g.stride, g.kernel))  # the padded input's
 
     def views(a, fill):  # offset t reads a's cell o where o*stride + t = j: _taps' views, last offset first
-        return _taps(_pad(a, first_axis, pads, fill, interior), first_axis, g.kernel, (1, 1), (1, 1), extent)[::-1]
+        spread = _pad(a, first_axis, pads, fill, interior)
+        return _taps(spread, first_axis, g.kernel, (1, 1), (1, 1), g.padded_size)[::-1]
 
     dxpad = None
     for t, (won, gradient) in enumerate(zip(views(winner, -1), views(dtop, 0))):
         term = jnp.where(won == t, gradient, 0)
         dxpad = term if dxpad is None else dxpad + term
-    return _pad(dxpad, first_axis, [(-lo, -hi) for lo, hi in g.padding()], 0)
+    return dxpad
 
 
 _row_major_scan.defvjp(_row_major_scan_fwd, _row_major_scan_bwd)
