@@ -10,8 +10,8 @@ its opt-in bf16 mode (speed, and top-1 agreement with fp32 on the same random in
 ``cv2.dnn`` forward on the same prototxt and caffemodel, caffemodel load speed, and, in fresh processes, the
 cold compile and the warm start from JAX's persistent compilation cache with the peak RSS. Achieved GFLOP/s
 (direct convolutions + inner products, counted from the IR) are set against a GEMM measured in the same run.
-Times are the median of ``--repeats`` (>= 5) runs after two warm-up runs (forwards: and of at least one
-second of runs); the minimum is recorded too.
+Times are the median of ``--repeats`` (>= 5) runs after two warm-up runs, and of at least one second of runs
+(forwards, training and solver steps, loads); the minimum is recorded too.
 Prints a table of ratios and writes JSON to bench/results/.
 """
 
@@ -44,7 +44,9 @@ TARGET_FWD_RATIO = {1: 1.2, 16: 1.0}     # caffejax / OpenCV forward
 TARGET_TRAIN_RATIO = 0.5                 # train step / Caffe fwd+bwd, batch 16
 TARGET_GEMM_FRACTION = 0.6               # ResNet-50 batch 16 forward GFLOP/s / in-run GEMM
 TARGET_COLD_S, TARGET_WARM_S = 10.0, 1.0
-FORWARD_MIN_SECONDS = 1.0  # forwards (caffejax, bf16, OpenCV alike) and loads are timed for at least this long
+# Forwards (caffejax, bf16, OpenCV alike), training and solver steps, and loads are timed for at least this
+# long: five samples of LeNet's 3.5 ms training step read anywhere from 3.5 to 6.3 ms from run to run.
+MIN_SECONDS = 1.0
 TARGET_LOAD_GBS = 1.0
 TARGET_BF16_SPEEDUP, TARGET_BF16_TOP1 = 1.5, 0.99
 
@@ -133,8 +135,8 @@ def measure_load(spec: BenchNet, net, weights: pathlib.Path) -> dict:
     # Loads of a few ms are timed for as long as forwards are: five samples of MobileNet v2's 5 ms read
     # moved 2x with the VM's load.
     read = timed(lambda: [np.array(a) for arrays in read_weights(str(weights)).blobs.values() for a in arrays
-                          if a is not None], 5, warmup=1, min_seconds=FORWARD_MIN_SECONDS)
-    copy = timed(lambda: net.copy_from(str(weights)), 5, warmup=1, min_seconds=FORWARD_MIN_SECONDS)
+                          if a is not None], 5, warmup=1, min_seconds=MIN_SECONDS)
+    copy = timed(lambda: net.copy_from(str(weights)), 5, warmup=1, min_seconds=MIN_SECONDS)
     _, construct = once(lambda: caffejax.Net(str(spec.prototxt), str(weights), caffejax.TEST))
     return {"file_mb": size / 1e6, "read_weights_ms": read["median_ms"], "read_weights_gbs": size / read["median_ms"] / 1e6,
             "copy_from_ms": copy["median_ms"], "copy_from_gbs": size / copy["median_ms"] / 1e6,
@@ -158,8 +160,8 @@ def bench_batch(spec: BenchNet, net, weights: pathlib.Path, batch: int, repeats:
         out["opencv"] = opencv_forward(spec, weights, x)
         if "forward" in out["opencv"]:
             forwards["opencv"] = out["opencv"].pop("forward")
-    # The forwards the ratios compare are timed in alternation, each for FORWARD_MIN_SECONDS in all.
-    for kind, timing in timed_alternating(forwards, repeats, min_seconds=FORWARD_MIN_SECONDS).items():
+    # The forwards the ratios compare are timed in alternation, each for MIN_SECONDS in all.
+    for kind, timing in timed_alternating(forwards, repeats, min_seconds=MIN_SECONDS).items():
         out.setdefault(kind, {}).update(timing, interleaved=sorted(forwards))
     del forwards
 
@@ -274,7 +276,7 @@ def train_step(spec: BenchNet, weights: pathlib.Path, batch: int, repeats: int, 
         return loss
 
     _, compile_s = once(one)
-    result = timed(one, repeats)
+    result = timed(one, repeats, min_seconds=MIN_SECONDS)
     result["compile_s"] = compile_s
     result["gflop"] = training_flops(net.graph) / 1e9
     result["gflops"] = result["gflop"] / result["median_ms"] * 1e3
@@ -301,7 +303,7 @@ def solver_step(spec: BenchNet, weights: pathlib.Path, batch: int, repeats: int,
         return solver.net.blobs["loss"].data
 
     _, compile_s = once(one)
-    result = timed(one, repeats)
+    result = timed(one, repeats, min_seconds=MIN_SECONDS)
     result["compile_s"] = compile_s
     return result
 
