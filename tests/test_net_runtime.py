@@ -242,3 +242,25 @@ def test_shape_errors_after_a_reshape_name_the_file_and_line(tmp_path):
                                                   r"\(1, 3, 8, 8\)"):
         net.forward(data=np.ones((1, 3, 3, 3), np.float32))
     assert net.forward(data=np.ones((1, 3, 1, 1), np.float32))["conv"].shape == (1, 4, 4, 4)  # broadcasts
+
+
+def test_a_new_value_fills_a_held_host_copy_and_replaces_one_nobody_holds():
+    """A host array handed out and still held (or a view of it) sees later values, as pycaffe's views onto
+    Caffe's memory do; one dropped by everybody is not kept in step with the device, whose value stays there."""
+    from caffejax.runtime.blob import ArraySlot
+
+    slot = ArraySlot((2, 3))
+    held = slot.host()
+    slot.set(jax.numpy.full((2, 3), 2.0))
+    assert slot.on_host() and slot.host() is held
+    np.testing.assert_array_equal(held, 2.0)
+    row = held[1]  # a view holds its base array too
+    del held
+    slot.set(jax.numpy.full((2, 3), 3.0))
+    assert slot.on_host()
+    np.testing.assert_array_equal(row, 3.0)
+    del row
+    new = jax.numpy.full((2, 3), 4.0)
+    slot.set(new)
+    assert not slot.on_host() and slot.value() is new
+    np.testing.assert_array_equal(slot.host(), 4.0)

@@ -421,3 +421,36 @@ def test_a_step_writes_the_new_history_over_the_old():
     # SGD's update is its new history (Caffe copies history_ into the diff), and both survived the handover.
     for learnable, (history,) in zip(solver._learnables, solver._history):
         np.testing.assert_array_equal(solver.net.params[learnable.layer][learnable.index].diff, np.asarray(history))
+
+
+def test_an_iteration_runs_on_device_arrays_and_leaves_the_weights_there():
+    """The iteration's program gets device arrays only: given a NumPy argument it waits for the transfer and runs
+    on an XLA worker thread, whose malloc arena maps its big buffers afresh every time (MobileNet v2 at batch 16:
+    300 thousand page faults and 1.5x the time per step). Weights once written through ``.data`` go back to the
+    device after a step unless the host array is still held, and a held one still sees every update."""
+    param = caffe_pb2.SolverParameter(type="SGD", base_lr=0.5, momentum=0.9, lr_policy="fixed", max_iter=5,
+                                      random_seed=3)
+    param.net_param.CopyFrom(parse_net_text(DROPOUT_NET))
+    solver = caffejax.SGDSolver(param)
+    solver.net.blobs["x"].data[...] = np.random.default_rng(0).normal(size=(4, 3, 6, 6))
+    solver.net.blobs["label"].data[...] = [0, 1, 2, 1]
+    solver.net.params["ip"][1].data[...] = 0.25  # surgery through the host array, which is then dropped
+    held = solver.net.params["conv"][0].data
+    seen = []
+    program = solver._step_program
+
+    def recording():
+        step = program()
+
+        def record(*args):
+            seen.append([type(leaf) for leaf in jax.tree.leaves(args) if not isinstance(leaf, jax.Array)])
+            return step(*args)
+
+        return record
+
+    solver._step_program = recording
+    solver.step(2)
+    assert seen == [[], []]
+    assert not solver.net.params["ip"][1]._data.on_host()
+    np.testing.assert_array_equal(held, np.asarray(solver.net.param_arrays()["conv"][0]))
+    assert not np.allclose(solver.net.params["ip"][1].data, 0.25)

@@ -15,7 +15,12 @@ inspects intermediate blobs still sees Caffe's values.
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
+
+# sys.getrefcount of a slot's host array that only the slot holds: the slot's reference and the call's own.
+_UNHELD = 2
 
 
 class ArraySlot:
@@ -68,10 +73,14 @@ class ArraySlot:
         return self._device
 
     def set(self, value) -> None:
-        """Store a new value (device or host array) of this slot's shape."""
+        """Store a new value (device or host array) of this slot's shape. A host array handed out earlier and
+        still held (by the user, or by a view of it) gets the new value copied in, as a view onto Caffe's
+        memory would show it; one nobody holds any more is dropped instead, so that the value stays where the
+        program made it (a solver whose weights were once written through ``.data`` would otherwise copy
+        every weight and diff to the host and back on every iteration)."""
         self._pending = None
         shape = tuple(value.shape)
-        if self._host is not None and self._host.shape == shape:
+        if self._host is not None and self._host.shape == shape and sys.getrefcount(self._host) > _UNHELD:
             np.copyto(self._host, np.asarray(value))
             self._device = None
         else:
