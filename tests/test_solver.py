@@ -423,6 +423,39 @@ def test_a_step_writes_the_new_history_over_the_old():
         np.testing.assert_array_equal(solver.net.params[learnable.layer][learnable.index].diff, np.asarray(history))
 
 
+@pytest.mark.parametrize("kind", ["SGD", "Nesterov"])
+def test_an_update_that_is_the_new_history_comes_back_once(kind):
+    """SGD's update is its new history: the iteration hands it back once (a second output of the same value is a
+    copy into fresh memory, AlexNet's 244 MB an iteration) and the diffs get the history. Nesterov's update is
+    another value, returned as itself."""
+    param = caffe_pb2.SolverParameter(type=kind, base_lr=0.5, momentum=0.9, lr_policy="fixed", max_iter=5,
+                                      random_seed=3)
+    param.net_param.CopyFrom(parse_net_text(DROPOUT_NET))
+    solver = caffejax.get_solver(param)
+    solver.net.blobs["x"].data[...] = np.random.default_rng(0).normal(size=(4, 3, 6, 6))
+    solver.net.blobs["label"].data[...] = [0, 1, 2, 1]
+    program = solver._step_program
+    returned = []
+
+    def recording():
+        step = program()
+
+        def record(*args):
+            outputs = step(*args)
+            returned.append(outputs[3])
+            return outputs
+
+        return record
+
+    solver._step_program = recording
+    solver.step(2)
+    for updates in returned:
+        assert all((update is None) == (kind == "SGD") for update in updates)
+    for learnable, (history,) in zip(solver._learnables, solver._history):
+        diff = solver.net.params[learnable.layer][learnable.index].diff
+        assert np.array_equal(diff, np.asarray(history)) == (kind == "SGD")
+
+
 def test_an_iteration_runs_on_device_arrays_and_leaves_the_weights_there():
     """The iteration's program gets device arrays only: given a NumPy argument it waits for the transfer and runs
     on an XLA worker thread, whose malloc arena maps its big buffers afresh every time (MobileNet v2 at batch 16:

@@ -394,7 +394,7 @@ class Solver:
             before, fed, pulled, scalars = _on_device((before, fed, pulled, scalars))
         params, history, loss, updates, blobs, state, norm = fn(before, self._history, fed, pulled, key, scalars)
         self._history = history
-        self._write_back(params, updates)
+        self._write_back(params, [new[0] if update is None else update for update, new in zip(updates, history)])
         for name, value in blobs.items():
             net.blobs[name]._data.set(value)
         # Blobs the program did not hand back (_returned_blobs: only ever with one pass an iteration, whose key
@@ -767,6 +767,7 @@ def _pulled_layers(graph: Graph):
 
 def _train_step_fn(program, solver: Solver, device_axis: str | None = None, returned=None):
     """``(params, history, fed, pulled, key, scalars) -> (params, history, loss, updates, blobs, state, norm)``.
+    Without ``device_axis``, an update that is its blob's new history (SGD's) comes back as None.
 
     ``fed`` holds the blobs the user wrote (every pass reads the same ones) and the state layers carry
     between forwards; ``pulled`` holds one batch per pass, stacked along a leading axis of length iter_size.
@@ -826,6 +827,11 @@ def _train_step_fn(program, solver: Solver, device_axis: str | None = None, retu
         diffs = [grads[l.layer][l.index] for l in solver._learnables]
         diffs, loss = device_mean((diffs, loss))  # P2PSync: the sum over devices, scaled by 1 / devices
         params, history, updates, norm = solver._apply_update(params, diffs, history, scalars)
+        if device_axis is None:
+            # SGD's update is its new history (Caffe copies history_ into the diff): handed back once, as the
+            # history (None here). A second output of the same value is a copy XLA makes, into fresh memory:
+            # AlexNet's 244 MB every iteration.
+            updates = [None if update is new[0] else update for update, new in zip(updates, history)]
         return params, history, loss / np.float32(iter_size), updates, blobs, state, norm
 
     return train_step
