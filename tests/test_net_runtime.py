@@ -264,3 +264,31 @@ def test_a_new_value_fills_a_held_host_copy_and_replaces_one_nobody_holds():
     slot.set(new)
     assert not slot.on_host() and slot.value() is new
     np.testing.assert_array_equal(slot.host(), 4.0)
+
+
+def test_programs_of_big_nets_get_their_numpy_arguments_on_the_device_first(monkeypatch):
+    """Given a NumPy argument, a program runs on an XLA worker thread, where glibc maps big buffers afresh on
+    every call (MobileNet v2's forward + backward at batch 16: up to 400 thousand page faults): Net's programs
+    for big graphs get device arrays; small ones (LeNet at batch 1) their arguments as they are."""
+    import caffejax.runtime.net as net_module
+
+    calls = []
+
+    def recording(tree):
+        moved = net_module.to_device.__wrapped__(tree)
+        calls.append(all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(moved)))
+        return moved
+
+    recording.__wrapped__ = net_module.to_device
+    monkeypatch.setattr(net_module, "to_device", recording)
+    x = digits(1, seed=2)
+    small = caffejax.Net(str(LENET), str(LENET_WEIGHTS), caffejax.TEST)
+    small.blobs["data"].reshape(1, 1, 28, 28)
+    expected = small.forward(data=x)["prob"].copy()
+    assert calls == []
+    monkeypatch.setattr(net_module, "DEVICE_ARGUMENTS_MIN_FLOPS", 0)
+    big = caffejax.Net(str(LENET), str(LENET_WEIGHTS), caffejax.TEST)
+    big.blobs["data"].reshape(1, 1, 28, 28)
+    np.testing.assert_array_equal(big.forward(data=x)["prob"], expected)
+    big.blobs["conv1"].data  # a deferred blob's recompute is another program
+    assert calls == [True, True]

@@ -29,7 +29,7 @@ from caffejax.lower.python_layer import host_failures
 from caffejax.lower.registry import TRAIN, TEST, get_rule
 from caffejax.runtime import mode
 from caffejax.runtime.blob import ArraySlot, Blob
-from caffejax.runtime.xla_options import compiler_options
+from caffejax.runtime.xla_options import compiler_options, matmul_flops
 
 _fold_in = jax.jit(jax.random.fold_in)
 
@@ -49,6 +49,35 @@ def _broadcasts(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
         return np.broadcast_shapes(shape, target) == tuple(target)
     except ValueError:
         return False
+
+
+# An identity program: XLA copies its NumPy arguments into buffers of its own.
+_copy_to_device = jax.jit(lambda *arrays: arrays)
+
+
+def to_device(tree):
+    """``tree`` with its NumPy leaves (the blobs' host copies, weights set from NumPy, a solver's scalars) made
+    device arrays in one small program, finished before this returns.
+
+    Given a NumPy argument, a program waits for its transfer and then runs on one of XLA's worker threads.
+    glibc gives each thread its own malloc arena, and outside the main one it serves blocks over 64 MB with a
+    fresh mmap whatever ``caffejax.runtime.memory`` asked, so every call paged its big buffers in again:
+    MobileNet v2's ``Solver.step(1)`` at batch 16 took 1.18-1.25 s and 297 thousand page faults, 0.81-0.84 s
+    and 0-5 thousand with its arguments on the device first; its ``forward()`` + ``backward()`` 2.0-4.2 s
+    (9-400 thousand faults), 1.8-1.9 s. ``jax.device_put`` would do too, at about 40 us an array; this costs
+    one dispatch (LeNet's Solver.step: +1-2%)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    host = [i for i, leaf in enumerate(leaves) if not isinstance(leaf, jax.Array)]
+    if host:
+        for i, array in zip(host, jax.block_until_ready(_copy_to_device(*(leaves[i] for i in host)))):
+            leaves[i] = array
+    return jax.tree.unflatten(treedef, leaves)
+
+
+# Net's programs for graphs of fewer FLOPs (convolutions and inner products) than this take their NumPy
+# arguments as they are: their buffers are small, and to_device's dispatch cost LeNet's forward 10% at batch 1
+# (0.30 -> 0.33 ms) and 3-14% at batch 16 (37 MFLOP; 1.37-1.39 -> 1.41-1.58 ms).
+DEVICE_ARGUMENTS_MIN_FLOPS = 100e6
 
 
 class Net:
@@ -327,7 +356,14 @@ class Net:
                 self.compile_count += 1
                 return build(*args)
             options = compiler_options(self._graph, backward=kind == "backward")
-            fn = self._compiled[cache_key] = jax.jit(counted, compiler_options=options)
+            fn = jax.jit(counted, compiler_options=options)
+            if matmul_flops(self._graph) >= DEVICE_ARGUMENTS_MIN_FLOPS:
+                program = fn
+
+                def fn(params, env, *rest):
+                    return program(*to_device((params, env)), *rest)
+
+            self._compiled[cache_key] = fn
         return fn
 
     def _sync_shapes(self) -> None:
@@ -402,7 +438,7 @@ class Net:
         key = self._next_key()
         self._last_key = key
         # What this pass sees, kept for a deferred blob's recompute: device values, and private copies of host
-        # arrays (ArraySlot.value); the program call moves the latter itself (jax.device_put first: 0.3 ms a pass).
+        # arrays (ArraySlot.value), which the program call moves to the device (_jitted).
         params = self.param_arrays()
         env = {**self._feed(layers), **self._read_state(layers)}
         values, updates, loss = fn(params, env, key)

@@ -49,7 +49,7 @@ from caffejax.lower.registry import TEST, TRAIN, get_rule
 from caffejax.proto import caffe_pb2
 from caffejax.runtime import lr_policy, mode, snapshot as snapshots
 from caffejax.runtime.distributed import DataParallel, Devices
-from caffejax.runtime.net import Net
+from caffejax.runtime.net import Net, to_device
 from caffejax.runtime.xla_options import compiler_options
 
 log = logging.getLogger("caffejax")
@@ -391,7 +391,7 @@ class Solver:
         before, key = net.param_arrays(), net._next_key()
         scalars = self.step_scalars(rate)
         if self._parallel is None:
-            before, fed, pulled, scalars = _on_device((before, fed, pulled, scalars))
+            before, fed, pulled, scalars = to_device((before, fed, pulled, scalars))
         params, history, loss, updates, blobs, state, norm = fn(before, self._history, fed, pulled, key, scalars)
         self._history = history
         self._write_back(params, [new[0] if update is None else update for update, new in zip(updates, history)])
@@ -737,28 +737,6 @@ SOLVER_TYPES: dict[str, type[Solver]] = {cls.type: cls for cls in (SGDSolver, Ne
 
 
 # ---- the traced iteration ----------------------------------------------------------------------------------------
-
-# An identity program: XLA copies its NumPy arguments into buffers of its own.
-_copy_to_device = jax.jit(lambda *arrays: arrays)
-
-
-def _on_device(tree):
-    """``tree`` with its NumPy leaves (the blobs' host copies, weights set from NumPy, the solver's scalars)
-    made device arrays in one small program, finished before this returns.
-
-    Given a NumPy argument, the iteration's program waits for its transfer and then runs on one of XLA's
-    worker threads. glibc gives each thread its own malloc arena, and outside the main one it serves blocks
-    over 64 MB with a fresh mmap whatever ``caffejax.runtime.memory`` asked, so every iteration paged its
-    big buffers in again: MobileNet v2 at batch 16 took 1.56 s and 297 thousand page faults a ``step(1)``,
-    0.86 s and 5.8 thousand with its arguments on the device first (SqueezeNet v1.1: 424 -> 366 ms; LeNet's
-    4.5 ms unchanged). ``jax.device_put`` would do too, at about 40 us an array; this costs one dispatch."""
-    leaves, treedef = jax.tree.flatten(tree)
-    host = [i for i, leaf in enumerate(leaves) if not isinstance(leaf, jax.Array)]
-    if host:
-        for i, array in zip(host, jax.block_until_ready(_copy_to_device(*(leaves[i] for i in host)))):
-            leaves[i] = array
-    return jax.tree.unflatten(treedef, leaves)
-
 
 def _pulled_layers(graph: Graph):
     """Data layers whose batches come from a DataSource (not written by the user)."""
