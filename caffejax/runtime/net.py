@@ -80,6 +80,13 @@ def to_device(tree):
 DEVICE_ARGUMENTS_MIN_FLOPS = 100e6
 
 
+def _with_device_arguments(program):
+    """``program(params, env, *rest)`` with the NumPy arrays among params and env moved by :func:`to_device`."""
+    def run(params, env, *rest):
+        return program(*to_device((params, env)), *rest)
+    return run
+
+
 class Net:
     """A Caffe net.
 
@@ -358,11 +365,7 @@ class Net:
             options = compiler_options(self._graph, backward=kind == "backward")
             fn = jax.jit(counted, compiler_options=options)
             if matmul_flops(self._graph) >= DEVICE_ARGUMENTS_MIN_FLOPS:
-                program = fn
-
-                def fn(params, env, *rest):
-                    return program(*to_device((params, env)), *rest)
-
+                fn = _with_device_arguments(fn)
             self._compiled[cache_key] = fn
         return fn
 
@@ -656,7 +659,10 @@ class Net:
                         "this layer's parameters from scratch rather than copying them, rename the layer")
                 targets.append(self._param_blobs[slot.storage])
                 arrays.append(np.asarray(array, self._dtype).reshape(slot.shape))
-        for blob, value in zip(targets, jax.device_put(arrays)):
+        # Waited for: device_put copies in the background, from the memory-mapped file, and a blob that keeps
+        # the device value (no host copy held) would otherwise return before its weights are there (a loop of
+        # copy_from calls queued 244 MB copies of AlexNet faster than they ran, until memory ran out).
+        for blob, value in zip(targets, jax.block_until_ready(jax.device_put(arrays))):
             blob._data.set(value)
 
     copy_trained_layers_from = copy_from
