@@ -405,15 +405,39 @@ def test_the_gradient_norm_is_computed_only_to_clip(clip):
         np.testing.assert_allclose(float(norm), 3 * np.sqrt(sum(d.size for d in diffs)), rtol=1e-6)
 
 
+def _dropout_net_solver(kind: str):
+    """A solver of ``kind`` (momentum 0.9) over DROPOUT_NET, its inputs written."""
+    param = caffe_pb2.SolverParameter(type=kind, base_lr=0.5, momentum=0.9, lr_policy="fixed", max_iter=5,
+                                      random_seed=3)
+    param.net_param.CopyFrom(parse_net_text(DROPOUT_NET))
+    solver = caffejax.get_solver(param)
+    solver.net.blobs["x"].data[...] = np.random.default_rng(0).normal(size=(4, 3, 6, 6))
+    solver.net.blobs["label"].data[...] = [0, 1, 2, 1]
+    return solver
+
+
+def _record_iterations(solver, what) -> list:
+    """A list that gets ``what(arguments, outputs)`` of every call of the solver's iteration program."""
+    recorded, program = [], solver._step_program
+
+    def recording():
+        step = program()
+
+        def record(*args):
+            outputs = step(*args)
+            recorded.append(what(args, outputs))
+            return outputs
+
+        return record
+
+    solver._step_program = recording
+    return recorded
+
+
 def test_a_step_writes_the_new_history_over_the_old():
     """The momentum history is the solver's alone, so the iteration's program is given its buffers to write the
     next history into (AlexNet's iteration at batch 1: 3.3 -> 2.8 GB peak RSS)."""
-    param = caffe_pb2.SolverParameter(type="SGD", base_lr=0.5, momentum=0.9, lr_policy="fixed", max_iter=5,
-                                      random_seed=3)
-    param.net_param.CopyFrom(parse_net_text(DROPOUT_NET))
-    solver = caffejax.SGDSolver(param)
-    solver.net.blobs["x"].data[...] = np.random.default_rng(0).normal(size=(4, 3, 6, 6))
-    solver.net.blobs["label"].data[...] = [0, 1, 2, 1]
+    solver = _dropout_net_solver("SGD")
     solver.step(1)
     old = [h for history in solver._history for h in history]
     solver.step(1)
@@ -428,26 +452,8 @@ def test_an_update_that_is_the_new_history_comes_back_once(kind):
     """SGD's update is its new history: the iteration hands it back once (a second output of the same value is a
     copy into fresh memory, AlexNet's 244 MB an iteration) and the diffs get the history. Nesterov's update is
     another value, returned as itself."""
-    param = caffe_pb2.SolverParameter(type=kind, base_lr=0.5, momentum=0.9, lr_policy="fixed", max_iter=5,
-                                      random_seed=3)
-    param.net_param.CopyFrom(parse_net_text(DROPOUT_NET))
-    solver = caffejax.get_solver(param)
-    solver.net.blobs["x"].data[...] = np.random.default_rng(0).normal(size=(4, 3, 6, 6))
-    solver.net.blobs["label"].data[...] = [0, 1, 2, 1]
-    program = solver._step_program
-    returned = []
-
-    def recording():
-        step = program()
-
-        def record(*args):
-            outputs = step(*args)
-            returned.append(outputs[3])
-            return outputs
-
-        return record
-
-    solver._step_program = recording
+    solver = _dropout_net_solver(kind)
+    returned = _record_iterations(solver, lambda args, outputs: outputs[3])
     solver.step(2)
     for updates in returned:
         assert all((update is None) == (kind == "SGD") for update in updates)
@@ -461,27 +467,11 @@ def test_an_iteration_runs_on_device_arrays_and_leaves_the_weights_there():
     on an XLA worker thread, whose malloc arena maps its big buffers afresh every time (MobileNet v2 at batch 16:
     300 thousand page faults and 1.5x the time per step). Weights once written through ``.data`` go back to the
     device after a step unless the host array is still held, and a held one still sees every update."""
-    param = caffe_pb2.SolverParameter(type="SGD", base_lr=0.5, momentum=0.9, lr_policy="fixed", max_iter=5,
-                                      random_seed=3)
-    param.net_param.CopyFrom(parse_net_text(DROPOUT_NET))
-    solver = caffejax.SGDSolver(param)
-    solver.net.blobs["x"].data[...] = np.random.default_rng(0).normal(size=(4, 3, 6, 6))
-    solver.net.blobs["label"].data[...] = [0, 1, 2, 1]
+    solver = _dropout_net_solver("SGD")
     solver.net.params["ip"][1].data[...] = 0.25  # surgery through the host array, which is then dropped
     held = solver.net.params["conv"][0].data
-    seen = []
-    program = solver._step_program
-
-    def recording():
-        step = program()
-
-        def record(*args):
-            seen.append([type(leaf) for leaf in jax.tree.leaves(args) if not isinstance(leaf, jax.Array)])
-            return step(*args)
-
-        return record
-
-    solver._step_program = recording
+    seen = _record_iterations(solver, lambda args, outputs: [type(leaf) for leaf in jax.tree.leaves(args)
+                                                              if not isinstance(leaf, jax.Array)])
     solver.step(2)
     assert seen == [[], []]
     assert not solver.net.params["ip"][1]._data.on_host()
