@@ -408,3 +408,103 @@ def test_big_one_channel_convolution_runs_as_taps_and_keeps_outputs():
     net.blobs["data"].reshape(16, 1, 28, 28)
     net.reshape()
     assert optimize.layout_kernels(net.graph)["conv1"].name == "conv_taps"
+
+
+# ---- Convolution -> BatchNorm (global statistics) [-> Scale] chains in Net's own programs ---------------------
+
+def _frozen(text):
+    return text.replace('type: "Convolution"', 'type: "Convolution" param { lr_mult: 0 }', 1)
+
+
+CHAIN_NET = (
+    'name: "chains" input: "data" input_shape { dim: 2 dim: 6 dim: 7 dim: 7 }\n'
+    + _layer("label", "Input", [], ["label"], "input_param { shape { dim: 2 } }")
+    # in place, as ResNet writes them: conv with a bias -> BN -> Scale with a bias -> ReLU
+    + _conv("a", "data", "a", 8, 3, "pad: 1") + _bn_scale("a", "a") + _layer("a_relu", "ReLU", ["a"], ["a"])
+    # 1x1 without bias -> BN alone
+    + _conv("b", "a", "b", 8, 1, "bias_term: false") + _bn_scale("b", "b", scale=False)
+    # grouped 3x3 -> BN -> Scale without a bias
+    + _conv("g", "b", "g", 8, 3, "pad: 1 group: 2 bias_term: false")
+    + _layer("g_bn", "BatchNorm", ["g"], ["g"], "batch_norm_param { use_global_stats: true }")
+    + _layer("g_scale", "Scale", ["g"], ["g"], 'scale_param { filler { type: "uniform" min: 0.5 max: 1.5 } }')
+    # the BatchNorm writes a new blob: the convolution's output is a blob's final value, so no chain
+    + _conv("d", "g", "d", 8, 1)
+    + _layer("d_bn", "BatchNorm", ["d"], ["d_bn"], "batch_norm_param { use_global_stats: true }")
+    # propagate_down: false on the BatchNorm stops the gradient inside the chain: run layer by layer
+    + _conv("p", "d_bn", "p", 8, 1)
+    + _layer("p_bn", "BatchNorm", ["p"], ["p"], "batch_norm_param { use_global_stats: true } propagate_down: false")
+    + _layer("p_scale", "Scale", ["p"], ["p"], 'scale_param { bias_term: true }')
+    # a frozen convolution of the data with a learnable Scale: no gradient passes the chain, gamma's still comes
+    + _frozen(_conv("f", "data", "f", 8, 3, "pad: 1 bias_term: false")) + _bn_scale("f", "f")
+    + _layer("sum", "Eltwise", ["p", "f", "a"], ["sum"])
+    + _layer("pool", "Pooling", ["sum"], ["pool"], "pooling_param { pool: AVE global_pooling: true }")
+    + _layer("fc", "InnerProduct", ["pool"], ["fc"],
+             'inner_product_param { num_output: 4 weight_filler { type: "gaussian" std: 0.2 } }')
+    + _layer("loss", "SoftmaxWithLoss", ["fc", "label"], ["loss"])
+)
+
+
+def _chain_net(channels_last=True):
+    caffejax.set_random_seed(6)
+    net = caffejax.Net(CHAIN_NET, caffejax.TRAIN, channels_last=channels_last)
+    _randomize_batchnorm(net)
+    return net
+
+
+def test_batch_norm_chains_form_only_where_nothing_sees_inside():
+    kernels = optimize.layout_kernels(_chain_net().graph)
+    chains = {name: (k.chain.name, k.chain.layers) for name, k in kernels.items() if k.chain is not None}
+    assert chains == {"a": ("conv_batch_norm_scale", ("a_bn", "a_scale")), "b": ("conv_batch_norm", ("b_bn",)),
+                      "g": ("conv_batch_norm_scale", ("g_bn", "g_scale")),
+                      "p": ("conv_batch_norm_scale", ("p_bn", "p_scale")),
+                      "f": ("conv_batch_norm_scale", ("f_bn", "f_scale"))}
+    # BatchNorm with the batch's statistics: nothing to fold
+    train_stats = caffejax.Net(CHAIN_NET.replace("use_global_stats: true", "use_global_stats: false"),
+                               caffejax.TRAIN).graph
+    assert not any(k.chain for k in optimize.layout_kernels(train_stats).values())
+
+
+def test_batch_norm_chains_keep_caffes_loss_and_gradients():
+    """The folded chains differentiated (dx and dW through W' = a W, Scale's gradient through the filter
+    gradient) against Caffe's layers one by one in NCHW; the cut chain (propagate_down: false) and the frozen
+    convolution under a learnable Scale included."""
+    import jax
+
+    from caffejax.lower.program import NetProgram
+
+    graph = _chain_net().graph
+    net = _chain_net(channels_last=False)
+    rng = np.random.default_rng(3)
+    inputs = {graph.fed["data"]: rng.normal(size=(2, 6, 7, 7)).astype(np.float32),
+              graph.fed["label"]: np.array([1, 3], np.float32)}
+    params, key = net.param_arrays(), jax.random.key(0)
+    chained = NetProgram(graph, optimize.layout_kernels(graph))
+    (loss, grads, (env, _)), (fast_loss, fast_grads, (fast_env, _)) = [
+        jax.jit(program.loss_and_grads)(params, inputs, key) for program in (NetProgram(graph), chained)]
+    assert_close(fast_loss, loss, FORWARD_RTOL, FORWARD_ATOL, "loss")
+    scale = max(float(np.abs(b).max()) for blobs in grads.values() for b in blobs)
+    for name, blobs in grads.items():
+        for i, (a, b) in enumerate(zip(fast_grads[name], blobs)):
+            np.testing.assert_allclose(a, b, rtol=DIFF_RTOL, atol=DIFF_ATOL * scale, err_msg=f"d {name}[{i}]")
+    assert not np.any(fast_grads["p"][0]) and np.any(fast_grads["f_scale"][0]) and not np.any(fast_grads["f"][0])
+    inside = {graph.layer(name).top_values[0] for name in ("a", "a_bn", "b", "g", "g_bn", "f", "f_bn")}
+    assert inside <= set(env) and not inside & set(fast_env)  # the chains ran folded
+    assert graph.layer("p").top_values[0] in fast_env          # the cut one did not
+
+
+def test_a_net_run_that_cuts_a_chain_runs_its_layers_one_by_one():
+    """Net.forward(end=...) stopping inside a chain leaves Caffe's value of the blob there; a whole run and a
+    run from a chain's middle agree with the NCHW net's too."""
+    x = np.random.default_rng(4).normal(size=(2, 6, 7, 7)).astype(np.float32)
+    nets = [_chain_net(channels_last) for channels_last in (False, True)]
+    for end in ("a_bn", "g_scale", "loss"):
+        for net in nets:
+            net.blobs["data"].data[...] = x
+            net.blobs["label"].data[...] = [0, 2]
+            net.forward(end=end)
+        for name in ("a", "g", "loss"):
+            assert_close(nets[1].blobs[name].data, nets[0].blobs[name].data, FORWARD_RTOL, FORWARD_ATOL,
+                         f"{name} after forward(end={end})")
+    for net in nets:
+        net.forward(start="a_scale")
+    assert_close(nets[1].blobs["loss"].data, nets[0].blobs["loss"].data, FORWARD_RTOL, FORWARD_ATOL, "loss")

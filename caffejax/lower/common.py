@@ -224,15 +224,20 @@ def batch_norm(ctx: LayerContext, bottoms, params):
     per_channel = (1, channels) + (1,) * (x.ndim - 2)
     axes = (0,) + tuple(range(2, x.ndim))
     if use_global_stats:
-        mean_sum, var_sum, factor = (lax.stop_gradient(b.astype(x.dtype)) for b in params)
-        scale = jnp.where(factor[0] == 0, 0, 1 / jnp.where(factor[0] == 0, 1, factor[0]))
-        mean, var = scale * mean_sum, scale * var_sum
-        inv_std = 1 / jnp.sqrt(var + p.eps)
+        mean, inv_std = batch_norm_global_stats(params, p.eps, x.dtype)
         return [_scale_channels(x - mean.reshape(per_channel), inv_std.reshape(per_channel))]
     mean = jnp.mean(x, axis=axes)
     var = jnp.mean(jnp.square(x - mean.reshape(per_channel)), axis=axes)
     _update_moving_stats(ctx, params, mean, var, x.size // channels)
     return [(x - mean.reshape(per_channel)) / jnp.sqrt(var.reshape(per_channel) + p.eps)]
+
+
+def batch_norm_global_stats(params, eps: float, dtype) -> tuple[jax.Array, jax.Array]:
+    """(mean, 1 / sqrt(var + eps)) per channel from BatchNorm's stored sums: mean = b0/b2, var = b1/b2 (0 if
+    b2 == 0). No gradient reaches the sums."""
+    mean_sum, var_sum, factor = (lax.stop_gradient(b.astype(dtype)) for b in params)
+    scale = jnp.where(factor[0] == 0, 0, 1 / jnp.where(factor[0] == 0, 1, factor[0]))
+    return scale * mean_sum, 1 / jnp.sqrt(scale * var_sum + eps)
 
 
 @jax.custom_vjp

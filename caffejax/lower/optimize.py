@@ -39,6 +39,7 @@ from jax import lax
 from caffejax.errors import CaffejaxError, ShapeError
 from caffejax.frontend.ir import Graph, Layer
 from caffejax.lower import vision
+from caffejax.lower.common import batch_norm_global_stats
 from caffejax.lower.registry import TEST, LayerContext, canonical_axis, get_rule
 from caffejax.proto import caffe_pb2
 
@@ -62,6 +63,21 @@ class Kernel:
     forward: ForwardFn
     layout: str = NCHW
     prepare: Callable[[ParamArrays], ParamArrays] = _same_params
+    chain: Chain | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Chain:
+    """A kernel's layer and the layers right after it computed as one: ``forward(ctx, bottoms, params)`` takes
+    the first layer's bottoms and every layer's arrays (Caffe's form, in layer order) and returns the last
+    layer's tops; the values in between are never made. ``layers`` names the layers after the first.
+
+    A program runs a chain only where all its layers run together and Caffe's backward sends a gradient
+    through every link or through none (``NetProgram.run_layers``); elsewhere each layer runs its own kernel."""
+
+    name: str
+    layers: tuple[str, ...]
+    forward: ForwardFn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,15 +150,20 @@ def _batch_norm_affine(layer: Layer, params: ParamArrays) -> tuple[np.ndarray, n
     return inv_std, -scale * mean_sum * inv_std
 
 
-def _channel_scale(layer: Layer, graph: Graph, params: ParamArrays) -> tuple[np.ndarray, np.ndarray] | None:
-    """(s, t) if ``layer`` is a Scale with its own per-channel (axis 1) blob, y = s x + t; else None."""
+def _channel_scale_shape(layer: Layer, graph: Graph) -> bool:
+    """Whether ``layer`` is a Scale with its own per-channel (axis 1) blob: y = s x (+ t)."""
     p = layer.proto.scale_param
     shape = _shape(graph, layer.bottom_values[0])
-    if len(layer.bottom_values) != 1 or len(shape) < 2 or canonical_axis(layer.name, p.axis, len(shape)) != 1:
+    return (len(layer.bottom_values) == 1 and len(shape) >= 2 and len(layer.params) >= 1
+            and canonical_axis(layer.name, p.axis, len(shape)) == 1 and tuple(layer.params[0].shape) == (shape[1],))
+
+
+def _channel_scale(layer: Layer, graph: Graph, params: ParamArrays) -> tuple[np.ndarray, np.ndarray] | None:
+    """(s, t) if ``layer`` is a Scale with its own per-channel (axis 1) blob, y = s x + t; else None."""
+    if not _channel_scale_shape(layer, graph):
         return None
+    p = layer.proto.scale_param
     s = np.asarray(params[0], np.float64)
-    if s.shape != (shape[1],):
-        return None
     t = np.asarray(params[1], np.float64) if p.bias_term else np.zeros_like(s)
     return s, t
 
@@ -597,17 +618,73 @@ _PREPARED_ONCE_ONLY = frozenset({"conv_winograd_f2x2_3x3", "inner_product_nhwc"}
 def layout_kernels(graph: Graph) -> dict[str, Kernel]:
     """The channels-last kernels (``nhwc``, ``conv_gemm``, ``conv_taps``) for running a net's own program: the
     same values as Caffe's rules up to float rounding, with traced weights, so forward, backward and training
-    use them.
+    use them; Convolution -> BatchNorm [-> Scale] chains get their folded form as well (:func:`batch_norm_chains`).
 
-    Nothing is folded and every blob keeps its meaning; layers drawing random numbers (Dropout) keep Caffe's
-    layout, so their masks are the ones the NCHW program draws.
+    Nothing is folded for good and every blob keeps its meaning; layers drawing random numbers (Dropout) keep
+    Caffe's layout, so their masks are the ones the NCHW program draws.
     """
     shapes = {layer.name: [jax.ShapeDtypeStruct(slot.shape, jnp.float32) for slot in layer.params]
               for layer in graph.layers}
     plan = conv_taps(conv_gemm(nhwc(Plan(graph, shapes, {}))))
     random = {layer.name for layer in graph.layers if layer.type == "Dropout"}
-    return {name: kernel for name, kernel in plan.kernels.items()
-            if kernel.name not in _PREPARED_ONCE_ONLY and name not in random}
+    kernels = {name: kernel for name, kernel in plan.kernels.items()
+               if kernel.name not in _PREPARED_ONCE_ONLY and name not in random}
+    return batch_norm_chains(graph, kernels)
+
+
+def _conv_batch_norm_chain(head: Kernel, conv: Layer, bn: Layer, scale: Layer | None) -> Chain:
+    """Convolution -> BatchNorm (global statistics) [-> per-channel Scale] as the convolution with the chain's
+    per-channel map a y + c folded into its arrays in the program: W' = a W, b' = a b + c.
+
+    Its derivative is the point: the convolution's input and filter gradients take the top diff dz itself,
+    where the layers one by one write dy = a dz out and read it twice, and the Scale's gradient comes from the
+    filter gradient (d gamma = inv_std (sum W o dW' + (b - mean) sum dz)) instead of a pass over dz and the
+    BatchNorm's output."""
+    n_conv, eps = len(conv.params), bn.proto.batch_norm_param.eps
+
+    def forward(ctx, bottoms, params):
+        weight = params[0]
+        wide = jnp.promote_types(weight.dtype, jnp.float32)
+        mean, a = batch_norm_global_stats(params[n_conv: n_conv + 3], eps, wide)
+        c = -mean * a
+        if scale is not None:
+            s = params[n_conv + 3].astype(wide)
+            a, c = a * s, c * s
+            if len(params) > n_conv + 4:
+                c = c + params[n_conv + 4].astype(wide)
+        if n_conv > 1:
+            c = c + a * params[1].astype(wide)
+        folded = (weight.astype(wide) * a.reshape((-1,) + (1,) * (weight.ndim - 1))).astype(weight.dtype)
+        return head.forward(ctx, bottoms, head.prepare([folded, c]))
+
+    return Chain("conv_batch_norm_scale" if scale is not None else "conv_batch_norm",
+                 (bn.name,) + ((scale.name,) if scale is not None else ()), forward)
+
+
+def batch_norm_chains(graph: Graph, kernels: Mapping[str, Kernel]) -> dict[str, Kernel]:
+    """``kernels`` with a chain on each channels-last Convolution that a BatchNorm with global statistics
+    follows (and a per-channel Scale after that), where the values in between are read by the next link alone
+    and are no blob's final value (the layers write in place, as ResNet's do): nothing outside could see them."""
+    users, outputs = _consumers(graph), _output_values(graph)
+    final = set(graph.blob_value.values())
+    hidden = lambda value, reader: (value not in final  # noqa: E731
+                                    and _only_consumer(graph, value, users, outputs) is reader)
+    out = dict(kernels)
+    for conv in graph.layers:
+        head = kernels.get(conv.name)
+        if conv.type != "Convolution" or head is None or head.layout != NHWC or len(conv.top_values) != 1:
+            continue
+        readers = users.get(conv.top_values[0], [])
+        bn = readers[0] if len(readers) == 1 else None
+        if (bn is None or bn.type != "BatchNorm" or not _uses_global_stats(bn, graph.phase)
+                or len(bn.top_values) != 1 or not hidden(conv.top_values[0], bn)):
+            continue
+        readers = users.get(bn.top_values[0], [])
+        scale = readers[0] if len(readers) == 1 and readers[0].type == "Scale" else None
+        if scale is not None and not (_channel_scale_shape(scale, graph) and hidden(bn.top_values[0], scale)):
+            scale = None
+        out[conv.name] = dataclasses.replace(head, chain=_conv_batch_norm_chain(head, conv, bn, scale))
+    return out
 
 
 PASSES: dict[str, Callable[[Plan], Plan]] = {

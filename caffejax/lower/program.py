@@ -70,40 +70,45 @@ class NetProgram:
         if kernels and (perturb or blob_masks):
             raise ValueError("run_layers: kernels change values' layouts; perturb and blob_masks need Caffe's")
         tracked = Layouts(env, layouts) if kernels else None
+        running = {layer.name for layer in layers}
+        absorbed: set[str] = set()  # layers a chain before them computed
         for layer in layers:
             index = self.position[id(layer)]
             rule = self.rules[index]
-            if layer.is_input:
+            if layer.is_input or layer.name in absorbed:
                 continue
             kernel = kernels.get(layer.name) if kernels else None
+            chain = self._chain(layer, kernel, running, masks)
             layout = tracked.layout_for(kernel, layer.bottom_values) if tracked else None
             bottoms = [tracked.fetch(v, layout) for v in layer.bottom_values] if tracked else \
                 [env[v] for v in layer.bottom_values]
-            blobs = [params[slot.storage[0]][slot.storage[1]] for slot in layer.params]
             if masks:
                 bottoms = [b if need and layer.need_backward else _no_gradient(b)
                            for b, need in zip(bottoms, layer.bottom_need_backward)]
-                blobs = [p if need and layer.need_backward else _no_gradient(p)
-                         for p, need in zip(blobs, layer.param_need_backward)]
-            if param_masks:
-                blobs = [_scale_gradient(p, param_masks[(layer.name, i)]) if (layer.name, i) in param_masks else p
-                         for i, p in enumerate(blobs)]
+            blobs = self._layer_blobs(layer, params, masks, param_masks)
             # Carried state absent from env (a fresh net, or a caller that does not keep state) is Caffe's zeros.
             state = [env[v] for v in layer.state_in] if all(v in env for v in layer.state_in) else None
             ctx = LayerContext(layer=layer.proto, phase=self.graph.phase,
                                key=None if key is None else jax.random.fold_in(key, index),
                                num_tops=len(layer.tops), in_place=tuple(layer.in_place), dtype=dtype,
                                state=state)
-            with jax.named_scope(layer.name):  # profiles and XLA dumps name the layer each op comes from
-                if kernel is not None:
-                    tops = list(kernel.forward(ctx, bottoms, kernel.prepare(blobs)))
-                else:
-                    tops = list(rule.forward(ctx, bottoms, blobs))
+            if chain:
+                with jax.named_scope("+".join([layer.name] + [link.name for link in chain])):
+                    blobs += [p for link in chain for p in self._layer_blobs(link, params, masks, param_masks)]
+                    tops = list(kernel.chain.forward(ctx, bottoms, blobs))
+                absorbed.update(link.name for link in chain)
+            else:
+                with jax.named_scope(layer.name):  # profiles and XLA dumps name the layer each op comes from
+                    if kernel is not None:
+                        tops = list(kernel.forward(ctx, bottoms, kernel.prepare(blobs)))
+                    else:
+                        tops = list(rule.forward(ctx, bottoms, blobs))
+            top_values = chain[-1].top_values if chain else layer.top_values
             if tracked:
-                tracked.produced(layer.top_values, tops, layout)
+                tracked.produced(top_values, tops, layout)
             for i, value in ctx.state_updates.items():
                 env[layer.state_out[i]] = _no_gradient(value)
-            for value, top in zip(layer.top_values, tops):
+            for value, top in zip(top_values, tops):
                 if perturb is not None and value in perturb:
                     top = top + perturb[value]
                 if blob_masks is not None and value in blob_masks:
@@ -115,6 +120,33 @@ class NetProgram:
         if tracked and restore_layout:
             tracked.restore_caffe_layout()
         return env, updates
+
+    def _layer_blobs(self, layer: Layer, params: Params, masks: bool,
+                     param_masks: Mapping[tuple[str, int], Any] | None) -> list[jax.Array]:
+        """The learnable blobs ``layer`` reads, with Caffe's masks and the research hooks' gradient masks."""
+        blobs = [params[slot.storage[0]][slot.storage[1]] for slot in layer.params]
+        if masks:
+            blobs = [p if need and layer.need_backward else _no_gradient(p)
+                     for p, need in zip(blobs, layer.param_need_backward)]
+        if param_masks:
+            blobs = [_scale_gradient(p, param_masks[(layer.name, i)]) if (layer.name, i) in param_masks else p
+                     for i, p in enumerate(blobs)]
+        return blobs
+
+    def _chain(self, layer: Layer, kernel, running: set[str], masks: bool) -> list[Layer]:
+        """The layers after ``layer`` its kernel's chain computes with it in this run, or none (run one by one).
+
+        A chain runs when all its layers do, and, under Caffe's masks, when the gradient passes every link or
+        none: the folded form cannot stop a gradient in the middle (propagate_down: false on a link)."""
+        chain = kernel.chain if kernel is not None else None
+        if chain is None or not running.issuperset(chain.layers):
+            return []
+        links = [self.graph.layer(name) for name in chain.layers]
+        if masks:
+            passes = [link.need_backward and link.bottom_need_backward[0] for link in links]
+            if not (all(passes) if layer.need_backward else not any(passes)):
+                return []
+        return links
 
     def forward(self, params: Params, inputs: Values, key: jax.Array | None = None,
                 start: int = 0, end: int | None = None) -> tuple[Values, Updates]:

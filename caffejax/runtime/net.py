@@ -435,7 +435,8 @@ class Net:
 
         def outputs_only(params, env, key):
             values, updates = program.run_layers(layers, params, env, key, kernels=program.kernels)
-            return {v: values[v] for v in returned}, updates, program.loss(values, layers)
+            # The values inside a kernel's chain are never made (no blob ends up holding them).
+            return {v: values[v] for v in returned if v in values}, updates, program.loss(values, layers)
 
         fn = self._jitted("forward", start, end, self._with_concrete(outputs_only))
         key = self._next_key()
