@@ -654,7 +654,11 @@ def _conv_batch_norm_chain(head: Kernel, conv: Layer, bn: Layer, scale: Layer | 
                 c = c + params[n_conv + 4].astype(wide)
         if n_conv > 1:
             c = c + a * params[1].astype(wide)
-        folded = (weight.astype(wide) * a.reshape((-1,) + (1,) * (weight.ndim - 1))).astype(weight.dtype)
+        # Folded in a 2-D view: the gradient's sum over each filter (d a) is then a row sum of two matrices. On
+        # the 4-D O x C x 1 x 1 filters XLA:CPU reduced over the trailing axes at 0.3-0.8 GB/s (ResNet-50's
+        # res5a_branch1: 21 ms, against under 1 ms for the 2-D sum).
+        rows = weight.reshape(weight.shape[0], -1).astype(wide)
+        folded = (rows * a[:, None]).astype(weight.dtype).reshape(weight.shape)
         return head.forward(ctx, bottoms, head.prepare([folded, c]))
 
     return Chain("conv_batch_norm_scale" if scale is not None else "conv_batch_norm",
