@@ -35,7 +35,8 @@ class NetProgram:
 
     ``kernels`` (layer name -> :class:`caffejax.lower.optimize.Kernel`, e.g. ``optimize.layout_kernels``)
     run those layers channels-last; values move between layouts where a reader needs the other one (each
-    move made once) and every value leaves ``run_layers`` in Caffe's layout. Forward and
+    move made once) and every value leaves ``run_layers`` in Caffe's layout; a kernel with a ``chain`` computes
+    its layer and the ones after it as one where the run allows (:meth:`_chain`). Forward and
     ``loss_and_grads`` use them; paths that put per-value masks or perturbations on values (Net.backward's
     diffs, caffejax.grad's blob masks) run Caffe's layout throughout, as those have Caffe's shapes.
     """
