@@ -325,6 +325,26 @@ def test_a_forward_over_a_python_layer_runs_it_once(layers_module):
     assert counts.calls - start == 1
 
 
+def test_a_forward_over_a_python_layer_hands_back_every_blob_a_chain_made(layers_module):
+    """Such a pass hands back every blob; the values inside a Convolution -> BatchNorm chain (folded, never
+    made) are no blob's, and the blob they share holds the chain's output."""
+    conv = ('layer { name: "conv" type: "Convolution" bottom: "counted" top: "conv" convolution_param { '
+            'num_output: 4 kernel_size: 1 weight_filler { type: "gaussian" std: 0.5 } } }\n'
+            'layer { name: "bn" type: "BatchNorm" bottom: "conv" top: "conv" '
+            'batch_norm_param { use_global_stats: true } }\n')
+    text = _input(2, 3, 5, 5, name="a") + _python_layer("count", "Counts", ["a"], "counted") + conv
+    nets = [caffejax.Net(text, caffejax.TEST, allow_python_layers=True, channels_last=cl) for cl in (False, True)]
+    assert nets[1]._program.kernels["conv"].chain is not None
+    x = np.random.default_rng(0).normal(size=(2, 3, 5, 5)).astype(np.float32)
+    for net in nets:
+        net.params["conv"][0].data[...] = nets[0].params["conv"][0].data
+        net.params["bn"][0].data[...] = [1, -2, 0.5, 3]
+        net.params["bn"][1].data[...] = [4, 1, 2, 0.5]
+        net.params["bn"][2].data[...] = 2
+        net.forward(a=x)
+    np.testing.assert_allclose(nets[1].blobs["conv"].data, nets[0].blobs["conv"].data, rtol=1e-5, atol=1e-5)
+
+
 def test_python_layer_failures_name_the_layer(layers_module):
     with pytest.raises(caffejax.GraphError, match="layer 'f' \\(type Python\\): the Python layer's setup failed: "
                                                   "ValueError: bad param_str"):
