@@ -508,3 +508,25 @@ def test_a_net_run_that_cuts_a_chain_runs_its_layers_one_by_one():
     for net in nets:
         net.forward(start="a_scale")
     assert_close(nets[1].blobs["loss"].data, nets[0].blobs["loss"].data, FORWARD_RTOL, FORWARD_ATOL, "loss")
+
+
+def test_gradient_masks_reach_the_layers_inside_a_chain():
+    """caffejax.value_and_grad's layer and param masks on a chain's convolution and Scale: the same gradients
+    as the NCHW net's, where the chain runs layer by layer."""
+    import jax
+
+    x = np.random.default_rng(5).normal(size=(2, 6, 7, 7)).astype(np.float32)
+    prune = (np.random.default_rng(6).random((8, 6, 3, 3)) > 0.5).astype(np.float32)
+    masks = {"layers": {"a_scale": 0.0, "g_bn": 0.0}, "params": {("a", 0): prune, ("g_scale", 0): np.full(8, 0.5)}}
+    results = []
+    for channels_last in (False, True):
+        net = _chain_net(channels_last)
+        fn = caffejax.value_and_grad(net, masks=masks)
+        results.append(jax.jit(fn)(net.param_arrays(), {"data": x, "label": np.array([2, 0], np.float32)}))
+    (loss, grads), (fast_loss, fast_grads) = results
+    assert_close(fast_loss, loss, FORWARD_RTOL, FORWARD_ATOL, "loss")
+    scale = max(float(np.abs(b).max()) for blobs in grads.values() for b in blobs)
+    for name, blobs in grads.items():
+        for i, (a, b) in enumerate(zip(fast_grads[name], blobs)):
+            np.testing.assert_allclose(a, b, rtol=DIFF_RTOL, atol=DIFF_ATOL * scale, err_msg=f"d {name}[{i}]")
+    assert not np.any(fast_grads["a_scale"][0]) and not np.any(fast_grads["a"][0][prune == 0])
