@@ -427,8 +427,10 @@ CHAIN_NET = (
     + _conv("g", "b", "g", 8, 3, "pad: 1 group: 2 bias_term: false")
     + _layer("g_bn", "BatchNorm", ["g"], ["g"], "batch_norm_param { use_global_stats: true }")
     + _layer("g_scale", "Scale", ["g"], ["g"], 'scale_param { filler { type: "uniform" min: 0.5 max: 1.5 } }')
+    # depthwise (the shifted multiply-adds with their own filter gradient) -> BN -> Scale
+    + _conv("dw", "g", "dw", 8, 3, "pad: 1 group: 8 bias_term: false") + _bn_scale("dw", "dw")
     # the BatchNorm writes a new blob: the convolution's output is a blob's final value, so no chain
-    + _conv("d", "g", "d", 8, 1)
+    + _conv("d", "dw", "d", 8, 1)
     + _layer("d_bn", "BatchNorm", ["d"], ["d_bn"], "batch_norm_param { use_global_stats: true }")
     # propagate_down: false on the BatchNorm stops the gradient inside the chain: run layer by layer
     + _conv("p", "d_bn", "p", 8, 1)
@@ -456,6 +458,7 @@ def test_batch_norm_chains_form_only_where_nothing_sees_inside():
     chains = {name: (k.chain.name, k.chain.layers) for name, k in kernels.items() if k.chain is not None}
     assert chains == {"a": ("conv_batch_norm_scale", ("a_bn", "a_scale")), "b": ("conv_batch_norm", ("b_bn",)),
                       "g": ("conv_batch_norm_scale", ("g_bn", "g_scale")),
+                      "dw": ("conv_batch_norm_scale", ("dw_bn", "dw_scale")),
                       "p": ("conv_batch_norm_scale", ("p_bn", "p_scale")),
                       "f": ("conv_batch_norm_scale", ("f_bn", "f_scale"))}
     # BatchNorm with the batch's statistics: nothing to fold
@@ -487,7 +490,7 @@ def test_batch_norm_chains_keep_caffes_loss_and_gradients():
         for i, (a, b) in enumerate(zip(fast_grads[name], blobs)):
             np.testing.assert_allclose(a, b, rtol=DIFF_RTOL, atol=DIFF_ATOL * scale, err_msg=f"d {name}[{i}]")
     assert not np.any(fast_grads["p"][0]) and np.any(fast_grads["f_scale"][0]) and not np.any(fast_grads["f"][0])
-    inside = {graph.layer(name).top_values[0] for name in ("a", "a_bn", "b", "g", "g_bn", "f", "f_bn")}
+    inside = {graph.layer(name).top_values[0] for name in ("a", "a_bn", "b", "g", "g_bn", "dw", "dw_bn", "f", "f_bn")}
     assert inside <= set(env) and not inside & set(fast_env)  # the chains ran folded
     assert graph.layer("p").top_values[0] in fast_env          # the cut one did not
 

@@ -671,8 +671,10 @@ def batch_norm_chains(graph: Graph, kernels: Mapping[str, Kernel]) -> dict[str, 
     and are no blob's final value (the layers write in place, as ResNet's do): nothing outside could see them."""
     users, outputs = _consumers(graph), _output_values(graph)
     final = set(graph.blob_value.values())
-    hidden = lambda value, reader: (value not in final  # noqa: E731
-                                    and _only_consumer(graph, value, users, outputs) is reader)
+
+    def hidden(value: str, reader: Layer) -> bool:
+        return value not in final and _only_consumer(graph, value, users, outputs) is reader
+
     out = dict(kernels)
     for conv in graph.layers:
         head = kernels.get(conv.name)
