@@ -96,8 +96,9 @@ class Net:
     (only for trusted models). ``debug_nans`` checks every forward's outputs and, when one holds NaN or Inf,
     raises a NumericalError naming the first layer that produced it (caffejax.find_first_nan).
     ``channels_last`` runs convolutions, pooling, LRN, Concat and per-channel layers channels-last inside
-    the compiled programs (``optimize.layout_kernels``; blobs stay NCHW): the same values up to float
-    rounding, several times faster on CPUs. False runs Caffe's rules in Caffe's layout throughout.
+    the compiled programs, and in-place Convolution -> BatchNorm (global statistics) -> Scale chains as one
+    folded convolution (``optimize.layout_kernels``; blobs stay NCHW): the same values up to float rounding,
+    several times faster on CPUs. False runs Caffe's rules in Caffe's layout throughout.
     """
 
     def __init__(self, network, *args, phase: int | None = None, weights: str | None = None, level: int = 0,
