@@ -326,23 +326,33 @@ def test_a_forward_over_a_python_layer_runs_it_once(layers_module):
 
 
 def test_a_forward_over_a_python_layer_hands_back_every_blob_a_chain_made(layers_module):
-    """Such a pass hands back every blob; the values inside a Convolution -> BatchNorm chain (folded, never
-    made) are no blob's, and the blob they share holds the chain's output."""
-    conv = ('layer { name: "conv" type: "Convolution" bottom: "counted" top: "conv" convolution_param { '
-            'num_output: 4 kernel_size: 1 weight_filler { type: "gaussian" std: 0.5 } } }\n'
-            'layer { name: "bn" type: "BatchNorm" bottom: "conv" top: "conv" '
-            'batch_norm_param { use_global_stats: true } }\n')
-    text = _input(2, 3, 5, 5, name="a") + _python_layer("count", "Counts", ["a"], "counted") + conv
+    """Such a pass hands back every blob: the values inside an in-place Convolution -> BatchNorm chain (folded,
+    never made) are no blob's, and the blob they share holds the chain's output; a chain whose BatchNorm writes
+    a new blob runs layer by layer, so that its convolution's blob comes back too."""
+    def conv_bn(name, bottom, bn_top):
+        return (f'layer {{ name: "{name}" type: "Convolution" bottom: "{bottom}" top: "{name}" convolution_param '
+                f'{{ num_output: 3 kernel_size: 1 weight_filler {{ type: "gaussian" std: 0.5 }} }} }}\n'
+                f'layer {{ name: "{name}_bn" type: "BatchNorm" bottom: "{name}" top: "{bn_top}" '
+                f'batch_norm_param {{ use_global_stats: true }} }}\n')
+
+    text = (_input(2, 3, 5, 5, name="a") + _python_layer("count", "Counts", ["a"], "counted")
+            + conv_bn("conv", "counted", "conv") + conv_bn("conv2", "conv", "bn2"))
     nets = [caffejax.Net(text, caffejax.TEST, allow_python_layers=True, channels_last=cl) for cl in (False, True)]
-    assert nets[1]._program.kernels["conv"].chain is not None
+    assert nets[1]._program.kernels["conv"].chain and nets[1]._program.kernels["conv2"].chain.visible
+    counts = sys.modules["caffejax_test_pylayers"].Counts
     x = np.random.default_rng(0).normal(size=(2, 3, 5, 5)).astype(np.float32)
     for net in nets:
-        net.params["conv"][0].data[...] = nets[0].params["conv"][0].data
-        net.params["bn"][0].data[...] = [1, -2, 0.5, 3]
-        net.params["bn"][1].data[...] = [4, 1, 2, 0.5]
-        net.params["bn"][2].data[...] = 2
+        for name in ("conv", "conv2"):
+            net.params[name][0].data[...] = nets[0].params[name][0].data
+            net.params[name + "_bn"][0].data[...] = [1, -2, 0.5]
+            net.params[name + "_bn"][1].data[...] = [4, 1, 2]
+            net.params[name + "_bn"][2].data[...] = 2
+        start = counts.calls
         net.forward(a=x)
-    np.testing.assert_allclose(nets[1].blobs["conv"].data, nets[0].blobs["conv"].data, rtol=1e-5, atol=1e-5)
+        assert all(blob._data._pending is None for blob in net.blobs.values())
+        assert counts.calls - start == 1
+    for name in ("conv", "conv2", "bn2"):
+        np.testing.assert_allclose(nets[1].blobs[name].data, nets[0].blobs[name].data, rtol=1e-5, atol=1e-5)
 
 
 def test_python_layer_failures_name_the_layer(layers_module):

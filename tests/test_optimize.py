@@ -429,16 +429,19 @@ CHAIN_NET = (
     + _layer("g_scale", "Scale", ["g"], ["g"], 'scale_param { filler { type: "uniform" min: 0.5 max: 1.5 } }')
     # depthwise (the shifted multiply-adds with their own filter gradient) -> BN -> Scale
     + _conv("dw", "g", "dw", 8, 3, "pad: 1 group: 8 bias_term: false") + _bn_scale("dw", "dw")
-    # the BatchNorm writes a new blob: the convolution's output is a blob's final value, so no chain
+    # the BatchNorm writes a new blob: the convolution's output is a blob's final value, a visible chain
     + _conv("d", "dw", "d", 8, 1)
     + _layer("d_bn", "BatchNorm", ["d"], ["d_bn"], "batch_norm_param { use_global_stats: true }")
+    # a second reader of the convolution's output: no chain
+    + _conv("m", "data", "m", 8, 1)
+    + _layer("m_bn", "BatchNorm", ["m"], ["m_bn"], "batch_norm_param { use_global_stats: true }")
     # propagate_down: false on the BatchNorm stops the gradient inside the chain: run layer by layer
     + _conv("p", "d_bn", "p", 8, 1)
     + _layer("p_bn", "BatchNorm", ["p"], ["p"], "batch_norm_param { use_global_stats: true } propagate_down: false")
     + _layer("p_scale", "Scale", ["p"], ["p"], 'scale_param { bias_term: true }')
     # a frozen convolution of the data with a learnable Scale: no gradient passes the chain, gamma's still comes
     + _frozen(_conv("f", "data", "f", 8, 3, "pad: 1 bias_term: false")) + _bn_scale("f", "f")
-    + _layer("sum", "Eltwise", ["p", "f", "a"], ["sum"])
+    + _layer("sum", "Eltwise", ["p", "f", "a", "m", "m_bn"], ["sum"])
     + _layer("pool", "Pooling", ["sum"], ["pool"], "pooling_param { pool: AVE global_pooling: true }")
     + _layer("fc", "InnerProduct", ["pool"], ["fc"],
              'inner_product_param { num_output: 4 weight_filler { type: "gaussian" std: 0.2 } }')
@@ -453,14 +456,16 @@ def _chain_net(channels_last=True):
     return net
 
 
-def test_batch_norm_chains_form_only_where_nothing_sees_inside():
+def test_batch_norm_chains_form_where_each_inner_value_has_one_reader():
     kernels = optimize.layout_kernels(_chain_net().graph)
-    chains = {name: (k.chain.name, k.chain.layers) for name, k in kernels.items() if k.chain is not None}
-    assert chains == {"a": ("conv_batch_norm_scale", ("a_bn", "a_scale")), "b": ("conv_batch_norm", ("b_bn",)),
-                      "g": ("conv_batch_norm_scale", ("g_bn", "g_scale")),
-                      "dw": ("conv_batch_norm_scale", ("dw_bn", "dw_scale")),
-                      "p": ("conv_batch_norm_scale", ("p_bn", "p_scale")),
-                      "f": ("conv_batch_norm_scale", ("f_bn", "f_scale"))}
+    chains = {name: (k.chain.name, k.chain.layers, k.chain.visible) for name, k in kernels.items() if k.chain}
+    assert chains == {"a": ("conv_batch_norm_scale", ("a_bn", "a_scale"), False),
+                      "b": ("conv_batch_norm", ("b_bn",), False),
+                      "g": ("conv_batch_norm_scale", ("g_bn", "g_scale"), False),
+                      "dw": ("conv_batch_norm_scale", ("dw_bn", "dw_scale"), False),
+                      "d": ("conv_batch_norm", ("d_bn",), True),
+                      "p": ("conv_batch_norm_scale", ("p_bn", "p_scale"), False),
+                      "f": ("conv_batch_norm_scale", ("f_bn", "f_scale"), False)}
     # BatchNorm with the batch's statistics: nothing to fold
     train_stats = caffejax.Net(CHAIN_NET.replace("use_global_stats: true", "use_global_stats: false"),
                                caffejax.TRAIN).graph
@@ -493,6 +498,7 @@ def test_batch_norm_chains_keep_caffes_loss_and_gradients():
     inside = {graph.layer(name).top_values[0] for name in ("a", "a_bn", "b", "g", "g_bn", "dw", "dw_bn", "f", "f_bn")}
     assert inside <= set(env) and not inside & set(fast_env)  # the chains ran folded
     assert graph.layer("p").top_values[0] in fast_env          # the cut one did not
+    assert graph.layer("d").top_values[0] in fast_env          # nor the visible one (its blob is handed back)
 
 
 def test_a_net_run_that_cuts_a_chain_runs_its_layers_one_by_one():
@@ -510,7 +516,28 @@ def test_a_net_run_that_cuts_a_chain_runs_its_layers_one_by_one():
                          f"{name} after forward(end={end})")
     for net in nets:
         net.forward(start="a_scale")
-    assert_close(nets[1].blobs["loss"].data, nets[0].blobs["loss"].data, FORWARD_RTOL, FORWARD_ATOL, "loss")
+    for name in ("loss", "d_bn", "d"):  # "d", inside a visible chain: made again, layer by layer, when read
+        assert_close(nets[1].blobs[name].data, nets[0].blobs[name].data, FORWARD_RTOL, FORWARD_ATOL, name)
+
+
+def test_a_forward_folds_a_visible_chain_and_makes_its_blobs_when_read():
+    """Net.forward's pass folds the chain whose convolution writes a blob of its own (MobileNet's BatchNorms
+    write new blobs); the blob is made again, layer by layer, on its first read."""
+    net = _chain_net()
+    graph, program = net.graph, net._program
+    inside = graph.layer("d").top_values[0]
+    env = {graph.fed["data"]: np.zeros((2, 6, 7, 7), np.float32), graph.fed["label"]: np.zeros(2, np.float32)}
+    folded, _ = program.run_layers(graph.layers, net.param_arrays(), env, None, kernels=program.kernels,
+                                   fold_visible=True)
+    plain, _ = program.run_layers(graph.layers, net.param_arrays(), env, None, kernels=program.kernels)
+    assert inside not in folded and inside in plain
+    x = np.random.default_rng(8).normal(size=(2, 6, 7, 7)).astype(np.float32)
+    reference = _chain_net(channels_last=False)
+    for n in (net, reference):
+        n.forward(data=x, label=np.array([1, 1], np.float32))
+    assert net.blobs["d"]._data._pending is not None  # not handed back by the pass
+    for name in ("loss", "d", "d_bn", "sum"):
+        assert_close(net.blobs[name].data, reference.blobs[name].data, FORWARD_RTOL, FORWARD_ATOL, name)
 
 
 def test_gradient_masks_reach_the_layers_inside_a_chain():

@@ -73,11 +73,14 @@ class Chain:
     layer's tops; the values in between are never made. ``layers`` names the layers after the first.
 
     A program runs a chain only where all its layers run together and Caffe's backward sends a gradient
-    through every link or through none (``NetProgram.run_layers``); elsewhere each layer runs its own kernel."""
+    through every link or through none (``NetProgram.run_layers``); elsewhere each layer runs its own kernel.
+    ``visible``: a blob ends up holding a value inside the chain (a BatchNorm writing a new blob), so only
+    programs that hand none of them back run it (``fold_visible``)."""
 
     name: str
     layers: tuple[str, ...]
     forward: ForwardFn
+    visible: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -632,7 +635,7 @@ def layout_kernels(graph: Graph) -> dict[str, Kernel]:
     return batch_norm_chains(graph, kernels)
 
 
-def _conv_batch_norm_chain(head: Kernel, conv: Layer, bn: Layer, scale: Layer | None) -> Chain:
+def _conv_batch_norm_chain(head: Kernel, conv: Layer, bn: Layer, scale: Layer | None, visible: bool) -> Chain:
     """Convolution -> BatchNorm (global statistics) [-> per-channel Scale] as the convolution with the chain's
     per-channel map a y + c folded into its arrays in the program: W' = a W, b' = a b + c.
 
@@ -662,34 +665,33 @@ def _conv_batch_norm_chain(head: Kernel, conv: Layer, bn: Layer, scale: Layer | 
         return head.forward(ctx, bottoms, head.prepare([folded, c]))
 
     return Chain("conv_batch_norm_scale" if scale is not None else "conv_batch_norm",
-                 (bn.name,) + ((scale.name,) if scale is not None else ()), forward)
+                 (bn.name,) + ((scale.name,) if scale is not None else ()), forward, visible)
 
 
 def batch_norm_chains(graph: Graph, kernels: Mapping[str, Kernel]) -> dict[str, Kernel]:
     """``kernels`` with a chain on each channels-last Convolution that a BatchNorm with global statistics
-    follows (and a per-channel Scale after that), where the values in between are read by the next link alone
-    and are no blob's final value (the layers write in place, as ResNet's do): nothing outside could see them."""
+    follows (and a per-channel Scale after that), where each value in between is read by the next link alone
+    and is no net output. A chain is ``visible`` where such a value is also a blob's final value (written to
+    a new blob); the in-place chains ResNet writes are not."""
     users, outputs = _consumers(graph), _output_values(graph)
     final = set(graph.blob_value.values())
-
-    def hidden(value: str, reader: Layer) -> bool:
-        return value not in final and _only_consumer(graph, value, users, outputs) is reader
-
     out = dict(kernels)
     for conv in graph.layers:
         head = kernels.get(conv.name)
         if conv.type != "Convolution" or head is None or head.layout != NHWC or len(conv.top_values) != 1:
             continue
-        readers = users.get(conv.top_values[0], [])
-        bn = readers[0] if len(readers) == 1 else None
+        bn = _only_consumer(graph, conv.top_values[0], users, outputs)
         if (bn is None or bn.type != "BatchNorm" or not _uses_global_stats(bn, graph.phase)
-                or len(bn.top_values) != 1 or not hidden(conv.top_values[0], bn)):
+                or len(bn.top_values) != 1):
             continue
-        readers = users.get(bn.top_values[0], [])
-        scale = readers[0] if len(readers) == 1 and readers[0].type == "Scale" else None
-        if scale is not None and not (_channel_scale_shape(scale, graph) and hidden(bn.top_values[0], scale)):
+        inner = [conv.top_values[0]]
+        scale = _only_consumer(graph, bn.top_values[0], users, outputs)
+        if scale is not None and scale.type == "Scale" and _channel_scale_shape(scale, graph):
+            inner.append(bn.top_values[0])
+        else:
             scale = None
-        out[conv.name] = dataclasses.replace(head, chain=_conv_batch_norm_chain(head, conv, bn, scale))
+        visible = any(value in final for value in inner)
+        out[conv.name] = dataclasses.replace(head, chain=_conv_batch_norm_chain(head, conv, bn, scale, visible))
     return out
 
 

@@ -53,7 +53,7 @@ class NetProgram:
                    blob_masks: Mapping[str, Any] | None = None,
                    param_masks: Mapping[tuple[str, int], Any] | None = None,
                    kernels: Mapping[str, Any] | None = None, layouts: Mapping[str, str] | None = None,
-                   restore_layout: bool = True) -> tuple[Values, Updates]:
+                   restore_layout: bool = True, fold_visible: bool = False) -> tuple[Values, Updates]:
         """Run ``layers`` over ``env`` (value id -> array, holding at least their bottoms).
 
         ``masks`` applies Caffe's backward masks as stop_gradient. ``perturb`` adds a zero-valued array to
@@ -62,7 +62,8 @@ class NetProgram:
         a layer sends to one of its learnable blobs: research hooks, see caffejax.grad.
         ``kernels`` run the named layers their way (see the class docstring); not with ``perturb``/``blob_masks``.
         With kernels, ``layouts`` says which values of ``env`` are not in NCHW, and ``restore_layout=False``
-        leaves every value in the layout it was made in (one layer timed as it runs inside the net).
+        leaves every value in the layout it was made in (one layer timed as it runs inside the net);
+        ``fold_visible`` runs the chains whose inner values blobs hold too (the caller hands none of them back).
         Returns the environment with every value computed, and the params layers rewrote.
         """
         env = dict(env)
@@ -79,7 +80,7 @@ class NetProgram:
             if layer.is_input or layer.name in absorbed:
                 continue
             kernel = kernels.get(layer.name) if kernels else None
-            chain = self._chain(layer, kernel, running, masks)
+            chain = self._chain(layer, kernel, running, masks, fold_visible)
             layout = tracked.layout_for(kernel, layer.bottom_values) if tracked else None
             bottoms = [tracked.fetch(v, layout) for v in layer.bottom_values] if tracked else \
                 [env[v] for v in layer.bottom_values]
@@ -134,13 +135,14 @@ class NetProgram:
                      for i, p in enumerate(blobs)]
         return blobs
 
-    def _chain(self, layer: Layer, kernel, running: set[str], masks: bool) -> list[Layer]:
+    def _chain(self, layer: Layer, kernel, running: set[str], masks: bool, fold_visible: bool) -> list[Layer]:
         """The layers after ``layer`` its kernel's chain computes with it in this run, or none (run one by one).
 
-        A chain runs when all its layers do, and, under Caffe's masks, when the gradient passes every link or
-        none: the folded form cannot stop a gradient in the middle (propagate_down: false on a link)."""
+        A chain runs when all its layers do (and, if visible, when ``fold_visible``), and, under Caffe's masks,
+        when the gradient passes every link or none: the folded form cannot stop a gradient in the middle
+        (propagate_down: false on a link)."""
         chain = kernel.chain if kernel is not None else None
-        if chain is None or not running.issuperset(chain.layers):
+        if chain is None or not running.issuperset(chain.layers) or (chain.visible and not fold_visible):
             return []
         links = [self.graph.layer(name) for name in chain.layers]
         if masks:

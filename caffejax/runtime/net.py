@@ -96,8 +96,8 @@ class Net:
     (only for trusted models). ``debug_nans`` checks every forward's outputs and, when one holds NaN or Inf,
     raises a NumericalError naming the first layer that produced it (caffejax.find_first_nan).
     ``channels_last`` runs convolutions, pooling, LRN, Concat and per-channel layers channels-last inside
-    the compiled programs, and in-place Convolution -> BatchNorm (global statistics) -> Scale chains as one
-    folded convolution (``optimize.layout_kernels``; blobs stay NCHW): the same values up to float rounding,
+    the compiled programs, and Convolution -> BatchNorm (global statistics) [-> Scale] chains as one folded
+    convolution (``optimize.layout_kernels``; blobs stay NCHW): the same values up to float rounding,
     several times faster on CPUs. False runs Caffe's rules in Caffe's layout throughout.
     """
 
@@ -433,10 +433,13 @@ class Net:
         layers = self._program.layers_between(start, end)
         program = self._program
         returned = sorted(self._returned_values(layers))
+        # A pass that can run again folds the chains whose inner values blobs hold: those blobs are recomputed
+        # layer by layer when read (_defer_blobs). Other chains' inner values are never made.
+        reruns = self._reruns(layers)
 
         def outputs_only(params, env, key):
-            values, updates = program.run_layers(layers, params, env, key, kernels=program.kernels)
-            # The values inside a kernel's chain are never made (no blob ends up holding them).
+            values, updates = program.run_layers(layers, params, env, key, kernels=program.kernels,
+                                                 fold_visible=reruns)
             return {v: values[v] for v in returned if v in values}, updates, program.loss(values, layers)
 
         fn = self._jitted("forward", start, end, self._with_concrete(outputs_only))
@@ -462,14 +465,20 @@ class Net:
                 self._param_blobs[(owner, i)]._data.set(value)
         return float(loss)
 
+    @staticmethod
+    def _reruns(layers) -> bool:
+        """Whether a pass over ``layers`` may run again to make the blobs it did not hand back: not over a Python
+        layer, which may keep state between calls (a Python data layer serves the next batch)."""
+        return not any(layer.type == "Python" for layer in layers)
+
     def _returned_values(self, layers) -> set[str]:
         """The values a compiled pass over ``layers`` hands back: the outputs (values no layer there reads), the
         loss-weighted values and the carried state. The other blobs are recomputed when read
-        (:meth:`_defer_blobs`), except over a Python layer, which may keep state between calls (a Python data
-        layer serves the next batch): such a pass is not run twice, and hands back every value."""
+        (:meth:`_defer_blobs`), except where the pass may not run twice (:meth:`_reruns`): such a pass hands back
+        every value."""
         tops = {v for layer in layers if not layer.is_input for v in layer.top_values}
         state = {v for layer in layers for v in layer.state_out}
-        if any(layer.type == "Python" for layer in layers):
+        if not self._reruns(layers):
             return tops | state
         consumed = {v for layer in layers for v in layer.bottom_values}
         return {v for v in tops if v not in consumed} | set(self._program.loss_weighted_values(layers)) | state
