@@ -432,6 +432,9 @@ CHAIN_NET = (
     # the BatchNorm writes a new blob: the convolution's output is a blob's final value, a visible chain
     + _conv("d", "dw", "d", 8, 1)
     + _layer("d_bn", "BatchNorm", ["d"], ["d_bn"], "batch_norm_param { use_global_stats: true }")
+    # a loss weight on a convolution's output: InsertSplits gives it a second reader, so no chain
+    + _conv("lw", "data", "lw", 8, 1).replace("} }\n", "} loss_weight: 0.01 }\n", 1)
+    + _layer("lw_bn", "BatchNorm", ["lw"], ["lw_bn"], "batch_norm_param { use_global_stats: true }")
     # a second reader of the convolution's output: no chain
     + _conv("m", "data", "m", 8, 1)
     + _layer("m_bn", "BatchNorm", ["m"], ["m_bn"], "batch_norm_param { use_global_stats: true }")
@@ -441,7 +444,7 @@ CHAIN_NET = (
     + _layer("p_scale", "Scale", ["p"], ["p"], 'scale_param { bias_term: true }')
     # a frozen convolution of the data with a learnable Scale: no gradient passes the chain, gamma's still comes
     + _frozen(_conv("f", "data", "f", 8, 3, "pad: 1 bias_term: false")) + _bn_scale("f", "f")
-    + _layer("sum", "Eltwise", ["p", "f", "a", "m", "m_bn"], ["sum"])
+    + _layer("sum", "Eltwise", ["p", "f", "a", "m", "m_bn", "lw_bn"], ["sum"])
     + _layer("pool", "Pooling", ["sum"], ["pool"], "pooling_param { pool: AVE global_pooling: true }")
     + _layer("fc", "InnerProduct", ["pool"], ["fc"],
              'inner_product_param { num_output: 4 weight_filler { type: "gaussian" std: 0.2 } }')
@@ -470,6 +473,19 @@ def test_batch_norm_chains_form_where_each_inner_value_has_one_reader():
     train_stats = caffejax.Net(CHAIN_NET.replace("use_global_stats: true", "use_global_stats: false"),
                                caffejax.TRAIN).graph
     assert not any(k.chain for k in optimize.layout_kernels(train_stats).values())
+
+
+def test_a_chain_never_takes_in_a_loss_weighted_value():
+    """Its inner values are never made, so a loss weight on one (a graph InsertSplits did not see) ends the
+    chain before it."""
+    import dataclasses
+
+    graph = _chain_net().graph
+    for weighted, layers in (("a", None), ("a_bn", ("a_bn",))):
+        changed = [dataclasses.replace(layer, loss_weights=[0.5]) if layer.name == weighted else layer
+                   for layer in graph.layers]
+        chain = optimize.layout_kernels(dataclasses.replace(graph, layers=changed))["a"].chain
+        assert (chain and chain.layers) == layers
 
 
 def test_batch_norm_chains_keep_caffes_loss_and_gradients():
@@ -560,3 +576,40 @@ def test_gradient_masks_reach_the_layers_inside_a_chain():
         for i, (a, b) in enumerate(zip(fast_grads[name], blobs)):
             np.testing.assert_allclose(a, b, rtol=DIFF_RTOL, atol=DIFF_ATOL * scale, err_msg=f"d {name}[{i}]")
     assert not np.any(fast_grads["a_scale"][0]) and not np.any(fast_grads["a"][0][prune == 0])
+
+
+def test_a_solver_step_folds_visible_chains_and_keeps_caffes_weights(monkeypatch):
+    """A Solver iteration hands back only the loss (one pass, one device), so it folds the visible chain too;
+    its convolution's blob is made when read. Weights after two SGD steps and the blobs equal a solver's
+    without chains."""
+    from caffejax.lower.program import NetProgram
+    from caffejax.proto import caffe_pb2
+    from caffejax.frontend.prototxt import parse_net_text
+
+    def solver():
+        param = caffe_pb2.SolverParameter(type="SGD", base_lr=0.1, momentum=0.9, lr_policy="fixed", max_iter=5)
+        param.net_param.CopyFrom(parse_net_text(CHAIN_NET))
+        caffejax.set_random_seed(6)
+        s = caffejax.get_solver(param)
+        _randomize_batchnorm(s.net)
+        s.net.blobs["data"].data[...] = np.random.default_rng(9).normal(size=(2, 6, 7, 7))
+        s.net.blobs["label"].data[...] = [3, 1]
+        return s
+
+    folds = []
+    run_layers = NetProgram.run_layers
+    monkeypatch.setattr(NetProgram, "run_layers", lambda self, *a, **k: folds.append(k.get("fold_visible"))
+                        or run_layers(self, *a, **k))
+    chained = solver()
+    assert chained.net._program.kernels["d"].chain.visible
+    chained.step(2)
+    assert folds and all(folds)  # both traces of the iteration (the step program is traced once)
+    monkeypatch.setattr(optimize, "batch_norm_chains", lambda graph, kernels: dict(kernels))
+    plain = solver()
+    assert not any(k.chain for k in plain.net._program.kernels.values())
+    plain.step(2)
+    for name, blobs in plain.net.params.items():
+        for i, blob in enumerate(blobs):
+            assert_close(chained.net.params[name][i].data, blob.data, FORWARD_RTOL, FORWARD_ATOL, f"{name}[{i}]")
+    for name in ("d", "d_bn", "lw", "lw_bn", "loss"):
+        assert_close(chained.net.blobs[name].data, plain.net.blobs[name].data, FORWARD_RTOL, FORWARD_ATOL, name)

@@ -678,7 +678,9 @@ def batch_norm_chains(graph: Graph, kernels: Mapping[str, Kernel]) -> dict[str, 
     out = dict(kernels)
     for conv in graph.layers:
         head = kernels.get(conv.name)
-        if conv.type != "Convolution" or head is None or head.layout != NHWC or len(conv.top_values) != 1:
+        # A value inside a chain is never made, so none may carry a loss weight.
+        if (conv.type != "Convolution" or head is None or head.layout != NHWC or len(conv.top_values) != 1
+                or any(conv.loss_weights)):
             continue
         bn = _only_consumer(graph, conv.top_values[0], users, outputs)
         if (bn is None or bn.type != "BatchNorm" or not _uses_global_stats(bn, graph.phase)
@@ -686,7 +688,8 @@ def batch_norm_chains(graph: Graph, kernels: Mapping[str, Kernel]) -> dict[str, 
             continue
         inner = [conv.top_values[0]]
         scale = _only_consumer(graph, bn.top_values[0], users, outputs)
-        if scale is not None and scale.type == "Scale" and _channel_scale_shape(scale, graph):
+        if (scale is not None and scale.type == "Scale" and _channel_scale_shape(scale, graph)
+                and not any(bn.loss_weights)):
             inner.append(bn.top_values[0])
         else:
             scale = None

@@ -193,17 +193,18 @@ class NetProgram:
 
     def loss_and_grads(self, params: Params, inputs: Values, key: jax.Array | None = None,
                        blob_masks: Mapping[str, Any] | None = None,
-                       param_masks: Mapping[tuple[str, int], Any] | None = None
+                       param_masks: Mapping[tuple[str, int], Any] | None = None, fold_visible: bool = False
                        ) -> tuple[jax.Array, Params, tuple[Values, Updates]]:
         """Caffe's training objective and its gradient with respect to ``params``.
 
         The objective is Net::ForwardBackward's: loss tops seeded with their weights, other outputs with a
-        zero diff, Caffe's masks applied. Returns (loss, grads shaped like ``params``, (values, updates)).
+        zero diff, Caffe's masks applied. Returns (loss, grads shaped like ``params``, (values, updates));
+        with ``fold_visible`` (see :meth:`run_layers`) the values inside visible chains are not among them.
         """
         def objective(params):
             env, updates = self.run_layers(self.graph.layers, params, inputs, key, masks=True,
                                            blob_masks=blob_masks, param_masks=param_masks,
-                                           kernels=None if blob_masks else self.kernels)
+                                           kernels=None if blob_masks else self.kernels, fold_visible=fold_visible)
             return self.loss(env), (env, updates)
 
         (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(params)

@@ -769,7 +769,9 @@ def _train_step_fn(program, solver: Solver, device_axis: str | None = None, retu
 
     def one_pass(params, inputs, key):
         """Net::ForwardBackward: the loss and param diffs, with the params forward rewrote (BatchNorm)."""
-        loss, grads, (env, rewritten) = program.loss_and_grads(params, inputs, key)
+        # A step that hands back only some blobs folds the chains whose inner values blobs hold (they are among
+        # the blobs recomputed when read).
+        loss, grads, (env, rewritten) = program.loss_and_grads(params, inputs, key, fold_visible=returned is not None)
         params = {name: list(blobs) for name, blobs in params.items()}
         for owner, changed in rewritten.items():
             for index, value in changed.items():
