@@ -613,3 +613,35 @@ def test_a_solver_step_folds_visible_chains_and_keeps_caffes_weights(monkeypatch
             assert_close(chained.net.params[name][i].data, blob.data, FORWARD_RTOL, FORWARD_ATOL, f"{name}[{i}]")
     for name in ("d", "d_bn", "lw", "lw_bn", "loss"):
         assert_close(chained.net.blobs[name].data, plain.net.blobs[name].data, FORWARD_RTOL, FORWARD_ATOL, name)
+
+
+def test_backward_passes_run_only_the_chains_that_pay_there(monkeypatch):
+    """Differentiated, a chain costs passes over its filters: backward passes run it only where the output has
+    enough values per filter value (CHAIN_BACKWARD_MIN_RATIO); forward passes run every chain. The gradients
+    are Caffe's either way."""
+    import jax
+
+    from caffejax.lower.program import NetProgram
+
+    monkeypatch.setattr(optimize, "CHAIN_BACKWARD_MIN_RATIO", 5.0)  # batch 2 x 7x7 outputs: 98 per filter
+    net = _chain_net()
+    graph = net.graph
+    kernels = optimize.layout_kernels(graph)
+    # 3x3 over 6 channels (54 per filter), 3x3 over 8 in groups of 4 (36): 98 / 54 and 98 / 36 < 5
+    assert {name for name, k in kernels.items() if k.chain and not k.chain.differentiated} == {"a", "g", "f"}
+    rng = np.random.default_rng(3)
+    inputs = {graph.fed["data"]: rng.normal(size=(2, 6, 7, 7)).astype(np.float32),
+              graph.fed["label"]: np.array([1, 3], np.float32)}
+    params, key = net.param_arrays(), jax.random.key(0)
+    (loss, grads, _), (fast_loss, fast_grads, (env, _)) = [
+        jax.jit(program.loss_and_grads)(params, inputs, key)
+        for program in (NetProgram(graph), NetProgram(graph, kernels))]
+    assert_close(fast_loss, loss, FORWARD_RTOL, FORWARD_ATOL, "loss")
+    scale = max(float(np.abs(b).max()) for blobs in grads.values() for b in blobs)
+    for name, blobs in grads.items():
+        for i, (a, b) in enumerate(zip(fast_grads[name], blobs)):
+            np.testing.assert_allclose(a, b, rtol=DIFF_RTOL, atol=DIFF_ATOL * scale, err_msg=f"d {name}[{i}]")
+    value = {name: graph.layer(name).top_values[0] for name in ("a", "b", "g", "dw")}
+    assert value["a"] in env and value["g"] in env and value["b"] not in env and value["dw"] not in env
+    forward, _ = NetProgram(graph, kernels).run_layers(graph.layers, params, inputs, key, kernels=kernels)
+    assert not set(value.values()) & set(forward)

@@ -138,11 +138,12 @@ class NetProgram:
     def _chain(self, layer: Layer, kernel, running: set[str], masks: bool, fold_visible: bool) -> list[Layer]:
         """The layers after ``layer`` its kernel's chain computes with it in this run, or none (run one by one).
 
-        A chain runs when all its layers do (and, if visible, when ``fold_visible``), and, under Caffe's masks,
-        when the gradient passes every link or none: the folded form cannot stop a gradient in the middle
-        (propagate_down: false on a link)."""
+        A chain runs when all its layers do (and, if visible, when ``fold_visible``), and, under Caffe's masks
+        (a backward pass), when it is ``differentiated`` and the gradient passes every link or none: the folded
+        form cannot stop a gradient in the middle (propagate_down: false on a link)."""
         chain = kernel.chain if kernel is not None else None
-        if chain is None or not running.issuperset(chain.layers) or (chain.visible and not fold_visible):
+        if (chain is None or not running.issuperset(chain.layers) or (chain.visible and not fold_visible)
+                or (masks and not chain.differentiated)):
             return []
         links = [self.graph.layer(name) for name in chain.layers]
         if masks:
