@@ -319,6 +319,17 @@ def test_channels_last_net_forward_keeps_every_blob(phase):
             assert_close(a.data, b.data, FORWARD_RTOL, FORWARD_ATOL, name)
 
 
+def _assert_gradients_close(got, expected):
+    """Every param gradient at Caffe's diff tolerance. Some gradients are analytically zero (a bias before a
+    TRAIN BatchNorm) and hold only rounding noise: absolute errors are measured against the largest gradient
+    of the net."""
+    scale = max(float(np.abs(b).max()) for blobs in expected.values() for b in blobs if b is not None)
+    for name, blobs in expected.items():
+        for i, (a, b) in enumerate(zip(got[name], blobs)):
+            if b is not None:
+                np.testing.assert_allclose(a, b, rtol=DIFF_RTOL, atol=DIFF_ATOL * scale, err_msg=f"d {name}[{i}]")
+
+
 def test_channels_last_loss_and_gradients_are_caffes():
     """The training objective through the layout kernels: loss, every param gradient, BatchNorm's updates."""
     import jax
@@ -335,13 +346,7 @@ def test_channels_last_loss_and_gradients_are_caffes():
                for program in (NetProgram(graph), NetProgram(graph, optimize.layout_kernels(graph)))]
     (loss, grads, (env, updates)), (fast_loss, fast_grads, (fast_env, fast_updates)) = results
     assert_close(fast_loss, loss, FORWARD_RTOL, FORWARD_ATOL, "loss")
-    # Some gradients are analytically zero (a bias before a TRAIN BatchNorm) and hold only rounding noise:
-    # absolute errors are measured against the largest gradient of the net.
-    scale = max(float(np.abs(b).max()) for blobs in grads.values() for b in blobs if b is not None)
-    for name, blobs in grads.items():
-        for i, (a, b) in enumerate(zip(fast_grads[name], blobs)):
-            if b is not None:
-                np.testing.assert_allclose(a, b, rtol=DIFF_RTOL, atol=DIFF_ATOL * scale, err_msg=f"d {name}[{i}]")
+    _assert_gradients_close(fast_grads, grads)
     assert updates.keys() == fast_updates.keys() and updates
     for name, changed in updates.items():
         for i, value in changed.items():
@@ -506,10 +511,7 @@ def test_batch_norm_chains_keep_caffes_loss_and_gradients():
     (loss, grads, (env, _)), (fast_loss, fast_grads, (fast_env, _)) = [
         jax.jit(program.loss_and_grads)(params, inputs, key) for program in (NetProgram(graph), chained)]
     assert_close(fast_loss, loss, FORWARD_RTOL, FORWARD_ATOL, "loss")
-    scale = max(float(np.abs(b).max()) for blobs in grads.values() for b in blobs)
-    for name, blobs in grads.items():
-        for i, (a, b) in enumerate(zip(fast_grads[name], blobs)):
-            np.testing.assert_allclose(a, b, rtol=DIFF_RTOL, atol=DIFF_ATOL * scale, err_msg=f"d {name}[{i}]")
+    _assert_gradients_close(fast_grads, grads)
     assert not np.any(fast_grads["p"][0]) and np.any(fast_grads["f_scale"][0]) and not np.any(fast_grads["f"][0])
     inside = {graph.layer(name).top_values[0] for name in ("a", "a_bn", "b", "g", "g_bn", "dw", "dw_bn", "f", "f_bn")}
     assert inside <= set(env) and not inside & set(fast_env)  # the chains ran folded
@@ -571,10 +573,7 @@ def test_gradient_masks_reach_the_layers_inside_a_chain():
         results.append(jax.jit(fn)(net.param_arrays(), {"data": x, "label": np.array([2, 0], np.float32)}))
     (loss, grads), (fast_loss, fast_grads) = results
     assert_close(fast_loss, loss, FORWARD_RTOL, FORWARD_ATOL, "loss")
-    scale = max(float(np.abs(b).max()) for blobs in grads.values() for b in blobs)
-    for name, blobs in grads.items():
-        for i, (a, b) in enumerate(zip(fast_grads[name], blobs)):
-            np.testing.assert_allclose(a, b, rtol=DIFF_RTOL, atol=DIFF_ATOL * scale, err_msg=f"d {name}[{i}]")
+    _assert_gradients_close(fast_grads, grads)
     assert not np.any(fast_grads["a_scale"][0]) and not np.any(fast_grads["a"][0][prune == 0])
 
 
@@ -637,10 +636,7 @@ def test_backward_passes_run_only_the_chains_that_pay_there(monkeypatch):
         jax.jit(program.loss_and_grads)(params, inputs, key)
         for program in (NetProgram(graph), NetProgram(graph, kernels))]
     assert_close(fast_loss, loss, FORWARD_RTOL, FORWARD_ATOL, "loss")
-    scale = max(float(np.abs(b).max()) for blobs in grads.values() for b in blobs)
-    for name, blobs in grads.items():
-        for i, (a, b) in enumerate(zip(fast_grads[name], blobs)):
-            np.testing.assert_allclose(a, b, rtol=DIFF_RTOL, atol=DIFF_ATOL * scale, err_msg=f"d {name}[{i}]")
+    _assert_gradients_close(fast_grads, grads)
     value = {name: graph.layer(name).top_values[0] for name in ("a", "b", "g", "dw")}
     assert value["a"] in env and value["g"] in env and value["b"] not in env and value["dw"] not in env
     forward, _ = NetProgram(graph, kernels).run_layers(graph.layers, params, inputs, key, kernels=kernels)
