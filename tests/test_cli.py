@@ -362,6 +362,34 @@ def test_train_finetunes_and_resumes(tmp_path, capsys, monkeypatch):
     assert status == 1 and len(error_lines(err)) == 1 and "devices=99: JAX sees" in err and "Traceback" not in err
 
 
+def test_python_layers_run_only_with_the_flag(tmp_path, capsys, monkeypatch):
+    """train, test and time refuse a net's Python layer, naming the flag that allows it, and run it with it."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "caffejax_test_cli_pylayer.py").write_text(
+        "import caffejax\n\n\nclass Rows(caffejax.Layer):\n"
+        "    def setup(self, bottom, top):\n        pass\n\n"
+        "    def reshape(self, bottom, top):\n        top[0].reshape(2, 3)\n\n"
+        "    def forward(self, bottom, top):\n        top[0].data[...] = [[1, 2, 3], [4, 5, 6]]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "net.prototxt").write_text(
+        'layer { name: "rows" type: "Python" top: "x" python_param { module: "caffejax_test_cli_pylayer" '
+        'layer: "Rows" } }\n'
+        'layer { name: "ip" type: "InnerProduct" bottom: "x" top: "y" inner_product_param { num_output: 2 } }\n'
+        'layer { name: "loss" type: "EuclideanLoss" bottom: "y" bottom: "y" top: "loss" }\n')
+    (tmp_path / "solver.prototxt").write_text('net: "net.prototxt" base_lr: 0.1 lr_policy: "fixed" max_iter: 2 '
+                                              'snapshot_after_train: false')
+    for argv in (["train", "-solver", "solver.prototxt"], ["time", "-model", "net.prototxt", "-iterations", "1"]):
+        status, err = run(argv, capsys)
+        assert status == 1 and "layer 'rows' (type Python)" in err and "--allow-python-layers" in err, err
+        status, err = run(argv + ["--allow-python-layers"], capsys)
+        assert status == 0, err
+    net = caffejax.Net("net.prototxt", caffejax.TEST, allow_python_layers=True)
+    net.save("w.caffemodel")
+    status, err = run(["test", "-model", "net.prototxt", "-weights", "w.caffemodel", "-iterations", "1",
+                       "--allow-python-layers"], capsys)
+    assert status == 0 and "loss = 0" in err, err
+
+
 def test_train_on_two_devices(tmp_path):
     """--devices N reaches the data-parallel solver (two CPU devices, in a process of its own)."""
     solver = small_solver(tmp_path)

@@ -282,6 +282,31 @@ class FailsLater(Scale):
 class BackwardFails(Scale):
     def backward(self, top, propagate_down, bottom):
         raise ZeroDivisionError("in backward")
+
+
+class Batches(caffejax.Layer):
+    """A Python data layer: batch k is rows 4k..4k+3 of a table drawn from the seed in param_str."""
+    forwards = 0
+
+    def setup(self, bottom, top):
+        rng = np.random.default_rng(int(float(self.param_str)))
+        self.x = rng.normal(size=(16, 5)).astype(np.float32)
+        self.y = rng.integers(0, 3, 16).astype(np.float32)
+        self.k = 0
+
+    def reshape(self, bottom, top):
+        top[0].reshape(4, 5)
+        top[1].reshape(4)
+
+    def forward(self, bottom, top):
+        Batches.forwards += 1
+        rows = slice(4 * (self.k % 4), 4 * (self.k % 4) + 4)
+        top[0].data[...] = self.x[rows]
+        top[1].data[...] = self.y[rows]
+        self.k += 1
+
+    def backward(self, top, propagate_down, bottom):
+        pass
 '''
 
 
@@ -353,6 +378,51 @@ def test_a_forward_over_a_python_layer_hands_back_every_blob_a_chain_made(layers
         assert counts.calls - start == 1
     for name in ("conv", "conv2", "bn2"):
         np.testing.assert_allclose(nets[1].blobs[name].data, nets[0].blobs[name].data, rtol=1e-5, atol=1e-5)
+
+
+PYTHON_DATA_SOLVER = '''
+base_lr: 0.1 lr_policy: "fixed" momentum: 0.9 weight_decay: 0.01 max_iter: 3 snapshot_after_train: false
+net_param {
+  layer { name: "data" type: "Python" top: "data" top: "label"
+          python_param { module: "caffejax_test_pylayers" layer: "Batches" param_str: "3" } }
+  layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip"
+          inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.5 } } }
+  layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+}
+'''
+
+
+def test_a_solver_trains_a_net_fed_by_a_python_data_layer(layers_module):
+    """pycaffe's solvers run Python layers (Fast R-CNN's data layer is one): with allow_python_layers, each
+    iteration calls the layer's forward once, and three SGD steps with momentum and weight decay give the
+    weights Caffe's update rule gives on the batches the layer served, in its order."""
+    from caffejax.proto import caffe_pb2
+    from google.protobuf import text_format
+
+    param = text_format.Parse(PYTHON_DATA_SOLVER, caffe_pb2.SolverParameter())
+    with pytest.raises(caffejax.UnsupportedError, match="--allow-python-layers"):
+        caffejax.get_solver(param)
+    solver = caffejax.SGDSolver(param, allow_python_layers=True)
+    batches = sys.modules["caffejax_test_pylayers"].Batches
+    w, b = (np.array(blob.data, np.float64) for blob in solver.net.params["ip"])
+    rng = np.random.default_rng(3)
+    x_all, y_all = rng.normal(size=(16, 5)).astype(np.float32), rng.integers(0, 3, 16)
+    history = [np.zeros_like(w), np.zeros_like(b)]
+    for k in range(3):  # SGDSolver::ComputeUpdateValue: v = momentum v + lr (dL/dw + decay w); w -= v
+        x, y = x_all[4 * k:4 * k + 4].astype(np.float64), y_all[4 * k:4 * k + 4]
+        z = x @ w.T + b
+        p = np.exp(z - z.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+        p[np.arange(4), y] -= 1
+        grads = [p.T @ x / 4 + 0.01 * w, p.sum(0) / 4 + 0.01 * b]
+        history = [0.9 * h + 0.1 * g for h, g in zip(history, grads)]
+        w, b = w - history[0], b - history[1]
+    start = batches.forwards
+    solver.solve()
+    assert batches.forwards - start == 3
+    np.testing.assert_allclose(solver.net.params["ip"][0].data, w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(solver.net.params["ip"][1].data, b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(solver.net.blobs["data"].data, x_all[8:12])
 
 
 def test_python_layer_failures_name_the_layer(layers_module):

@@ -186,6 +186,36 @@ def test_refuses_uneven_batches_and_missing_devices():
         four.step(1)
 
 
+
+@needs_four
+def test_refuses_python_layers_over_several_devices(tmp_path, monkeypatch):
+    """One host object serves a Python layer for every device, in no set order: refused, by name."""
+    (tmp_path / "caffejax_test_devices_pylayer.py").write_text(textwrap.dedent("""
+        import caffejax
+
+        class Ones(caffejax.Layer):
+            def setup(self, bottom, top):
+                pass
+
+            def reshape(self, bottom, top):
+                top[0].reshape(2, 3)
+
+            def forward(self, bottom, top):
+                top[0].data[...] = 1
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    param = caffe_pb2.SolverParameter(type="SGD", base_lr=0.1, lr_policy="fixed", max_iter=1)
+    param.net_param.CopyFrom(parse_net_text("""
+        layer { name: "ones" type: "Python" top: "x"
+                python_param { module: "caffejax_test_devices_pylayer" layer: "Ones" } }
+        layer { name: "ip" type: "InnerProduct" bottom: "x" top: "y" inner_product_param { num_output: 2 } }
+        layer { name: "loss" type: "EuclideanLoss" bottom: "y" bottom: "y" top: "loss" }
+    """))
+    with pytest.raises(caffejax.UnsupportedError, match="Python layers \\['ones'\\].*on one device, not 2"):
+        caffejax.get_solver(param, devices=2, allow_python_layers=True)
+    caffejax.get_solver(param, allow_python_layers=True).step(1)
+
+
 # ---- inference ---------------------------------------------------------------------------------------------------
 
 @needs_four

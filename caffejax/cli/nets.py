@@ -36,6 +36,7 @@ def add_commands(commands, parents) -> None:
                         "prototxt's batch, as caffe train -gpu 0,1,... does")
     _gpu_flag(p)
     _debug_nans_flag(p)
+    _python_layers_flag(p)
 
     p = command("test", test, "score a model",
                 "Run the TEST-phase net for -iterations batches and print every output averaged over them "
@@ -47,6 +48,7 @@ def add_commands(commands, parents) -> None:
     _net_state_flags(p)
     _gpu_flag(p)
     _debug_nans_flag(p)
+    _python_layers_flag(p)
 
     p = command("time", time, "benchmark model execution time",
                 "Time the net's forward and backward passes (Caffe's 'caffe time'): the whole compiled net, and "
@@ -57,6 +59,7 @@ def add_commands(commands, parents) -> None:
     _flag(p, "phase", type=_phase, default=0, help="TRAIN or TEST (default TRAIN, as Caffe)")
     _net_state_flags(p)
     _gpu_flag(p)
+    _python_layers_flag(p)
 
     command("device-query", device_query, "show the devices JAX can use", aliases=["device_query"])
 
@@ -145,6 +148,12 @@ def _debug_nans_flag(parser) -> None:
                              "pass)")
 
 
+def _python_layers_flag(parser) -> None:
+    parser.add_argument("--allow-python-layers", action="store_true",
+                        help="run the nets' Python layers, importing their modules (only for a model you trust; "
+                             "refused otherwise)")
+
+
 def _phase(text: str) -> int:
     try:
         return PHASES[text.upper()]
@@ -167,7 +176,8 @@ def _make_net(args):
     import caffejax
 
     return caffejax.Net(_model_file(args.model), args.phase, weights=args.weights, level=args.level,
-                        stages=_stages(args), debug_nans=getattr(args, "debug_nans", False))
+                        stages=_stages(args), debug_nans=getattr(args, "debug_nans", False),
+                        allow_python_layers=getattr(args, "allow_python_layers", False))
 
 
 def _positive_iterations(args) -> int:
@@ -200,9 +210,9 @@ def train(args) -> int:
         param, _ = read_solver_param(args.solver)
         param.train_state.level = args.level
         param.train_state.stage.extend(stages)
-        solver = get_solver(param, devices=devices)
+        solver = get_solver(param, devices=devices, allow_python_layers=args.allow_python_layers)
     else:
-        solver = get_solver(args.solver, devices=devices)
+        solver = get_solver(args.solver, devices=devices, allow_python_layers=args.allow_python_layers)
     solver.debug_nans = args.debug_nans
     if args.snapshot:
         log.info("Resuming from %s", args.snapshot)

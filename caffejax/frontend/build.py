@@ -185,7 +185,8 @@ class _Builder:
             raise layer_error(UnsupportedError, lp.name, lp.type,
                               f"Python layer (module '{p.module}', class '{p.layer}') is not run: model files must "
                               "not execute code. Register a pure-JAX replacement with caffejax.register_layer, or "
-                              "pass allow_python_layers=True if you trust this model")
+                              "pass allow_python_layers=True (on the command line, --allow-python-layers) if you "
+                              "trust this model")
         try:
             return get_rule(lp.type)
         except KeyError:

@@ -99,11 +99,12 @@ def merged_state(phase: int, *states: caffe_pb2.NetState) -> caffe_pb2.NetState:
     return state
 
 
-def get_solver(source, devices: Devices | None = None) -> "Solver":
+def get_solver(source, devices: Devices | None = None, *, allow_python_layers: bool = False) -> "Solver":
     """pycaffe's ``caffe.get_solver``: the solver class the file's ``type`` names (SolverRegistry).
 
     ``devices`` (a count, or a list of jax devices) trains data-parallel over them, as ``caffe train --gpu``
-    with several GPUs: see caffejax.runtime.distributed.
+    with several GPUs: see caffejax.runtime.distributed. ``allow_python_layers``: the train and test nets may
+    hold ``Python`` layers, which import and run their modules (only for a model you trust; see ``Net``).
     """
     param, path = read_solver_param(source)
     cls = SOLVER_TYPES.get(param.type)
@@ -111,7 +112,7 @@ def get_solver(source, devices: Devices | None = None) -> "Solver":
         raise locate_solver_error(SolverError(f"Unknown solver type: '{param.type}' (known types: "
                                               f"{', '.join(SOLVER_TYPES)})"), path)
     solver = cls.__new__(cls)
-    solver._init(param, path, devices)
+    solver._init(param, path, devices, allow_python_layers)
     return solver
 
 
@@ -120,18 +121,20 @@ def get_solver(source, devices: Devices | None = None) -> "Solver":
 class Solver:
     """What every Caffe solver shares: nets, the training loop, testing, snapshots. See the module docstring.
 
-    ``Solver(path_or_SolverParameter, devices=None)``. Subclasses give the update rule
-    (``compute_update_value``).
+    ``Solver(path_or_SolverParameter, devices=None, *, allow_python_layers=False)`` (see :func:`get_solver`).
+    Subclasses give the update rule (``compute_update_value``).
     """
 
     type = ""
     history_per_param = 1  # history blobs per learnable blob
 
-    def __init__(self, source, devices: Devices | None = None):
-        self._init(*read_solver_param(source), devices)
+    def __init__(self, source, devices: Devices | None = None, *, allow_python_layers: bool = False):
+        self._init(*read_solver_param(source), devices, allow_python_layers)
 
-    def _init(self, param: caffe_pb2.SolverParameter, path: str | None, devices: Devices | None = None) -> None:
+    def _init(self, param: caffe_pb2.SolverParameter, path: str | None, devices: Devices | None = None,
+              allow_python_layers: bool = False) -> None:
         self.param, self._path = param, path
+        self._allow_python_layers = allow_python_layers
         self._dir = os.path.dirname(os.path.abspath(self._path)) if self._path else None
         self.debug_nans = False  # check every iteration for NaN/Inf (caffejax train --debug-nans)
         try:
@@ -145,6 +148,13 @@ class Solver:
         # Data parallelism: the train net's blobs hold the global batch (the test nets run on one device).
         self._parallel = DataParallel(devices) if devices is not None else None
         if self._parallel is not None:
+            python = [layer.name for layer in self.net.graph.layers if layer.type == "Python"]
+            if python and self._parallel.mesh.size > 1:
+                # Each device's part of the program would call the one layer object, in no set order: a data
+                # layer would hand the devices its batches in a different order on every run.
+                raise UnsupportedError(f"Python layers {python} run on the host, where one object serves every "
+                                       f"device; train a net holding them on one device, not "
+                                       f"{self._parallel.mesh.size}")
             self._parallel.use_global_batch(self.net)
         self.iter = 0
         self.current_step = 0
@@ -210,7 +220,7 @@ class Solver:
             log.info("Finetuning from %s", name)
         try:
             net = Net(net_param, state.phase, weights=files[0] if files else None, level=state.level,
-                      stages=list(state.stage))
+                      stages=list(state.stage), allow_python_layers=self._allow_python_layers)
         except CaffejaxError as e:  # a layer's error gets the line of its definition in the net's file
             raise locate_layer_error(e, source) from None
         for name in files[1:]:
