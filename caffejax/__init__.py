@@ -5,6 +5,7 @@ from caffejax.errors import (CaffejaxError, DataError, GraphError, NumericalErro
 from caffejax.grad import value_and_grad
 from caffejax.lower.python_layer import Layer  # pycaffe's caffe.Layer, for (trusted) Python layers
 from caffejax.lower.registry import TEST, TRAIN, register_layer
+from caffejax.lower.registry import registered_types as layer_type_list  # pycaffe's caffe.layer_type_list
 from caffejax.net_spec import NetSpec, layers, params, to_proto
 from caffejax.runtime.mode import run_cpu_programs_inline as _run_cpu_programs_inline
 from caffejax.runtime.mode import set_device, set_mode_cpu, set_mode_gpu, set_random_seed
@@ -27,4 +28,4 @@ __all__ = ["Net", "TRAIN", "TEST", "CaffejaxError", "ParseError", "SchemaError",
            "set_device", "set_random_seed", "value_and_grad", "get_solver", "SGDSolver", "NesterovSolver",
            "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver", "AdamSolver", "NetSpec", "layers", "params",
            "to_proto", "io", "Classifier", "Detector", "compile_inference", "NumericalError", "register_layer",
-           "find_first_nan", "Layer"]
+           "find_first_nan", "Layer", "layer_type_list"]

@@ -31,6 +31,26 @@ def test_pycaffe_constructor_orders():
         caffejax.Net(str(LENET))
 
 
+def test_pycaffes_private_indices_are_caffes_blob_indices():
+    """Scripts walk the graph by index (net._bottom_ids(i), net._blobs[j]...) as pycaffe exposes Caffe's Net: blob
+    j is _blob_names[j], in Caffe's order (the upgraded input first, InsertSplits' blobs where Caffe puts them)."""
+    net = caffejax.Net("""
+        input: "x" input_shape { dim: 2 dim: 3 }
+        layer { name: "a" type: "ReLU" bottom: "x" top: "a" }
+        layer { name: "b" type: "Sigmoid" bottom: "x" top: "b" }
+        layer { name: "c" type: "Eltwise" bottom: "a" bottom: "b" top: "c" }
+        layer { name: "d" type: "ReLU" bottom: "c" top: "c" }
+    """, caffejax.TEST)
+    assert net._layer_names == ["input", "x_input_0_split", "a", "b", "c", "d"]
+    assert net._blob_names == ["x", "x_input_0_split_0", "x_input_0_split_1", "a", "b", "c"]
+    assert (net._inputs, net._outputs) == ([0], [5])
+    assert [(net._bottom_ids(i), net._top_ids(i)) for i in range(6)] == [
+        ([], [0]), ([0], [1, 2]), ([1], [3]), ([2], [4]), ([3, 4], [5]), ([5], [5])]
+    assert [blob is net.blobs[name] for blob, name in zip(net._blobs, net._blob_names)] == [True] * 6
+    types = caffejax.layer_type_list()
+    assert types == sorted(types) and {"Convolution", "Python", "SoftmaxWithLoss"} <= set(types)
+
+
 def test_compiles_once_per_shape(lenet):
     lenet.blobs["data"].reshape(3, 1, 28, 28)
     before = lenet.compile_count

@@ -280,6 +280,29 @@ class Net:
     def _blob_loss_weights(self) -> list[float]:
         return list(self.blob_loss_weights.values())
 
+    # Caffe's blob indices (positions in _blob_names), as pycaffe's private accessors give them to scripts.
+    @property
+    def _blobs(self) -> list[Blob]:
+        return [self.blobs[name] for name in self._blob_names]
+
+    @property
+    def _inputs(self) -> list[int]:
+        return self._blob_indices(self._graph.inputs)
+
+    @property
+    def _outputs(self) -> list[int]:
+        return self._blob_indices(self._graph.outputs)
+
+    def _bottom_ids(self, layer_index: int) -> list[int]:
+        return self._blob_indices(self._graph.layers[layer_index].bottoms)
+
+    def _top_ids(self, layer_index: int) -> list[int]:
+        return self._blob_indices(self._graph.layers[layer_index].tops)
+
+    def _blob_indices(self, names) -> list[int]:
+        index = {name: i for i, name in enumerate(self._graph.blobs)}
+        return [index[name] for name in names]
+
     @property
     def layer_dict(self) -> collections.OrderedDict:
         return collections.OrderedDict((layer.name, layer) for layer in self.layers)
@@ -416,6 +439,8 @@ class Net:
         if first is None or first.type != "MemoryData":
             raise CaffejaxError("set_input_arrays may only be called if the first layer is a MemoryDataLayer")
         self._data_source(first).reset(data, labels)
+
+    _set_input_arrays = set_input_arrays  # pycaffe's name for the C++ call its set_input_arrays wraps
 
     def _pull_batches(self, layers) -> None:
         """Caffe's data layers produce a new batch on every forward: write it into their top blobs."""
