@@ -392,14 +392,17 @@ net_param {
 '''
 
 
-def test_a_solver_trains_a_net_fed_by_a_python_data_layer(layers_module):
+@pytest.mark.parametrize("iter_size", [1, 2])
+def test_a_solver_trains_a_net_fed_by_a_python_data_layer(layers_module, iter_size):
     """pycaffe's solvers run Python layers (Fast R-CNN's data layer is one): with allow_python_layers, each
-    iteration calls the layer's forward once, and three SGD steps with momentum and weight decay give the
-    weights Caffe's update rule gives on the batches the layer served, in its order."""
+    pass calls the layer's forward once (iter_size passes an iteration, each on the next batch), and three SGD
+    steps with momentum and weight decay give the weights Caffe's update rule gives on the batches the layer
+    served, in its order."""
     from caffejax.proto import caffe_pb2
     from google.protobuf import text_format
 
     param = text_format.Parse(PYTHON_DATA_SOLVER, caffe_pb2.SolverParameter())
+    param.iter_size = iter_size
     with pytest.raises(caffejax.UnsupportedError, match="--allow-python-layers"):
         caffejax.get_solver(param)
     solver = caffejax.SGDSolver(param, allow_python_layers=True)
@@ -408,21 +411,27 @@ def test_a_solver_trains_a_net_fed_by_a_python_data_layer(layers_module):
     rng = np.random.default_rng(3)
     x_all, y_all = rng.normal(size=(16, 5)).astype(np.float32), rng.integers(0, 3, 16)
     history = [np.zeros_like(w), np.zeros_like(b)]
-    for k in range(3):  # SGDSolver::ComputeUpdateValue: v = momentum v + lr (dL/dw + decay w); w -= v
-        x, y = x_all[4 * k:4 * k + 4].astype(np.float64), y_all[4 * k:4 * k + 4]
-        z = x @ w.T + b
-        p = np.exp(z - z.max(1, keepdims=True))
-        p /= p.sum(1, keepdims=True)
-        p[np.arange(4), y] -= 1
-        grads = [p.T @ x / 4 + 0.01 * w, p.sum(0) / 4 + 0.01 * b]
+    served = 0
+    for _ in range(3):  # SGDSolver: diffs summed over the passes / iter_size, + decay w; v = momentum v + lr g
+        grads = [np.zeros_like(w), np.zeros_like(b)]
+        for _ in range(iter_size):
+            rows = slice(4 * (served % 4), 4 * (served % 4) + 4)
+            x, y = x_all[rows].astype(np.float64), y_all[rows]
+            served += 1
+            z = x @ w.T + b
+            p = np.exp(z - z.max(1, keepdims=True))
+            p /= p.sum(1, keepdims=True)
+            p[np.arange(4), y] -= 1
+            grads = [grads[0] + p.T @ x / 4 / iter_size, grads[1] + p.sum(0) / 4 / iter_size]
+        grads = [grads[0] + 0.01 * w, grads[1] + 0.01 * b]
         history = [0.9 * h + 0.1 * g for h, g in zip(history, grads)]
         w, b = w - history[0], b - history[1]
     start = batches.forwards
     solver.solve()
-    assert batches.forwards - start == 3
+    assert batches.forwards - start == 3 * iter_size
     np.testing.assert_allclose(solver.net.params["ip"][0].data, w, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(solver.net.params["ip"][1].data, b, rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(solver.net.blobs["data"].data, x_all[8:12])
+    np.testing.assert_array_equal(solver.net.blobs["data"].data, x_all[rows])
 
 
 def test_python_layer_failures_name_the_layer(layers_module):

@@ -9,7 +9,8 @@ this rule run, and it runs the layer as pycaffe does:
   at net build, on host blobs of the bottom shapes (zeros, as a fresh Caffe blob holds). The tops' shapes
   after ``reshape`` are the layer's top shapes: the compiled program has fixed shapes.
 - In the program, forward is a ``jax.pure_callback`` to ``reshape`` + ``forward`` on host copies of the
-  bottoms; backward (a ``jax.custom_vjp``) is a callback to the layer's ``backward(top, propagate_down,
+  bottoms (a layer without bottoms, a data layer, is an ordered ``io_callback``: it runs once per pass, in
+  order); backward (a ``jax.custom_vjp``) is a callback to the layer's ``backward(top, propagate_down,
   bottom)``, which fills the bottoms' diffs. JAX reports a failure inside a callback as its own runtime
   error; programs run inside :func:`host_failures`, which raises the layer's typed error instead.
 
@@ -27,6 +28,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
+from jax.experimental import io_callback
 
 from caffejax.errors import CaffejaxError, GraphError, ShapeError, UnsupportedError, layer_error
 from caffejax.lower.registry import LayerContext, layer
@@ -180,7 +182,10 @@ def _on_host(ctx: LayerContext, instance: _Instance, top_shapes: list[Shape], dt
         return tuple(np.asarray(t.data, dtype) for t in top)
 
     if not bottoms:
-        return list(jax.pure_callback(forward_on_host, top_types))
+        # A data layer: its forward serves the next batch, so it must run once per pass, in order. A pure
+        # callback without operands is loop-invariant to XLA: inside the scan over iter_size passes it was
+        # hoisted and ran once an iteration, every pass training on the same batch.
+        return list(io_callback(forward_on_host, top_types, ordered=True))
 
     @functools.partial(_recording, instance)
     def backward_on_host(*arrays):
