@@ -325,6 +325,36 @@ def test_time_forward_runs_layers_whose_blobs_only_silence_reads():
         np.testing.assert_allclose(values[1], np.tile(2 * x.sum(1, keepdims=True), 4))
 
 
+def test_time_folds_the_chains_net_forward_folds(monkeypatch):
+    """time's programs hand back outputs only, so they fold a Convolution -> BatchNorm chain whose BatchNorm
+    writes a new blob, as Net.forward does, and give Net.forward's outputs."""
+    import jax
+
+    from caffejax.cli.nets import whole_net_programs
+
+    n = caffejax.NetSpec()
+    n.data = L.Input(shape=dict(dim=[2, 3, 6, 6]))
+    n.conv = L.Convolution(n.data, num_output=4, kernel_size=3, weight_filler=dict(type="gaussian", std=0.5))
+    n.bn = L.BatchNorm(n.conv, batch_norm_param=dict(use_global_stats=True))
+    n.out = L.ReLU(n.bn)
+    net = caffejax.Net(str(n.to_proto()), caffejax.TEST)
+    assert net._program.kernels["conv"].chain.visible
+    net.params["bn"][0].data[...] = [1, -2, 0.5, 3]
+    net.params["bn"][1].data[...] = [4, 1, 2, 0.5]
+    net.params["bn"][2].data[...] = 2
+    x = np.random.default_rng(0).normal(size=(2, 3, 6, 6)).astype(np.float32)
+    expected = np.array(net.forward(data=x)["out"])
+    seen = []
+    for name in ("run_layers", "loss_and_grads"):
+        method = getattr(net._program, name)
+        monkeypatch.setattr(net._program, name, lambda *a, _m=method, **k: seen.append(k["fold_visible"]) or _m(*a, **k))
+    forward, forward_backward = whole_net_programs(net)
+    args = (net.param_arrays(), {net.graph.fed["data"]: x}, jax.random.key(0))
+    np.testing.assert_allclose(forward(*args)[0], expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(forward_backward(*args)[2][0], expected, rtol=1e-5, atol=1e-6)
+    assert seen and all(seen)
+
+
 # ---- train ------------------------------------------------------------------------------------------------------
 
 def small_solver(tmp_path):

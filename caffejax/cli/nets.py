@@ -333,14 +333,18 @@ def whole_net_programs(net):
     silenced = [v for layer in graph.layers if not layer.is_input and not layer.top_values for v in layer.bottom_values]
     outputs = list(dict.fromkeys([graph.blob_value[name] for name in graph.outputs] + silenced))
 
+    # Only outputs come back, so Convolution -> BatchNorm chains whose inner values are blobs fold, as in
+    # Net.forward's pass and a solver's iteration (not over a Python layer: Net._reruns).
+    fold_visible = net._reruns(graph.layers)
+
     def forward(p, env, k):
-        values = program.run_layers(graph.layers, p, env, k, kernels=program.kernels)[0]
+        values = program.run_layers(graph.layers, p, env, k, kernels=program.kernels, fold_visible=fold_visible)[0]
         return [values[v] for v in outputs]
 
     def forward_backward(p, env, k):
         # ForwardBackward runs the whole forward even where no loss needs it. A deploy net's gradients are all
         # zero, and XLA would drop the forward with them, were the outputs not returned too.
-        loss, grads, (values, _) = program.loss_and_grads(p, env, k)
+        loss, grads, (values, _) = program.loss_and_grads(p, env, k, fold_visible=fold_visible)
         return loss, grads, [values[v] for v in outputs]
 
     return (jax.jit(forward, compiler_options=compiler_options(graph)),
