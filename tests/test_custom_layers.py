@@ -13,7 +13,7 @@ import pytest
 import caffejax
 from caffejax.frontend import prototxt
 from caffejax.frontend.prototxt import ForkParam, ForkParamField, register_fork_param
-from caffejax.lower import forks, python_layer, registry
+from caffejax.lower import forks, registry
 
 
 @pytest.fixture
@@ -22,7 +22,6 @@ def isolated_registry(monkeypatch):
     registry.registered_types()  # the BVLC families are in before the copy
     monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
     monkeypatch.setattr(prototxt, "_FORK_PARAMS", dict(prototxt._FORK_PARAMS))
-    monkeypatch.setattr(python_layer, "_INSTANCES", {})
 
 
 def _input(*shape, name="x") -> str:
@@ -378,6 +377,24 @@ def test_a_forward_over_a_python_layer_hands_back_every_blob_a_chain_made(layers
         assert counts.calls - start == 1
     for name in ("conv", "conv2", "bn2"):
         np.testing.assert_allclose(nets[1].blobs[name].data, nets[0].blobs[name].data, rtol=1e-5, atol=1e-5)
+
+
+def test_each_net_has_its_own_python_layer_objects(layers_module):
+    """Caffe makes one layer object per net: two nets from one prototxt serve their batches from the first one
+    each, and a net keeps its object when it is rebuilt (reshape) and in compile_inference's program."""
+    text = ('layer { name: "data" type: "Python" top: "data" top: "label" python_param { '
+            'module: "caffejax_test_pylayers" layer: "Batches" param_str: "3" } }\n')
+    x_all = np.random.default_rng(3).normal(size=(16, 5)).astype(np.float32)
+    first, second = (caffejax.Net(text, caffejax.TEST, allow_python_layers=True) for _ in range(2))
+    first.forward()
+    first.forward()
+    np.testing.assert_array_equal(first.blobs["data"].data, x_all[4:8])
+    second.forward()
+    np.testing.assert_array_equal(second.blobs["data"].data, x_all[0:4])
+    first.reshape()
+    first.forward()
+    np.testing.assert_array_equal(first.blobs["data"].data, x_all[8:12])
+    np.testing.assert_array_equal(caffejax.compile_inference(first)({})["data"], x_all[12:16])
 
 
 PYTHON_DATA_SOLVER = '''

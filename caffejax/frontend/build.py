@@ -8,7 +8,7 @@ infers top shapes (each rule's forward under ``jax.eval_shape``), and finally th
 from __future__ import annotations
 
 import os
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -40,14 +40,15 @@ def load_net_param(source, *, is_path: bool | None = None) -> caffe_pb2.NetParam
 
 def build_graph(net: caffe_pb2.NetParameter, phase: int, level: int = 0, stages: Sequence[str] = (),
                 input_shapes: Mapping[str, Shape] | None = None, base_dir: str | None = None,
-                allow_python_layers: bool = False, concrete_inputs: Mapping[str, np.ndarray] | None = None
-                ) -> Graph:
+                allow_python_layers: bool = False, concrete_inputs: Mapping[str, np.ndarray] | None = None,
+                python_layers: Any = None) -> Graph:
     """Filter, split, wire and shape-infer an (already upgraded) NetParameter.
 
     ``input_shapes`` overrides the shapes of Input tops (``net.reshape`` after a user resized an input).
     ``base_dir`` resolves relative data-source paths. ``concrete_inputs`` (fed blob name -> data) gives the
     values of blobs whose data decide shapes (Filter's selector); absent ones count as zeros, the data a
-    fresh Caffe blob holds.
+    fresh Caffe blob holds. ``python_layers``: the net's pycaffe layer objects (PythonLayers), which
+    ``Python`` layers' setup and reshape run on.
     """
     param = caffe_pb2.NetParameter()
     param.CopyFrom(net)
@@ -56,15 +57,16 @@ def build_graph(net: caffe_pb2.NetParameter, phase: int, level: int = 0, stages:
     param.state.stage.extend(stages)
     param = insert_splits(filter_net(param, param.state))
     builder = _Builder(param, phase, dict(input_shapes or {}), base_dir, allow_python_layers,
-                       dict(concrete_inputs or {}))
+                       dict(concrete_inputs or {}), python_layers)
     for index, layer_param in enumerate(param.layer):
         builder.add_layer(index, layer_param)
     return builder.finish()
 
 
 class _Builder:
-    def __init__(self, param, phase, input_shapes, base_dir, allow_python_layers, concrete_inputs):
+    def __init__(self, param, phase, input_shapes, base_dir, allow_python_layers, concrete_inputs, python_layers):
         self.param = param
+        self.python_layers = python_layers
         self.concrete_inputs = concrete_inputs
         self.concrete: dict[str, np.ndarray] = {}
         self.fed_values: dict[str, str] = {}  # value id -> fed blob name
@@ -260,7 +262,8 @@ class _Builder:
         """infer_top_shapes, traced once per distinct layer configuration: deep nets repeat a few blocks
         (ResNet-152's 720 layers have 60 configurations), and each trace costs milliseconds."""
         if concrete:
-            return infer_top_shapes(lp, rule, self.phase, bottom_shapes, param_shapes, num_tops, concrete=concrete)
+            return infer_top_shapes(lp, rule, self.phase, bottom_shapes, param_shapes, num_tops, concrete=concrete,
+                                    python_layers=self.python_layers)
         if rule.top_shapes is not None:
             try:
                 return [tuple(int(d) for d in s) for s in rule.top_shapes(lp, bottom_shapes, param_shapes, num_tops)]
@@ -277,7 +280,7 @@ class _Builder:
                tuple(param_shapes), num_tops, in_place)
         if key not in self.top_shapes_by_config:
             self.top_shapes_by_config[key] = infer_top_shapes(lp, rule, self.phase, bottom_shapes, param_shapes,
-                                                              num_tops)
+                                                              num_tops, python_layers=self.python_layers)
         return list(self.top_shapes_by_config[key])
 
     def _state_values(self, lp, rule: LayerRule, bottom_shapes) -> tuple[list[str], list[str]]:
@@ -361,7 +364,7 @@ class _Builder:
                      layers=self.layers, blobs=self.blobs, value_shapes=self.value_shapes,
                      blob_value=self.blob_value, blob_first_value=self.blob_first_value, inputs=self.inputs,
                      outputs=sorted(self.available), blob_loss_weights=self.loss_weights, proto=self.param,
-                     concrete=self.concrete)
+                     concrete=self.concrete, python_layers=self.python_layers)
 
     def _sweep_backward(self) -> None:
         """Net::Init's backward sweep: layers not under a loss, or whose tops all skip backprop, need none."""
@@ -405,7 +408,8 @@ def _check_shape(lp, shape: Shape) -> None:
 
 
 def infer_top_shapes(lp, rule: LayerRule, phase: int, bottom_shapes, param_shapes, num_tops: int,
-                     dtype=np.float32, concrete: Mapping[int, np.ndarray] | None = None) -> list[Shape]:
+                     dtype=np.float32, concrete: Mapping[int, np.ndarray] | None = None,
+                     python_layers: Any = None) -> list[Shape]:
     """Caffe's Reshape for one layer: the shapes its forward produces, from abstract evaluation.
 
     ``concrete`` gives the data of bottoms whose values decide shapes; they enter as constants.
@@ -417,7 +421,8 @@ def infer_top_shapes(lp, rule: LayerRule, phase: int, bottom_shapes, param_shape
 
     def forward(b, p):
         # The key is made inside the trace: made outside, it would compile and run a seeding program.
-        ctx = LayerContext(layer=lp, phase=phase, key=jax.random.key(0), num_tops=num_tops, in_place=in_place)
+        ctx = LayerContext(layer=lp, phase=phase, key=jax.random.key(0), num_tops=num_tops, in_place=in_place,
+                           python_layers=python_layers)
         return list(rule.forward(ctx, [concrete[j] if j in concrete else x for j, x in enumerate(b)], p))
 
     try:

@@ -96,6 +96,8 @@ class Graph:
     proto: Any  # the NetParameter after upgrade, filter and splits
     # Fed values whose data decide shapes (Filter selectors): value id -> the data the shapes were built for.
     concrete: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # The net's pycaffe layer objects (lower.python_layer.PythonLayers), which its programs' Python layers call.
+    python_layers: Any = None
 
     def layer(self, name: str) -> Layer:
         for layer in self.layers:

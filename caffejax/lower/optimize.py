@@ -823,7 +823,7 @@ def run_plan(plan: Plan, params: Mapping[str, Sequence[jax.Array]], inputs: Mapp
         layout = layouts.layout_for(kernel, layer.bottom_values)
         forward = kernel.forward if kernel is not None else get_rule(layer.type).forward
         ctx = LayerContext(layer=layer.proto, phase=graph.phase, key=None, num_tops=len(layer.tops),
-                           in_place=tuple(layer.in_place), dtype=dtype)
+                           in_place=tuple(layer.in_place), dtype=dtype, python_layers=graph.python_layers)
         tops = forward(ctx, [layouts.fetch(v, layout) for v in layer.bottom_values], params.get(layer.name, []))
         layouts.produced(layer.top_values, tops, layout)
         env.update(zip(layer.top_values, tops))

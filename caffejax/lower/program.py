@@ -93,7 +93,7 @@ class NetProgram:
             ctx = LayerContext(layer=layer.proto, phase=self.graph.phase,
                                key=None if key is None else jax.random.fold_in(key, index),
                                num_tops=len(layer.tops), in_place=tuple(layer.in_place), dtype=dtype,
-                               state=state)
+                               state=state, python_layers=self.graph.python_layers)
             if chain:
                 with jax.named_scope("+".join([layer.name] + [link.name for link in chain])):
                     blobs += [p for link in chain for p in self._layer_blobs(link, params, masks, param_masks)]

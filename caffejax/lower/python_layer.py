@@ -12,11 +12,12 @@ this rule run, and it runs the layer as pycaffe does:
   bottoms (a layer without bottoms, a data layer, is an ordered ``io_callback``: it runs once per pass, in
   order); backward (a ``jax.custom_vjp``) is a callback to the layer's ``backward(top, propagate_down,
   bottom)``, which fills the bottoms' diffs. JAX reports a failure inside a callback as its own runtime
-  error; programs run inside :func:`host_failures`, which raises the layer's typed error instead.
+  error; programs run inside their net's :class:`PythonLayers`, which raises the layer's typed error instead.
 
-One layer object serves every net built from the same layer definition in the same phase (Caffe makes one per
-net): layers that keep state between calls, such as Python data layers, see all those nets' calls. Learnable
-blobs of Python layers (``self.blobs``) are not supported.
+Each net has its own layer objects, as Caffe makes one per layer per net (:class:`PythonLayers`, which the
+net hands its graph and programs through ``LayerContext.python_layers``): the net's rebuilds and all its
+programs, ``compile_inference``'s among them, call the same object, so a data layer serves one sequence of
+batches per net. Learnable blobs of Python layers (``self.blobs``) are not supported.
 """
 
 from __future__ import annotations
@@ -69,11 +70,31 @@ class _Instance:
 
     obj: Any
     top_shapes: dict[tuple[Shape, ...], list[Shape]] = dataclasses.field(default_factory=dict)
-    failure: CaffejaxError | None = None  # raised on the host inside a program; host_failures re-raises it
+    failure: CaffejaxError | None = None  # raised on the host inside a program; PythonLayers re-raises it
 
 
-# (phase, serialized LayerParameter) -> the layer object: part of the layer registry's state, see the docstring.
-_INSTANCES: dict[tuple[int, bytes], _Instance] = {}
+class PythonLayers:
+    """One net's pycaffe layer objects, by layer definition. Run the net's compiled programs inside it
+    (``with python_layers:``): a layer's failure on the host, which JAX reports as a JaxRuntimeError around
+    the traceback, comes out as the typed error naming the layer (JAX's as its cause). A class with
+    ``__exit__``, not a contextlib generator, which costs 2 us on entering and leaving (a tenth of the Python
+    around LeNet's batch-1 inference call)."""
+
+    def __init__(self):
+        self.objects: dict[bytes, _Instance] = {}
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if kind is None or not self.objects or not issubclass(kind, jax.errors.JaxRuntimeError):
+            return False
+        failures = [instance.failure for instance in self.objects.values() if instance.failure is not None]
+        for instance in self.objects.values():
+            instance.failure = None
+        if not failures:
+            return False
+        raise failures[0] from error
 
 
 @layer("Python")
@@ -90,8 +111,10 @@ def python(ctx: LayerContext, bottoms, params):
 
 
 def _instance(ctx: LayerContext) -> _Instance:
-    key = (ctx.phase, ctx.layer.SerializeToString(deterministic=True))
-    instance = _INSTANCES.get(key)
+    # Outside a net (a rule called on its own) the object lives for this call only.
+    objects = ctx.python_layers.objects if ctx.python_layers is not None else {}
+    key = ctx.layer.SerializeToString(deterministic=True)
+    instance = objects.get(key)
     if instance is None:
         p = ctx.layer.python_param
         if not p.module or not p.layer:
@@ -106,8 +129,7 @@ def _instance(ctx: LayerContext) -> _Instance:
         obj = _call(ctx, f"{p.layer}(layer_param)", cls, ctx.layer)
         obj.param_str = p.param_str
         obj.phase = ctx.phase
-        instance = _Instance(obj)
-        _INSTANCES[key] = instance
+        instance = objects[key] = _Instance(obj)
     return instance
 
 
@@ -128,35 +150,8 @@ def _top_shapes(ctx: LayerContext, instance: _Instance, bottom_shapes: tuple[Sha
     return shapes
 
 
-class _HostFailures:
-    """The context :func:`host_failures` returns: an object with ``__exit__``, not a contextlib generator,
-    which costs 2 us on entering and leaving (a tenth of the Python around LeNet's batch-1 inference call)."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind, error, traceback) -> bool:
-        if kind is None or not issubclass(kind, jax.errors.JaxRuntimeError):
-            return False
-        failures = [instance.failure for instance in _INSTANCES.values() if instance.failure is not None]
-        for instance in _INSTANCES.values():
-            instance.failure = None
-        if not failures:
-            return False
-        raise failures[0] from error
-
-
-_HOST_FAILURES = _HostFailures()
-
-
-def host_failures() -> _HostFailures:
-    """Run compiled programs inside this: a Python layer's failure on the host, which JAX reports as a
-    JaxRuntimeError around the traceback, comes out as the typed error naming the layer (JAX's as cause)."""
-    return _HOST_FAILURES
-
-
 def _recording(instance: _Instance, fn: Callable) -> Callable:
-    """``fn`` as a host callback: its typed failure is kept on the instance for host_failures."""
+    """``fn`` as a host callback: its typed failure is kept on the instance, for its net's PythonLayers."""
     def run(*arrays):
         try:
             return fn(*arrays)

@@ -40,7 +40,8 @@ class LayerContext:
     those values as the new state. Layers that carry state from one forward to the next (RNN/LSTM's last
     hidden state, see ``LayerRule.state_shapes``) read ``state`` (None: start from Caffe's zeros) and call
     :meth:`update_state`. ``dtype`` is the net's float type, for layers that make values from nothing
-    (DummyData's fillers).
+    (DummyData's fillers). ``python_layers`` holds the net's pycaffe layer objects (``Python`` layers; None
+    outside a net).
     """
 
     layer: Any
@@ -54,6 +55,7 @@ class LayerContext:
     dtype: Any = np.float32
     state: Sequence[jax.Array] | None = None
     state_updates: dict[int, jax.Array] = dataclasses.field(default_factory=dict)
+    python_layers: Any = None
 
     @property
     def name(self) -> str:

@@ -28,7 +28,6 @@ from caffejax.errors import CaffejaxError, ShapeError
 from caffejax.frontend.ir import Graph
 from caffejax.lower.optimize import (DEFAULT_PASSES, Plan, check_passes, make_plan, optimize, prepare_params,
                                      run_plan)
-from caffejax.lower.python_layer import host_failures
 from caffejax.lower.registry import get_rule
 from caffejax.runtime.program_cache import compile_program
 from caffejax.runtime.xla_options import compiler_options
@@ -83,7 +82,7 @@ class InferenceFunction:
         signature = tuple((name, np.shape(inputs[name])) for name in self._sorted_inputs)
         program = self._programs.get(signature) or self._program(self._signature(dict(signature)))
         fed = {value: _as_input(inputs[blob], self.dtype, program.device) for blob, value in program.feeds}
-        with host_failures():
+        with self._net._python_layers:  # a Python layer's failure as its typed error
             return program.run(program.params, fed)
 
     def _signature(self, shapes: Mapping[str, Sequence[int]]) -> Shapes:

@@ -25,7 +25,7 @@ from caffejax.frontend.ir import Graph
 from caffejax.lower.fillers import HostKey, fold_in
 from caffejax.lower.optimize import layout_kernels
 from caffejax.lower.program import NetProgram
-from caffejax.lower.python_layer import host_failures
+from caffejax.lower.python_layer import PythonLayers
 from caffejax.lower.registry import TRAIN, TEST, get_rule
 from caffejax.runtime import mode
 from caffejax.runtime.blob import ArraySlot, Blob
@@ -121,6 +121,7 @@ class Net:
         self._source = network  # where layer errors are located (file:line), at build and at every reshape
         self._phase, self._level, self._stages = phase, level, tuple(stages)
         self._allow_python = allow_python_layers
+        self._python_layers = PythonLayers()  # this net's pycaffe layer objects, kept across rebuilds
         self._dtype = np.dtype(dtype)
         if self._dtype.itemsize > 4 and not jax.config.jax_enable_x64:
             raise CaffejaxError(f"Net(dtype={self._dtype}) needs JAX's 64-bit mode: "
@@ -153,7 +154,7 @@ class Net:
         try:
             return build_graph(self._net_param, self._phase, self._level, self._stages, input_shapes=input_shapes,
                                base_dir=self._base_dir, allow_python_layers=self._allow_python,
-                               concrete_inputs=self._concrete_data())
+                               concrete_inputs=self._concrete_data(), python_layers=self._python_layers)
         except CaffejaxError as e:
             raise locate_layer_error(e, self._source) from None
 
@@ -552,7 +553,7 @@ class Net:
                     raise ShapeError(f"input '{name}' has shape {array.shape}; the net expects {expected} "
                                      f"(reshape the blob first)")
                 self.blobs[name].data[...] = array
-        with host_failures():
+        with self._python_layers:
             self._last_loss = self._forward(start_ind, end_ind)
         if self.debug_nans:
             self._check_finite(outputs)
@@ -614,7 +615,7 @@ class Net:
                 if diff.shape[:1] != self.blobs[name].shape[:1]:
                     raise ShapeError(f"diff for '{name}' has shape {diff.shape}; the blob is {self.blobs[name].shape}")
                 self.blobs[name].diff[...] = diff
-        with host_failures():
+        with self._python_layers:
             self._backward(start_ind, end_ind)
         return {name: self.blobs[name].diff for name in outputs}
 

@@ -44,7 +44,6 @@ from caffejax.frontend.build import load_net_param
 from caffejax.frontend.ir import Graph
 from caffejax.frontend.prototxt import locate_layer_error, locate_solver_error, parse_solver_text
 from caffejax.frontend.upgrade import upgrade_solver_as_needed
-from caffejax.lower.python_layer import host_failures
 from caffejax.lower.registry import TEST, TRAIN, get_rule
 from caffejax.proto import caffe_pb2
 from caffejax.runtime import lr_policy, mode, snapshot as snapshots
@@ -454,7 +453,7 @@ class Solver:
                 self.test_all()
             rate = self._learning_rate()
             start_params = self.net.param_arrays() if self.debug_nans else None
-            with host_failures():
+            with self.net._python_layers:
                 loss, norm = self._train_iteration(rate)
                 if any(layer.type == "Python" for layer in self.net.graph.layers):
                     jax.block_until_ready(loss)  # a Python layer's failure surfaces here, as its typed error
