@@ -379,13 +379,21 @@ def test_a_forward_over_a_python_layer_hands_back_every_blob_a_chain_made(layers
         np.testing.assert_allclose(nets[1].blobs[name].data, nets[0].blobs[name].data, rtol=1e-5, atol=1e-5)
 
 
+PYTHON_DATA_LAYER = ('layer { name: "data" type: "Python" top: "data" top: "label" python_param { '
+                     'module: "caffejax_test_pylayers" layer: "Batches" param_str: "3" } }\n')
+
+
+def _batches_table() -> tuple[np.ndarray, np.ndarray]:
+    """The rows Batches (param_str 3) serves, four a batch: data and labels."""
+    rng = np.random.default_rng(3)
+    return rng.normal(size=(16, 5)).astype(np.float32), rng.integers(0, 3, 16)
+
+
 def test_each_net_has_its_own_python_layer_objects(layers_module):
     """Caffe makes one layer object per net: two nets from one prototxt serve their batches from the first one
     each, and a net keeps its object when it is rebuilt (reshape) and in compile_inference's program."""
-    text = ('layer { name: "data" type: "Python" top: "data" top: "label" python_param { '
-            'module: "caffejax_test_pylayers" layer: "Batches" param_str: "3" } }\n')
-    x_all = np.random.default_rng(3).normal(size=(16, 5)).astype(np.float32)
-    first, second = (caffejax.Net(text, caffejax.TEST, allow_python_layers=True) for _ in range(2))
+    x_all, _ = _batches_table()
+    first, second = (caffejax.Net(PYTHON_DATA_LAYER, caffejax.TEST, allow_python_layers=True) for _ in range(2))
     first.forward()
     first.forward()
     np.testing.assert_array_equal(first.blobs["data"].data, x_all[4:8])
@@ -400,8 +408,7 @@ def test_each_net_has_its_own_python_layer_objects(layers_module):
 PYTHON_DATA_SOLVER = '''
 base_lr: 0.1 lr_policy: "fixed" momentum: 0.9 weight_decay: 0.01 max_iter: 3 snapshot_after_train: false
 net_param {
-  layer { name: "data" type: "Python" top: "data" top: "label"
-          python_param { module: "caffejax_test_pylayers" layer: "Batches" param_str: "3" } }
+  ''' + PYTHON_DATA_LAYER + '''
   layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip"
           inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.5 } } }
   layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
@@ -425,8 +432,7 @@ def test_a_solver_trains_a_net_fed_by_a_python_data_layer(layers_module, iter_si
     solver = caffejax.SGDSolver(param, allow_python_layers=True)
     batches = sys.modules["caffejax_test_pylayers"].Batches
     w, b = (np.array(blob.data, np.float64) for blob in solver.net.params["ip"])
-    rng = np.random.default_rng(3)
-    x_all, y_all = rng.normal(size=(16, 5)).astype(np.float32), rng.integers(0, 3, 16)
+    x_all, y_all = _batches_table()
     history = [np.zeros_like(w), np.zeros_like(b)]
     served = 0
     for _ in range(3):  # SGDSolver: diffs summed over the passes / iter_size, + decay w; v = momentum v + lr g
