@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import logging
 from typing import Any, Callable, Sequence
 
 import jax
@@ -76,9 +77,9 @@ class _Instance:
 class PythonLayers:
     """One net's pycaffe layer objects, by layer definition. Run the net's compiled programs inside it
     (``with python_layers:``): a layer's failure on the host, which JAX reports as a JaxRuntimeError around
-    the traceback, comes out as the typed error naming the layer (JAX's as its cause). A class with
-    ``__exit__``, not a contextlib generator, which costs 2 us on entering and leaving (a tenth of the Python
-    around LeNet's batch-1 inference call)."""
+    the traceback's text, comes out as the typed error naming the layer, caused by the user's own exception
+    (its traceback ends in the layer's code). A class with ``__exit__``, not a contextlib generator, which
+    costs 2 us on entering and leaving (a tenth of the Python around LeNet's batch-1 inference call)."""
 
     def __init__(self):
         self.objects: dict[bytes, _Instance] = {}
@@ -94,7 +95,10 @@ class PythonLayers:
             instance.failure = None
         if not failures:
             return False
-        raise failures[0] from error
+        # The layer's error already has the user's exception as its cause; JAX's error only repeats it as text.
+        failure = failures[0].with_traceback(None)
+        failure.__suppress_context__ = True
+        raise failure
 
 
 @layer("Python")
@@ -150,12 +154,35 @@ def _top_shapes(ctx: LayerContext, instance: _Instance, bottom_shapes: tuple[Sha
     return shapes
 
 
+class _QuietLayerFailures(logging.Filter):
+    """Drops JAX's log record of a callback failure that is a Python layer's typed error: JAX logs the whole
+    traceback to stderr as it turns the failure into its runtime error, and the net's PythonLayers then raises
+    the layer's error itself. Every other callback failure is logged as JAX logs it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        failure = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(failure, CaffejaxError) and getattr(failure, "python_layer_failure", False))
+
+
+_CALLBACK_LOGGER = "jax._src.callback"  # where jax.pure_callback / io_callback log their failures
+
+
+def _quiet_layer_failures() -> None:
+    """Install the filter on JAX's callback logger, once per process (the first time a Python layer runs)."""
+    logger = logging.getLogger(_CALLBACK_LOGGER)
+    if not any(isinstance(f, _QuietLayerFailures) for f in logger.filters):
+        logger.addFilter(_QuietLayerFailures())
+
+
 def _recording(instance: _Instance, fn: Callable) -> Callable:
     """``fn`` as a host callback: its typed failure is kept on the instance, for its net's PythonLayers."""
+    _quiet_layer_failures()
+
     def run(*arrays):
         try:
             return fn(*arrays)
         except CaffejaxError as error:
+            error.python_layer_failure = True
             instance.failure = error
             raise
     return run
