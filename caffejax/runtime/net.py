@@ -129,6 +129,7 @@ class Net:
         self.debug_nans = debug_nans
         self.channels_last = channels_last
         self._programs: dict[Any, NetProgram] = {}
+        self._blob_index_map: tuple[Any, dict[str, int]] = (None, {})  # (graph, blob name -> index)
         self._compiled: dict[Any, Any] = {}
         self.compile_count = 0  # how many times a program was traced (each trace is one XLA compile)
         self._pass_count = 0
@@ -301,7 +302,12 @@ class Net:
         return self._blob_indices(self._graph.layers[layer_index].tops)
 
     def _blob_indices(self, names) -> list[int]:
-        index = {name: i for i, name in enumerate(self._graph.blobs)}
+        # The name -> index map is made once per graph (a reshape builds a new one): scripts call _bottom_ids(i)
+        # for every layer, which rebuilt it each time was O(layers x blobs).
+        graph, index = self._blob_index_map
+        if graph is not self._graph:
+            index = {name: i for i, name in enumerate(self._graph.blobs)}
+            self._blob_index_map = (self._graph, index)
         return [index[name] for name in names]
 
     @property
