@@ -278,6 +278,16 @@ class FailsLater(Scale):
         raise ZeroDivisionError("in backward")
 
 
+class SecondSetupFails(Scale):
+    setups = 0
+
+    def setup(self, bottom, top):
+        SecondSetupFails.setups += 1
+        if SecondSetupFails.setups == 2:
+            raise ValueError("the second object's setup")
+        super().setup(bottom, top)
+
+
 class BackwardFails(Scale):
     def backward(self, top, propagate_down, bottom):
         raise ZeroDivisionError("in backward")
@@ -403,6 +413,19 @@ def test_each_net_has_its_own_python_layer_objects(layers_module):
     first.forward()
     np.testing.assert_array_equal(first.blobs["data"].data, x_all[8:12])
     np.testing.assert_array_equal(caffejax.compile_inference(first)({})["data"], x_all[12:16])
+
+
+def test_alike_python_layers_are_each_set_up_at_build(layers_module):
+    """Two Python layers alike but for their names are two objects, each set up and reshaped as the net is
+    built (Caffe's LayerSetUp), so the second's failure is the build's error naming it, not a later forward's."""
+    alike = _python_layer("a", "Scale", ["x"], "y") + _python_layer("b", "Scale", ["x"], "z")
+    net = caffejax.Net(_input(2) + alike, caffejax.TEST, allow_python_layers=True)
+    assert len(net._python_layers.objects) == 2
+    assert all(instance.top_shapes == {((2,),): [(2,)]} for instance in net._python_layers.objects.values())
+    alike = _python_layer("a", "SecondSetupFails", ["x"], "y") + _python_layer("b", "SecondSetupFails", ["x"], "z")
+    with pytest.raises(caffejax.GraphError, match="layer 'b' \\(type Python\\): the Python layer's setup failed: "
+                                                  "ValueError: the second object's setup"):
+        caffejax.Net(_input(2) + alike, caffejax.TEST, allow_python_layers=True)
 
 
 PYTHON_DATA_SOLVER = '''

@@ -260,8 +260,9 @@ class _Builder:
 
     def _infer_top_shapes(self, lp, rule: LayerRule, bottom_shapes, param_shapes, num_tops: int, concrete):
         """infer_top_shapes, traced once per distinct layer configuration: deep nets repeat a few blocks
-        (ResNet-152's 720 layers have 60 configurations), and each trace costs milliseconds."""
-        if concrete:
+        (ResNet-152's 720 layers have 60 configurations), and each trace costs milliseconds. Not for Python
+        layers: each has its own object, whose setup and reshape Caffe runs at build, however alike two are."""
+        if concrete or lp.type == "Python":
             return infer_top_shapes(lp, rule, self.phase, bottom_shapes, param_shapes, num_tops, concrete=concrete,
                                     python_layers=self.python_layers)
         if rule.top_shapes is not None:
