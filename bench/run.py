@@ -32,7 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import caffejax  # before the first JAX computation, as in a user's program: its import chooses CPU dispatch
-from bench.measure import gemm_gflops, model_flops, once, timed, timed_alternating, training_flops
+from bench.measure import (gemm_gflops, model_flops, once, reference_gemm, timed, timed_alternating,
+                           training_flops)
 from bench.nets import NETS, ROOT, BenchNet, randomize_weights, training_net_param
 from caffejax.runtime import memory
 
@@ -81,9 +82,9 @@ def main(argv=None) -> int:
               "cpu_count": os.cpu_count(), "load_average": os.getloadavg(), "repeats": repeats,
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "cpu_flags": _cpu_flags(),
               "gemm_gflops": gemm_gflops(), "nets": {}}
-    print(f"in-run GEMM 2048^2 fp32: OpenBLAS {report['gemm_gflops']['numpy_openblas']:.0f} GFLOP/s, "
-          f"XLA {report['gemm_gflops']['xla']:.0f} GFLOP/s (load average {report['load_average'][0]:.1f})",
-          flush=True)
+    gemm = report["gemm_gflops"]
+    print(f"in-run GEMM {gemm['n']}^2 fp32: OpenBLAS {gemm['numpy_openblas']:.0f} GFLOP/s, XLA on "
+          f"{gemm['backend']} {gemm['xla']:.0f} GFLOP/s (load average {report['load_average'][0]:.1f})", flush=True)
     out = args.out or RESULTS / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     for name in names:
@@ -325,8 +326,8 @@ def _fmt(value, spec: str = ".2f") -> str:
 
 
 def print_table(report: dict) -> None:
-    gemm = report["gemm_gflops"]["numpy_openblas"]
-    print(f"\nmedian ms; ratios < 1 mean caffejax is faster. In-run GEMM (OpenBLAS 2048^2): {gemm:.0f} GFLOP/s")
+    gemm, label = reference_gemm(report["gemm_gflops"])
+    print(f"\nmedian ms; ratios < 1 mean caffejax is faster. In-run GEMM ({label}): {gemm:.0f} GFLOP/s")
     header = ("net", "batch", "fwd ms", "OpenCV ms", "cj/OCV", "GFLOP/s", "%GEMM", "bf16 ms", "bf16 x", "top1",
               "train ms", "train/Caffe", "train/Caffe@here", "train %GEMM", "floor/Caffe", "Solver ms", "cold s",
               "warm s", "start-up s", "read GB/s", "copy_from GB/s", "RSS MB")

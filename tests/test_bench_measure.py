@@ -60,3 +60,16 @@ def test_timed_is_one_block_of_runs(monkeypatch):
     assert result["runs"] == 10 and len(calls) == 12  # 0.02 s of 2 ms runs, after two warm-ups
     assert result["median_ms"] == pytest.approx(2.0) and result["min_ms"] == pytest.approx(2.0)
     assert measure.timed(fn, repeats=7, warmup=0)["runs"] == 7
+
+
+def test_the_reference_gemm_is_the_backends():
+    """GFLOP/s are set against OpenBLAS on the CPU and against XLA's own fp32 dot on an accelerator; runs
+    saved before the choice was recorded were CPU runs."""
+    cpu = {"numpy_openblas": 170.0, "xla": 120.0, "n": 2048, "backend": "cpu", "reference": "numpy_openblas"}
+    gpu = {"numpy_openblas": 900.0, "xla": 50000.0, "n": 8192, "backend": "gpu", "reference": "xla"}
+    assert measure.reference_gemm(cpu) == (170.0, "OpenBLAS 2048^2")
+    assert measure.reference_gemm(gpu) == (50000.0, "XLA fp32 on gpu 8192^2")
+    assert measure.reference_gemm({"numpy_openblas": 160.0, "xla": 110.0}) == (160.0, "OpenBLAS 2048^2")
+    here = measure.gemm_gflops(n=64, repeats=1)
+    assert here["backend"] == measure.jax.default_backend() and here["n"] == 64
+    assert here["reference"] == ("numpy_openblas" if here["backend"] == "cpu" else "xla")
