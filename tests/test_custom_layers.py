@@ -480,6 +480,30 @@ def test_a_solver_trains_a_net_fed_by_a_python_data_layer(layers_module, iter_si
     np.testing.assert_array_equal(solver.net.blobs["data"].data, x_all[rows])
 
 
+@pytest.mark.parametrize("iter_size", [1, 3])
+def test_a_python_layer_on_an_input_runs_once_a_pass(layers_module, iter_size):
+    """A Python layer whose bottom is the same in every pass of an iteration (an Input blob) still runs its
+    forward once a pass, as Caffe calls it: as a pure callback of the same operands it was loop-invariant to
+    XLA inside the scan over iter_size passes, and ran once an iteration."""
+    from caffejax.proto import caffe_pb2
+    from google.protobuf import text_format
+
+    net = ('layer { name: "x" type: "Input" top: "x" top: "label" '
+           'input_param { shape { dim: 4 dim: 5 } shape { dim: 4 } } }\n'
+           + _python_layer("c", "Counts", ["x"], "y")
+           + 'layer { name: "ip" type: "InnerProduct" bottom: "y" top: "ip" '
+             'inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.5 } } }\n'
+             'layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }\n')
+    param = text_format.Parse(f'base_lr: 0.1 lr_policy: "fixed" max_iter: 10 iter_size: {iter_size} '
+                              f'net_param {{ {net} }}', caffe_pb2.SolverParameter())
+    solver = caffejax.SGDSolver(param, allow_python_layers=True)
+    solver.net.blobs["x"].data[...] = 1.0
+    counts = sys.modules["caffejax_test_pylayers"].Counts
+    counts.calls = 0
+    solver.step(2)
+    assert counts.calls == 2 * iter_size
+
+
 def test_python_layer_failures_name_the_layer(layers_module):
     with pytest.raises(caffejax.GraphError, match="layer 'f' \\(type Python\\): the Python layer's setup failed: "
                                                   "ValueError: bad param_str"):

@@ -9,8 +9,8 @@ this rule run, and it runs the layer as pycaffe does:
   at net build, on host blobs of the bottom shapes (zeros, as a fresh Caffe blob holds). The tops' shapes
   after ``reshape`` are the layer's top shapes: the compiled program has fixed shapes.
 - In the program, forward is a ``jax.pure_callback`` to ``reshape`` + ``forward`` on host copies of the
-  bottoms (a layer without bottoms, a data layer, is an ordered ``io_callback``: it runs once per pass, in
-  order); backward (a ``jax.custom_vjp``) is a callback to the layer's ``backward(top, propagate_down,
+  bottoms, given the pass's key too so that it runs once per pass (a layer without bottoms, a data layer, is
+  an ordered ``io_callback``: it runs once per pass, in order); backward (a ``jax.custom_vjp``) is a callback to the layer's ``backward(top, propagate_down,
   bottom)``, which fills the bottoms' diffs. JAX reports a failure inside a callback as its own runtime
   error; programs run inside their net's :class:`PythonLayers`, which raises the layer's typed error instead.
 
@@ -219,21 +219,30 @@ def _on_host(ctx: LayerContext, instance: _Instance, top_shapes: list[Shape], dt
         _checked(name, type_name, "backward", obj.backward, top, [True] * n, bottom)
         return tuple(np.asarray(b.diff, dtype) for b in bottom)
 
-    @jax.custom_vjp
-    def run(*xs):
-        return jax.pure_callback(forward_on_host, top_types, *xs)
+    # The pass's key goes to the callback too, unused: a pure callback whose operands are the same in every pass
+    # of a solver's scan over iter_size passes (bottoms from an Input) is loop-invariant to XLA, which hoisted
+    # it, so the layer's forward ran once an iteration. Each pass has its own key (Caffe calls forward per pass).
+    pass_key = () if ctx.key is None else (jax.random.key_data(ctx.key),)
 
-    def run_forward(*xs):
-        ys = run(*xs)
-        return ys, (xs, ys)
+    def forward_with_key(*arrays):
+        return forward_on_host(*arrays[len(pass_key):])
+
+    @jax.custom_vjp
+    def run(key, *xs):
+        return jax.pure_callback(forward_with_key, top_types, *key, *xs)
+
+    def run_forward(key, *xs):
+        ys = run(key, *xs)
+        return ys, (key, xs, ys)
 
     def run_backward(residuals, gs):
-        xs, ys = residuals
+        key, xs, ys = residuals
         bottom_types = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs)
-        return tuple(jax.pure_callback(backward_on_host, bottom_types, *xs, *ys, *gs))
+        no_diff = tuple(np.zeros(k.shape, jax.dtypes.float0) for k in key)
+        return (no_diff, *jax.pure_callback(backward_on_host, bottom_types, *xs, *ys, *gs))
 
     run.defvjp(run_forward, run_backward)
-    return list(run(*bottoms))
+    return list(run(pass_key, *bottoms))
 
 
 def _check_top_shapes(name: str, type_name: str, what: str, top: list[Blob], expected: list[Shape]) -> None:
