@@ -278,6 +278,17 @@ class FailsLater(Scale):
         raise ZeroDivisionError("in backward")
 
 
+class RefusesLabelDiff(EuclideanLoss):
+    """A loss that, like Caffe's own, refuses to backpropagate to its labels; records propagate_down."""
+    seen = []
+
+    def backward(self, top, propagate_down, bottom):
+        RefusesLabelDiff.seen.append(list(propagate_down))
+        if propagate_down[1]:
+            raise Exception("cannot backpropagate to label inputs")
+        bottom[0].diff[...] = self.diff / bottom[0].num
+
+
 class SecondSetupFails(Scale):
     setups = 0
 
@@ -478,6 +489,25 @@ def test_a_solver_trains_a_net_fed_by_a_python_data_layer(layers_module, iter_si
     np.testing.assert_allclose(solver.net.params["ip"][0].data, w, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(solver.net.params["ip"][1].data, b, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(solver.net.blobs["data"].data, x_all[rows])
+
+
+def test_a_python_layers_backward_gets_caffes_propagate_down(layers_module):
+    """Caffe calls a layer's backward with propagate_down false for a bottom the gradient does not reach (a
+    label), and loss layers refuse to backpropagate to labels; the bottom that needs it gets the layer's diff."""
+    text = (_input(4, 5, name="x") + _input(4, 3, name="t")
+            + 'layer { name: "ip" type: "InnerProduct" bottom: "x" top: "ip" '
+              'inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.5 } } }\n'
+            + _python_layer("loss", "RefusesLabelDiff", ["ip", "t"], "loss", extra="loss_weight: 1 "))
+    net = caffejax.Net(text, caffejax.TRAIN, allow_python_layers=True)
+    rng = np.random.default_rng(0)
+    x, t = rng.normal(size=(4, 5)).astype(np.float32), rng.normal(size=(4, 3)).astype(np.float32)
+    net.forward(x=x, t=t)
+    net.backward()
+    assert sys.modules["caffejax_test_pylayers"].RefusesLabelDiff.seen == [[True, False]]
+    w, b = (np.asarray(blob.data, np.float64) for blob in net.params["ip"])
+    dz = (x @ w.T + b - t) / 4  # EuclideanLoss: d/dz of sum((z - t)^2) / 2N
+    np.testing.assert_allclose(net.params["ip"][0].diff, dz.T @ x, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(net.params["ip"][1].diff, dz.sum(0), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("iter_size", [1, 3])

@@ -10,9 +10,11 @@ this rule run, and it runs the layer as pycaffe does:
   after ``reshape`` are the layer's top shapes: the compiled program has fixed shapes.
 - In the program, forward is a ``jax.pure_callback`` to ``reshape`` + ``forward`` on host copies of the
   bottoms, given the pass's key too so that it runs once per pass (a layer without bottoms, a data layer, is
-  an ordered ``io_callback``: it runs once per pass, in order); backward (a ``jax.custom_vjp``) is a callback to the layer's ``backward(top, propagate_down,
-  bottom)``, which fills the bottoms' diffs. JAX reports a failure inside a callback as its own runtime
-  error; programs run inside their net's :class:`PythonLayers`, which raises the layer's typed error instead.
+  an ordered ``io_callback``: it runs once per pass, in order); backward (a ``jax.custom_vjp``) is a
+  callback to the layer's ``backward(top, propagate_down, bottom)``, which fills the diffs of the bottoms
+  whose ``propagate_down`` is true: as in Caffe, those the gradient reaches (not a label). JAX reports a
+  failure inside a callback as its own runtime error; programs run inside their net's
+  :class:`PythonLayers`, which raises the layer's typed error instead.
 
 Each net has its own layer objects, as Caffe makes one per layer per net (:class:`PythonLayers`, which the
 net hands its graph and programs through ``LayerContext.python_layers``): the net's rebuilds and all its
@@ -29,7 +31,9 @@ import logging
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import SymbolicZero
 from jax.experimental import io_callback
 
 from caffejax.errors import CaffejaxError, GraphError, ShapeError, UnsupportedError, layer_error
@@ -209,15 +213,16 @@ def _on_host(ctx: LayerContext, instance: _Instance, top_shapes: list[Shape], dt
         # hoisted and ran once an iteration, every pass training on the same batch.
         return list(io_callback(forward_on_host, top_types, ordered=True))
 
-    @functools.partial(_recording, instance)
-    def backward_on_host(*arrays):
-        n = len(bottoms)
-        xs, ys, gs = arrays[:n], arrays[n:n + len(top_shapes)], arrays[n + len(top_shapes):]
-        bottom = [_holding(x, dtype) for x in xs]
-        top = [_holding(y, dtype, diff=g) for y, g in zip(ys, gs)]
-        # Caffe passes propagate_down per bottom; bottoms that need no gradient are masked by the program.
-        _checked(name, type_name, "backward", obj.backward, top, [True] * n, bottom)
-        return tuple(np.asarray(b.diff, dtype) for b in bottom)
+    def backward_on_host(propagate_down: tuple[bool, ...]):
+        @functools.partial(_recording, instance)
+        def on_host(*arrays):
+            n = len(bottoms)
+            xs, ys, gs = arrays[:n], arrays[n:n + len(top_shapes)], arrays[n + len(top_shapes):]
+            bottom = [_holding(x, dtype) for x in xs]
+            top = [_holding(y, dtype, diff=g) for y, g in zip(ys, gs)]
+            _checked(name, type_name, "backward", obj.backward, top, list(propagate_down), bottom)
+            return tuple(np.asarray(b.diff, dtype) for b, down in zip(bottom, propagate_down) if down)
+        return on_host
 
     # The pass's key goes to the callback too, unused: a pure callback whose operands are the same in every pass
     # of a solver's scan over iter_size passes (bottoms from an Input) is loop-invariant to XLA, which hoisted
@@ -231,18 +236,32 @@ def _on_host(ctx: LayerContext, instance: _Instance, top_shapes: list[Shape], dt
     def run(key, *xs):
         return jax.pure_callback(forward_with_key, top_types, *key, *xs)
 
+    # With symbolic zeros, the forward learns which bottoms the gradient reaches (perturbed): Caffe's
+    # propagate_down for the layer's backward, which is false for a label (a loss layer may refuse to
+    # backpropagate to it, as Caffe's own do), and whose other bottoms get no diff computed.
     def run_forward(key, *xs):
-        ys = run(key, *xs)
-        return ys, (key, xs, ys)
+        values = tuple(x.value for x in xs)
+        ys = run(tuple(k.value for k in key), *values)
+        return ys, (values, ys, _PropagateDown(tuple(x.perturbed for x in xs)))
 
     def run_backward(residuals, gs):
-        key, xs, ys = residuals
-        bottom_types = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs)
-        no_diff = tuple(np.zeros(k.shape, jax.dtypes.float0) for k in key)
-        return (no_diff, *jax.pure_callback(backward_on_host, bottom_types, *xs, *ys, *gs))
+        xs, ys, propagate_down = residuals
+        gs = [jnp.zeros(t.shape, t.dtype) if isinstance(g, SymbolicZero) else g for g, t in zip(gs, top_types)]
+        down = propagate_down.flags
+        diff_types = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x, d in zip(xs, down) if d)
+        diffs = iter(jax.pure_callback(backward_on_host(down), diff_types, *xs, *ys, *gs) if diff_types else ())
+        return (tuple(None for _ in pass_key), *(next(diffs) if d else None for d in down))
 
-    run.defvjp(run_forward, run_backward)
+    run.defvjp(run_forward, run_backward, symbolic_zeros=True)
     return list(run(pass_key, *bottoms))
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _PropagateDown:
+    """Which bottoms a Python layer's backward computes diffs for, kept static among the residuals."""
+
+    flags: tuple[bool, ...]
 
 
 def _check_top_shapes(name: str, type_name: str, what: str, top: list[Blob], expected: list[Shape]) -> None:
