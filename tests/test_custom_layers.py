@@ -510,6 +510,43 @@ def test_a_python_layers_backward_gets_caffes_propagate_down(layers_module):
     np.testing.assert_allclose(net.params["ip"][1].diff, dz.sum(0), rtol=1e-5, atol=1e-6)
 
 
+PYTHON_DATA_NET = PYTHON_DATA_LAYER + '''
+layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip"
+        inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+'''
+
+
+def _softmax_loss_grads(net, x, y):
+    """NumPy's gradient of the mean softmax loss of ``ip`` on a batch, for the net's current weights."""
+    w, b = (np.asarray(blob.data, np.float64) for blob in net.params["ip"])
+    z = x.astype(np.float64) @ w.T + b
+    p = np.exp(z - z.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    p[np.arange(len(y)), y.astype(int)] -= 1
+    return p.T @ x / len(y), p.sum(0) / len(y)
+
+
+def test_backward_after_forward_does_not_run_a_python_layer_again(layers_module):
+    """Caffe's Backward reads the tops Forward left: net.backward() after net.forward() over a Python data
+    layer differentiates the batch the forward served, and the layer serves no other (it did, computing the
+    gradient of the next batch). forward_all and forward_backward_all without arrays run one pass each."""
+    net = caffejax.Net(PYTHON_DATA_NET, caffejax.TRAIN, allow_python_layers=True)
+    batches = sys.modules["caffejax_test_pylayers"].Batches
+    x_all, y_all = _batches_table()
+    start = batches.forwards
+    net.forward()
+    net.backward()
+    assert batches.forwards - start == 1
+    dw, db = _softmax_loss_grads(net, x_all[0:4], y_all[0:4])
+    np.testing.assert_allclose(net.params["ip"][0].diff, dw, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(net.params["ip"][1].diff, db, rtol=1e-5, atol=1e-6)
+    outs, diffs = net.forward_backward_all()
+    assert batches.forwards - start == 2 and diffs == {} and outs["loss"].shape == (1,)
+    np.testing.assert_array_equal(net.blobs["data"].data, x_all[4:8])
+    assert net.forward_all()["loss"].shape == (1,) and batches.forwards - start == 3
+
+
 @pytest.mark.parametrize("iter_size", [1, 3])
 def test_a_python_layer_on_an_input_runs_once_a_pass(layers_module, iter_size):
     """A Python layer whose bottom is the same in every pass of an iteration (an Input blob) still runs its

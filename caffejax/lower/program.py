@@ -53,7 +53,8 @@ class NetProgram:
                    blob_masks: Mapping[str, Any] | None = None,
                    param_masks: Mapping[tuple[str, int], Any] | None = None,
                    kernels: Mapping[str, Any] | None = None, layouts: Mapping[str, str] | None = None,
-                   restore_layout: bool = True, fold_visible: bool = False) -> tuple[Values, Updates]:
+                   restore_layout: bool = True, fold_visible: bool = False,
+                   recorded: Mapping[str, jax.Array] | None = None) -> tuple[Values, Updates]:
         """Run ``layers`` over ``env`` (value id -> array, holding at least their bottoms).
 
         ``masks`` applies Caffe's backward masks as stop_gradient. ``perturb`` adds a zero-valued array to
@@ -64,6 +65,8 @@ class NetProgram:
         With kernels, ``layouts`` says which values of ``env`` are not in NCHW, and ``restore_layout=False``
         leaves every value in the layout it was made in (one layer timed as it runs inside the net);
         ``fold_visible`` runs the chains whose inner values blobs hold too (the caller hands none of them back).
+        ``recorded`` (value id -> array): a layer all of whose tops are in it gets them as
+        ``LayerContext.recorded_tops`` (a Python layer then does not run its forward again).
         Returns the environment with every value computed, and the params layers rewrote.
         """
         env = dict(env)
@@ -90,10 +93,12 @@ class NetProgram:
             blobs = self._layer_blobs(layer, params, masks, param_masks)
             # Carried state absent from env (a fresh net, or a caller that does not keep state) is Caffe's zeros.
             state = [env[v] for v in layer.state_in] if all(v in env for v in layer.state_in) else None
+            given = ([recorded[v] for v in layer.top_values]
+                     if recorded and layer.top_values and all(v in recorded for v in layer.top_values) else None)
             ctx = LayerContext(layer=layer.proto, phase=self.graph.phase,
                                key=None if key is None else jax.random.fold_in(key, index),
                                num_tops=len(layer.tops), in_place=tuple(layer.in_place), dtype=dtype,
-                               state=state, python_layers=self.graph.python_layers)
+                               state=state, python_layers=self.graph.python_layers, recorded_tops=given)
             if chain:
                 with jax.named_scope("+".join([layer.name] + [link.name for link in chain])):
                     blobs += [p for link in chain for p in self._layer_blobs(link, params, masks, param_masks)]
@@ -169,11 +174,13 @@ class NetProgram:
 
     def forward_backward(self, params: Params, inputs: Values, seeds: Mapping[str, jax.Array],
                          key: jax.Array | None = None, start: int = 0, end: int | None = None,
-                         diff_values: Sequence[str] = ()) -> tuple[Values, Updates, Params, Values]:
+                         diff_values: Sequence[str] = (), recorded: Mapping[str, jax.Array] | None = None
+                         ) -> tuple[Values, Updates, Params, Values]:
         """Forward over layers [start, end], then Caffe's backward over the same range.
 
         ``seeds`` (value id -> array) are the top diffs backward starts from: Caffe keeps a loss top's diff at
-        its loss weight, and other outputs' diffs are what the user placed on them. Returns (values, param
+        its loss weight, and other outputs' diffs are what the user placed on them. ``recorded``: tops of the
+        last forward for layers that must not run again (see :meth:`run_layers`). Returns (values, param
         updates, param diffs shaped like ``params``, diffs of the values named in ``diff_values``).
         """
         layers = self.layers_between(start, end)
@@ -182,7 +189,7 @@ class NetProgram:
         def run(params, perturb):
             env = {v: (x + perturb[v] if v in perturb else x) for v, x in inputs.items()}
             computed = {v: p for v, p in perturb.items() if v not in inputs}
-            env, updates = self.run_layers(layers, params, env, key, masks=True, perturb=computed)
+            env, updates = self.run_layers(layers, params, env, key, masks=True, perturb=computed, recorded=recorded)
             return {v: env[v] for v in seed_ids}, (env, updates)
 
         dtype = _dtype_of(params, inputs)

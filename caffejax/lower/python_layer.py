@@ -207,22 +207,13 @@ def _on_host(ctx: LayerContext, instance: _Instance, top_shapes: list[Shape], dt
         _check_top_shapes(name, type_name, "forward", top, top_shapes)
         return tuple(np.asarray(t.data, dtype) for t in top)
 
+    if ctx.recorded_tops is not None:  # a backward pass after the net's forward: the tops that forward left
+        return _replayed(ctx, instance, top_shapes, dtype, bottoms)
     if not bottoms:
         # A data layer: its forward serves the next batch, so it must run once per pass, in order. A pure
         # callback without operands is loop-invariant to XLA: inside the scan over iter_size passes it was
         # hoisted and ran once an iteration, every pass training on the same batch.
         return list(io_callback(forward_on_host, top_types, ordered=True))
-
-    def backward_on_host(propagate_down: tuple[bool, ...]):
-        @functools.partial(_recording, instance)
-        def on_host(*arrays):
-            n = len(bottoms)
-            xs, ys, gs = arrays[:n], arrays[n:n + len(top_shapes)], arrays[n + len(top_shapes):]
-            bottom = [_holding(x, dtype) for x in xs]
-            top = [_holding(y, dtype, diff=g) for y, g in zip(ys, gs)]
-            _checked(name, type_name, "backward", obj.backward, top, list(propagate_down), bottom)
-            return tuple(np.asarray(b.diff, dtype) for b, down in zip(bottom, propagate_down) if down)
-        return on_host
 
     # The pass's key goes to the callback too, unused: a pure callback whose operands are the same in every pass
     # of a solver's scan over iter_size passes (bottoms from an Input) is loop-invariant to XLA, which hoisted
@@ -246,14 +237,53 @@ def _on_host(ctx: LayerContext, instance: _Instance, top_shapes: list[Shape], dt
 
     def run_backward(residuals, gs):
         xs, ys, propagate_down = residuals
-        gs = [jnp.zeros(t.shape, t.dtype) if isinstance(g, SymbolicZero) else g for g, t in zip(gs, top_types)]
-        down = propagate_down.flags
-        diff_types = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x, d in zip(xs, down) if d)
-        diffs = iter(jax.pure_callback(backward_on_host(down), diff_types, *xs, *ys, *gs) if diff_types else ())
-        return (tuple(None for _ in pass_key), *(next(diffs) if d else None for d in down))
+        return (tuple(None for _ in pass_key), *_backward_on_host(ctx, instance, dtype, xs, ys, gs, propagate_down))
 
     run.defvjp(run_forward, run_backward, symbolic_zeros=True)
     return list(run(pass_key, *bottoms))
+
+
+def _replayed(ctx: LayerContext, instance: _Instance, top_shapes: list[Shape], dtype, bottoms):
+    """The tops the net's last forward recorded, differentiable through the layer's backward: Caffe's Backward
+    reads the tops Forward left and never runs forward again (a data layer would serve the next batch, a layer
+    that samples would sample again)."""
+    recorded = tuple(jnp.asarray(t, dtype).reshape(shape) for t, shape in zip(ctx.recorded_tops, top_shapes))
+    if not bottoms:
+        return list(recorded)
+
+    @jax.custom_vjp
+    def replay(tops, *xs):
+        return tops
+
+    def replay_forward(tops, *xs):
+        tops = tuple(t.value for t in tops)
+        return tops, (tuple(x.value for x in xs), tops, _PropagateDown(tuple(x.perturbed for x in xs)))
+
+    def replay_backward(residuals, gs):
+        xs, ys, propagate_down = residuals
+        return (tuple(None for _ in ys), *_backward_on_host(ctx, instance, dtype, xs, ys, gs, propagate_down))
+
+    replay.defvjp(replay_forward, replay_backward, symbolic_zeros=True)
+    return list(replay(recorded, *bottoms))
+
+
+def _backward_on_host(ctx: LayerContext, instance: _Instance, dtype, xs, ys, gs, propagate_down: "_PropagateDown"):
+    """The bottoms' diffs from the layer's ``backward`` on the host, None for those ``propagate_down`` leaves
+    out (Caffe's propagate_down: the bottoms the gradient reaches)."""
+    name, type_name, obj, down = ctx.name, ctx.type, instance.obj, propagate_down.flags
+    gs = [jnp.zeros(y.shape, y.dtype) if isinstance(g, SymbolicZero) else g for g, y in zip(gs, ys)]
+
+    @functools.partial(_recording, instance)
+    def on_host(*arrays):
+        n = len(xs)
+        bottom = [_holding(x, dtype) for x in arrays[:n]]
+        top = [_holding(y, dtype, diff=g) for y, g in zip(arrays[n:n + len(ys)], arrays[n + len(ys):])]
+        _checked(name, type_name, "backward", obj.backward, top, list(down), bottom)
+        return tuple(np.asarray(b.diff, dtype) for b, d in zip(bottom, down) if d)
+
+    diff_types = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x, d in zip(xs, down) if d)
+    diffs = iter(jax.pure_callback(on_host, diff_types, *xs, *ys, *gs) if diff_types else ())
+    return tuple(next(diffs) if d else None for d in down)
 
 
 @jax.tree_util.register_static

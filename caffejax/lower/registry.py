@@ -56,6 +56,10 @@ class LayerContext:
     state: Sequence[jax.Array] | None = None
     state_updates: dict[int, jax.Array] = dataclasses.field(default_factory=dict)
     python_layers: Any = None
+    # The tops this layer made in the net's last forward, given to a backward pass that must not run its forward
+    # again (a Python layer's forward may change its state: a data layer would serve the next batch); None:
+    # compute them.
+    recorded_tops: Sequence[jax.Array] | None = None
 
     @property
     def name(self) -> str:

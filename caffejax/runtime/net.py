@@ -44,6 +44,22 @@ class LayerView:
         return f"<Layer {self.name!r} ({self.type})>"
 
 
+def _collect(store: list, value) -> None:
+    """A batch's blob into forward_all's list: its items, or the whole value for a scalar (a loss: one per batch)."""
+    value = np.array(value, copy=True)
+    if value.ndim:
+        store.extend(value)
+    else:
+        store.append(value)
+
+
+def _collected(store: list, num: int | None) -> np.ndarray:
+    """forward_all's result: the first ``num`` items (the last batch's zero padding dropped); scalars per batch."""
+    if store and np.ndim(store[0]) == 0:
+        return np.asarray(store)
+    return np.asarray(store[:num])
+
+
 def _broadcasts(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
     try:
         return np.broadcast_shapes(shape, target) == tuple(target)
@@ -186,6 +202,7 @@ class Net:
     def _set_graph(self, graph: Graph) -> None:
         """Adopt a (re)built graph: blobs are kept by name and reshaped; new ones are created."""
         self._graph = graph
+        self._recorded_tops: dict[str, jax.Array] = {}  # Python layers' tops from the last forward, by value id
         signature = self._signature(graph)
         if signature not in self._programs:
             self._programs[signature] = NetProgram(graph, layout_kernels(graph) if self.channels_last else None)
@@ -482,6 +499,10 @@ class Net:
         params = self.param_arrays()
         env = {**self._feed(layers), **self._read_state(layers)}
         values, updates, loss = fn(params, env, key)
+        # A Python layer's tops, for a backward that must not run its forward again (Caffe's Backward reads the
+        # tops Forward left; a pass over a Python layer hands back every value).
+        self._recorded_tops.update((v, values[v]) for layer in layers if layer.type == "Python"
+                                   for v in layer.top_values if v in values)
         self._state.update((v, values[out]) for layer in layers for v, out in zip(layer.state_in, layer.state_out))
         final = {}  # blob -> the value it holds after this pass
         for layer in layers:
@@ -587,11 +608,13 @@ class Net:
         diff_values = sorted({value for _, value in writes})
         program = self._program
         fn = self._jitted("backward", end, start, self._with_concrete(
-            lambda params, env, seeds, key: program.forward_backward(
-                params, env, seeds, key, start=end, end=start, diff_values=diff_values)[2:]))
+            lambda params, env, seeds, key, recorded: program.forward_backward(
+                params, env, seeds, key, start=end, end=start, diff_values=diff_values, recorded=recorded)[2:]))
         key = self._last_key if self._last_key is not None else self._next_key()
         env = {**self._feed(layers), **self._state_feed(layers, self._state_seen)}
-        grads, value_diffs = fn(self.param_arrays(), env, seeds, key)
+        recorded = {v: self._recorded_tops[v] for layer in layers if layer.type == "Python"
+                    for v in layer.top_values if v in self._recorded_tops}
+        grads, value_diffs = fn(self.param_arrays(), env, seeds, key, recorded)
         for blob, value in writes:
             self.blobs[blob]._diff.set(value_diffs[value])
         for layer in layers:
@@ -627,7 +650,9 @@ class Net:
 
     def _batches(self, arrays: dict[str, np.ndarray]):
         """pycaffe's Net._batch: ``arrays`` (name -> N x ...) in batches of the net's batch size; the last
-        one is zero-padded to full size."""
+        one is zero-padded to full size. No arrays, no batches."""
+        if not arrays:
+            return
         num = len(next(iter(arrays.values())))
         batch_size = next(iter(self.blobs.values())).shape[0]
         for start in range(0, num, batch_size):
@@ -642,11 +667,12 @@ class Net:
         """pycaffe's forward_all: run N items through the net in batches; outputs (and ``blobs``) for all N."""
         blobs = list(blobs or [])
         collected: dict[str, list[np.ndarray]] = {name: [] for name in set(self.outputs + blobs)}
-        for batch in self._batches(kwargs):
+        # Without input arrays (a net fed by its data layers) one forward, as forward_backward_all runs one.
+        for batch in list(self._batches(kwargs)) or [{}]:
             for name, value in self.forward(blobs=blobs, **batch).items():
-                collected[name].extend(np.array(value, copy=True))
-        num = len(next(iter(kwargs.values())))
-        return {name: np.asarray(values[:num]) for name, values in collected.items()}
+                _collect(collected[name], value)
+        num = len(next(iter(kwargs.values()))) if kwargs else None
+        return {name: _collected(values, num) for name, values in collected.items()}
 
     def forward_backward_all(self, blobs: Iterable[str] | None = None, diffs: Iterable[str] | None = None,
                              **kwargs) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
@@ -654,18 +680,19 @@ class Net:
         blobs, diffs = list(blobs or []), list(diffs or [])
         outs: dict[str, list[np.ndarray]] = {name: [] for name in set(self.outputs + blobs)}
         grads: dict[str, list[np.ndarray]] = {name: [] for name in set(self.inputs + diffs)}
-        forward_batches = list(self._batches({k: kwargs[k] for k in self.inputs if k in kwargs}) or [{}])
-        backward_batches = list(self._batches({k: kwargs[k] for k in self.outputs if k in kwargs}) or [{}])
+        # Without arrays (a net fed by its data layers, diffs already on the outputs): one forward and backward.
+        forward_batches = list(self._batches({k: kwargs[k] for k in self.inputs if k in kwargs})) or [{}]
+        backward_batches = list(self._batches({k: kwargs[k] for k in self.outputs if k in kwargs})) or [{}]
         for i in range(max(len(forward_batches), len(backward_batches))):
             fb = forward_batches[i] if i < len(forward_batches) else {}
             bb = backward_batches[i] if i < len(backward_batches) else {}
             for name, value in self.forward(blobs=blobs, **fb).items():
-                outs[name].extend(np.array(value, copy=True))
+                _collect(outs[name], value)
             for name, value in self.backward(diffs=diffs, **bb).items():
-                grads[name].extend(np.array(value, copy=True))
+                _collect(grads[name], value)
         num = len(next(iter(kwargs.values()))) if kwargs else None
-        return ({name: np.asarray(v[:num]) for name, v in outs.items()},
-                {name: np.asarray(v[:num]) for name, v in grads.items()})
+        return ({name: _collected(v, num) for name, v in outs.items()},
+                {name: _collected(v, num) for name, v in grads.items()})
 
     def clear_param_diffs(self) -> None:
         """Caffe's ClearParamDiffs: zero every learnable blob's diff."""
