@@ -289,6 +289,20 @@ class RefusesLabelDiff(EuclideanLoss):
         bottom[0].diff[...] = self.diff / bottom[0].num
 
 
+class DoublesInPlace(caffejax.Layer):
+    """Written for in-place use, as such pycaffe layers are: it scales the blob it shares with its bottom."""
+
+    def reshape(self, bottom, top):
+        top[0].reshape(*bottom[0].data.shape)
+
+    def forward(self, bottom, top):
+        top[0].data[...] *= 2
+
+    def backward(self, top, propagate_down, bottom):
+        assert np.array_equal(bottom[0].data, top[0].data)  # the same blob: the forward's output
+        bottom[0].diff[...] *= 2
+
+
 class SecondSetupFails(Scale):
     setups = 0
 
@@ -424,6 +438,19 @@ def test_each_net_has_its_own_python_layer_objects(layers_module):
     first.forward()
     np.testing.assert_array_equal(first.blobs["data"].data, x_all[8:12])
     np.testing.assert_array_equal(caffejax.compile_inference(first)({})["data"], x_all[12:16])
+
+
+def test_an_in_place_python_layer_shares_its_blob(layers_module):
+    """In place (``top: b`` over ``bottom: b``) the layer's top is its bottom's blob, data and diff, as in
+    Caffe: a layer that scales the shared blob in place computes 2 a forward and 2 db backward."""
+    text = ("force_backward: true\n" + _input(2, 3, name="a")
+            + 'layer { name: "copy" type: "Power" bottom: "a" top: "b" }\n'
+            + _python_layer("double", "DoublesInPlace", ["b"], "b"))
+    net = caffejax.Net(text, caffejax.TRAIN, allow_python_layers=True)
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    np.testing.assert_array_equal(net.forward(a=a)["b"], 2 * a)
+    diffs = net.backward(b=np.full((2, 3), 3.0, np.float32))
+    np.testing.assert_array_equal(diffs["a"], np.full((2, 3), 6.0))
 
 
 def test_alike_python_layers_are_each_set_up_at_build(layers_module):

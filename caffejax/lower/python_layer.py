@@ -12,7 +12,8 @@ this rule run, and it runs the layer as pycaffe does:
   bottoms, given the pass's key too so that it runs once per pass (a layer without bottoms, a data layer, is
   an ordered ``io_callback``: it runs once per pass, in order); backward (a ``jax.custom_vjp``) is a
   callback to the layer's ``backward(top, propagate_down, bottom)``, which fills the diffs of the bottoms
-  whose ``propagate_down`` is true: as in Caffe, those the gradient reaches (not a label). JAX reports a
+  whose ``propagate_down`` is true: as in Caffe, those the gradient reaches (not a label). An in-place top
+  (``top: x`` over ``bottom: x``) is its bottom's blob in both calls, as Caffe shares it. JAX reports a
   failure inside a callback as its own runtime error; programs run inside their net's
   :class:`PythonLayers`, which raises the layer's typed error instead.
 
@@ -200,7 +201,8 @@ def _on_host(ctx: LayerContext, instance: _Instance, top_shapes: list[Shape], dt
     @functools.partial(_recording, instance)
     def forward_on_host(*arrays):
         bottom = [_holding(a, dtype) for a in arrays]
-        top = [Blob(shape, dtype) for shape in top_shapes]
+        # An in-place top is its bottom's blob, as in Caffe: it starts out holding the bottom's data.
+        top = [bottom[i] if _in_place(ctx, i) else Blob(shape, dtype) for i, shape in enumerate(top_shapes)]
         _checked(name, type_name, "reshape", obj.reshape, bottom, top)
         _check_top_shapes(name, type_name, "reshape", top, top_shapes)
         _checked(name, type_name, "forward", obj.forward, bottom, top)
@@ -276,8 +278,9 @@ def _backward_on_host(ctx: LayerContext, instance: _Instance, dtype, xs, ys, gs,
     @functools.partial(_recording, instance)
     def on_host(*arrays):
         n = len(xs)
-        bottom = [_holding(x, dtype) for x in arrays[:n]]
         top = [_holding(y, dtype, diff=g) for y, g in zip(arrays[n:n + len(ys)], arrays[n + len(ys):])]
+        # In place, Caffe's bottom is the top's blob: its data is the forward's output, its diff the top's.
+        bottom = [top[i] if _in_place(ctx, i) else _holding(x, dtype) for i, x in enumerate(arrays[:n])]
         _checked(name, type_name, "backward", obj.backward, top, list(down), bottom)
         return tuple(np.asarray(b.diff, dtype) for b, d in zip(bottom, down) if d)
 
@@ -292,6 +295,11 @@ class _PropagateDown:
     """Which bottoms a Python layer's backward computes diffs for, kept static among the residuals."""
 
     flags: tuple[bool, ...]
+
+
+def _in_place(ctx: LayerContext, i: int) -> bool:
+    """Whether top i is written over bottom i (``top: x`` with ``bottom: x``)."""
+    return i < len(ctx.in_place) and ctx.in_place[i]
 
 
 def _check_top_shapes(name: str, type_name: str, what: str, top: list[Blob], expected: list[Shape]) -> None:
