@@ -9,6 +9,9 @@ from caffejax.lower.registry import registered_types as layer_type_list  # pycaf
 from caffejax.net_spec import NetSpec, layers, params, to_proto
 from caffejax.runtime.mode import run_cpu_programs_inline as _run_cpu_programs_inline
 from caffejax.runtime.mode import set_device, set_mode_cpu, set_mode_gpu, set_random_seed
+from caffejax.runtime.mode import (NCCL, Timer, has_nccl, init_log, set_multiprocess, set_solver_count,
+                                   set_solver_rank, solver_count, solver_rank)
+from caffejax.runtime.mode import log_info as log  # pycaffe's caffe.log
 from caffejax.runtime.debug_nans import find_first_nan
 from caffejax.runtime.inference import compile_inference
 from caffejax.runtime.net import Net
@@ -28,4 +31,5 @@ __all__ = ["Net", "TRAIN", "TEST", "CaffejaxError", "ParseError", "SchemaError",
            "set_device", "set_random_seed", "value_and_grad", "get_solver", "SGDSolver", "NesterovSolver",
            "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver", "AdamSolver", "NetSpec", "layers", "params",
            "to_proto", "io", "Classifier", "Detector", "compile_inference", "NumericalError", "register_layer",
-           "find_first_nan", "Layer", "layer_type_list"]
+           "find_first_nan", "Layer", "layer_type_list", "Timer", "log", "init_log", "NCCL", "has_nccl",
+           "solver_count", "set_solver_count", "solver_rank", "set_solver_rank", "set_multiprocess"]

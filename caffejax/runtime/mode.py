@@ -11,8 +11,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 
 import jax
+
+from caffejax.errors import UnsupportedError
 
 log = logging.getLogger("caffejax")
 
@@ -55,6 +58,108 @@ def set_random_seed(seed: int) -> None:
 
 def random_seed() -> int:
     return _MODE.seed
+
+
+# -- pycaffe's multi-GPU calls. Caffe trains over several GPUs with one process (and one solver) per GPU, joined
+# by NCCL; caffejax trains over several devices in one program of one process (Solver(..., devices=N),
+# ``caffejax train --devices N``). The one-solver settings are accepted, the others refused by name.
+_ONE_PROGRAM = ("caffejax trains over several devices in one process and one program: SGDSolver(path, devices=N) "
+                "or `caffejax train --devices N` (README, 'Several devices')")
+
+
+def solver_count() -> int:
+    """pycaffe's ``caffe.solver_count()``: 1, the one solver of this process."""
+    return 1
+
+
+def set_solver_count(count: int) -> None:
+    """pycaffe's ``caffe.set_solver_count``: 1 is accepted; more solvers, one per process, are refused."""
+    if int(count) != 1:
+        raise UnsupportedError(f"caffe.set_solver_count({count}): {_ONE_PROGRAM}")
+
+
+def solver_rank() -> int:
+    """pycaffe's ``caffe.solver_rank()``: 0, the one solver of this process."""
+    return 0
+
+
+def set_solver_rank(rank: int) -> None:
+    if int(rank) != 0:
+        raise UnsupportedError(f"caffe.set_solver_rank({rank}): {_ONE_PROGRAM}")
+
+
+def set_multiprocess(multiprocess: bool) -> None:
+    if multiprocess:
+        raise UnsupportedError(f"caffe.set_multiprocess(True): {_ONE_PROGRAM}")
+
+
+def has_nccl() -> bool:
+    """pycaffe's ``caffe.has_nccl()``: False; caffejax joins devices through XLA's collectives, not NCCL calls."""
+    return False
+
+
+class NCCL:
+    """pycaffe's ``caffe.NCCL(solver, uid)``: refused (see :data:`_ONE_PROGRAM`), as in a Caffe built without
+    NCCL."""
+
+    def __init__(self, *args, **kwargs):
+        raise UnsupportedError(f"caffe.NCCL: {_ONE_PROGRAM}")
+
+    @staticmethod
+    def new_uid():
+        raise UnsupportedError(f"caffe.NCCL.new_uid: {_ONE_PROGRAM}")
+
+
+# -- pycaffe's glog calls and timer -------------------------------------------------------------------------
+_GLOG_LEVELS = (logging.INFO, logging.WARNING, logging.ERROR, logging.CRITICAL)
+
+
+def init_log(level: int = 0, stderr: bool | None = None) -> None:
+    """pycaffe's ``caffe.init_log([level[, stderr]])``: Caffe's log (the ``caffejax`` logger) shown from glog's
+    ``level`` up (0 INFO, 1 WARNING, 2 ERROR, 3 FATAL), on stdout as Caffe's tools write it or, with
+    ``stderr``, on stderr. An application that configured logging itself keeps its handlers."""
+    import sys
+
+    if not 0 <= int(level) < len(_GLOG_LEVELS):
+        raise ValueError(f"init_log: level {level} is not one of glog's 0 (INFO) .. 3 (FATAL)")
+    log.setLevel(_GLOG_LEVELS[int(level)])
+    if log.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr if stderr else sys.stdout)
+    handler.setFormatter(logging.Formatter("I%(asctime)s.%(msecs)03d %(message)s", datefmt="%m%d %H:%M:%S"))
+    log.addHandler(handler)
+
+
+def log_info(message: str) -> None:
+    """pycaffe's ``caffe.log(s)``: ``LOG(INFO) << s``, into Caffe's log (the ``caffejax`` logger)."""
+    log.info("%s", message)
+
+
+class Timer:
+    """pycaffe's ``caffe.Timer``: ``start()``, ``stop()``, and ``ms``, the milliseconds from the last start to
+    the stop after it. As in Caffe, starting a running timer or stopping a stopped one does nothing, and reading
+    ``ms`` stops a running timer. Host wall-clock time: a program still running on an accelerator is not waited
+    for (pycaffe's own readings of a net's forward, which hands back host arrays, include it)."""
+
+    def __init__(self):
+        self._start = self._stop = None
+        self._running = False
+
+    def start(self) -> None:
+        if not self._running:
+            self._start, self._running = time.perf_counter(), True
+
+    def stop(self) -> None:
+        if self._running:
+            self._stop, self._running = time.perf_counter(), False
+
+    @property
+    def ms(self) -> float:
+        if self._start is None:
+            log.warning("Timer has never been run before reading time.")
+            return 0.0
+        self.stop()
+        return (self._stop - self._start) * 1e3
 
 
 def device() -> jax.Device:

@@ -44,6 +44,9 @@ class LayerView:
         return f"<Layer {self.name!r} ({self.type})>"
 
 
+_CALLBACK_POINTS = ("before_forward", "after_forward", "before_backward", "after_backward")
+
+
 def _collect(store: list, value) -> None:
     """A batch's blob into forward_all's list: its items, or the whole value for a scalar (a loss: one per batch)."""
     value = np.array(value, copy=True)
@@ -146,6 +149,9 @@ class Net:
         self.channels_last = channels_last
         self._programs: dict[Any, NetProgram] = {}
         self._blob_index_map: tuple[Any, dict[str, int]] = (None, {})  # (graph, blob name -> index)
+        # pycaffe's net.before_forward(fn) ... after_backward(fn): called with each layer's index around it
+        self._layer_callbacks: dict[str, list] = {when: [] for when in _CALLBACK_POINTS}
+        self._layer_inputs: dict[int, tuple[dict[str, Any], Any]] = {}  # (what it read, its key), one by one
         self._compiled: dict[Any, Any] = {}
         self.compile_count = 0  # how many times a program was traced (each trace is one XLA compile)
         self._pass_count = 0
@@ -203,6 +209,7 @@ class Net:
         """Adopt a (re)built graph: blobs are kept by name and reshaped; new ones are created."""
         self._graph = graph
         self._recorded_tops: dict[str, jax.Array] = {}  # Python layers' tops from the last forward, by value id
+        self._layer_inputs = {}
         signature = self._signature(graph)
         if signature not in self._programs:
             self._programs[signature] = NetProgram(graph, layout_kernels(graph) if self.channels_last else None)
@@ -476,7 +483,7 @@ class Net:
                         blob.reshape(*array.shape)
                     blob._data.set(np.asarray(array, self._dtype))
 
-    def _forward(self, start: int, end: int) -> float:
+    def _forward(self, start: int, end: int, keep_inputs: bool = False) -> float:
         self._pull_batches(self._program.layers_between(start, end))
         self._sync_shapes()
         layers = self._program.layers_between(start, end)
@@ -498,6 +505,8 @@ class Net:
         # arrays (ArraySlot.value), which the program call moves to the device (_jitted).
         params = self.param_arrays()
         env = {**self._feed(layers), **self._read_state(layers)}
+        if keep_inputs:  # one layer run on its own: its backward reads what it read (not the blobs' later data),
+            self._layer_inputs[start] = (env, key)  # with its key (the same Dropout mask)
         values, updates, loss = fn(params, env, key)
         # A Python layer's tops, for a backward that must not run its forward again (Caffe's Backward reads the
         # tops Forward left; a pass over a Python layer hands back every value).
@@ -558,6 +567,54 @@ class Net:
         for top in deferred:
             self.blobs[top]._data.defer(materialize)
 
+    # -- pycaffe's layer callbacks ----------------------------------------------------------------------------
+    def before_forward(self, callback) -> None:
+        """pycaffe's ``net.before_forward(fn)``: ``fn(i)`` before layer i's forward (see :meth:`after_backward`)."""
+        self._layer_callbacks["before_forward"].append(callback)
+
+    def after_forward(self, callback) -> None:
+        """pycaffe's ``net.after_forward(fn)``: ``fn(i)`` after layer i's forward."""
+        self._layer_callbacks["after_forward"].append(callback)
+
+    def before_backward(self, callback) -> None:
+        """pycaffe's ``net.before_backward(fn)``: ``fn(i)`` before layer i's backward."""
+        self._layer_callbacks["before_backward"].append(callback)
+
+    def after_backward(self, callback) -> None:
+        """pycaffe's ``net.after_backward(fn)``: ``fn(i)`` after layer i's backward (called for every layer in
+        the range, as Caffe does, whether or not it needs one).
+
+        With any of these set, forward and backward run the way Caffe's ForwardFromTo and BackwardFromTo do:
+        one layer at a time, each its own compiled program (one compile per layer, the first time), with the
+        callbacks around it. A callback sees the blobs the layers before it left, and what it writes into them
+        is what the next layer reads. A layer's backward reads the bottoms its forward read, in-place chains
+        included. Without callbacks a pass is one program."""
+        self._layer_callbacks["after_backward"].append(callback)
+
+    def _has_layer_callbacks(self) -> bool:
+        return any(self._layer_callbacks.values())
+
+    def _run_callbacks(self, when: str, index: int) -> None:
+        for callback in self._layer_callbacks[when]:
+            callback(index)
+
+    def _forward_layer_by_layer(self, start: int, end: int) -> float:
+        """Caffe's ForwardFromTo with callbacks: layer by layer, the callbacks around each."""
+        loss = 0.0
+        for i in range(start, end + 1):
+            self._run_callbacks("before_forward", i)
+            loss += self._forward(i, i, keep_inputs=True)
+            self._run_callbacks("after_forward", i)
+        return loss
+
+    def _backward_layer_by_layer(self, start: int, end: int) -> None:
+        """Caffe's BackwardFromTo with callbacks: layer by layer, top down, the callbacks around each."""
+        for i in range(start, end - 1, -1):
+            self._run_callbacks("before_backward", i)
+            if self._graph.layers[i].need_backward:
+                self._backward(i, i)
+            self._run_callbacks("after_backward", i)
+
     def forward(self, blobs: Iterable[str] | None = None, start: str | None = None, end: str | None = None,
                 **kwargs) -> dict[str, np.ndarray]:
         """pycaffe's forward: optional input arrays by name; returns the outputs (and ``blobs``) by name."""
@@ -581,7 +638,8 @@ class Net:
                                      f"(reshape the blob first)")
                 self.blobs[name].data[...] = array
         with self._python_layers:
-            self._last_loss = self._forward(start_ind, end_ind)
+            self._last_loss = (self._forward_layer_by_layer(start_ind, end_ind) if self._has_layer_callbacks()
+                               else self._forward(start_ind, end_ind))
         if self.debug_nans:
             self._check_finite(outputs)
         return {name: self.blobs[name].data for name in outputs}
@@ -610,8 +668,12 @@ class Net:
         fn = self._jitted("backward", end, start, self._with_concrete(
             lambda params, env, seeds, key, recorded: program.forward_backward(
                 params, env, seeds, key, start=end, end=start, diff_values=diff_values, recorded=recorded)[2:]))
-        key = self._last_key if self._last_key is not None else self._next_key()
-        env = {**self._feed(layers), **self._state_feed(layers, self._state_seen)}
+        kept = self._layer_inputs.get(start) if start == end else None
+        if kept is not None:
+            env, key = kept
+        else:
+            key = self._last_key if self._last_key is not None else self._next_key()
+            env = {**self._feed(layers), **self._state_feed(layers, self._state_seen)}
         recorded = {v: self._recorded_tops[v] for layer in layers if layer.type == "Python"
                     for v in layer.top_values if v in self._recorded_tops}
         grads, value_diffs = fn(self.param_arrays(), env, seeds, key, recorded)
@@ -645,7 +707,10 @@ class Net:
                     raise ShapeError(f"diff for '{name}' has shape {diff.shape}; the blob is {self.blobs[name].shape}")
                 self.blobs[name].diff[...] = diff
         with self._python_layers:
-            self._backward(start_ind, end_ind)
+            if self._has_layer_callbacks():
+                self._backward_layer_by_layer(start_ind, end_ind)
+            else:
+                self._backward(start_ind, end_ind)
         return {name: self.blobs[name].diff for name in outputs}
 
     def _batches(self, arrays: dict[str, np.ndarray]):

@@ -164,6 +164,7 @@ class Solver:
                                         for l in self._learnables]
         self._programs: dict[Any, Any] = {}
         self._losses: collections.deque = collections.deque(maxlen=self.param.average_loss)
+        self._callbacks: list[tuple[Any, Any]] = []  # pycaffe's add_callback: (on_start, on_gradients_ready)
         self._progress: _Progress | None = None
 
     # -- set-up (Solver::Init) -------------------------------------------------------------------------------
@@ -422,11 +423,33 @@ class Solver:
             blob._data.set(params[learnable.layer][learnable.index])
             blob._diff.set(update)
 
+    def _train_iteration_by_passes(self, rate: float):
+        """One iteration as Caffe's Solver::Step runs it, for the callbacks: on_start, iter_size forward and
+        backward passes of the net accumulating the param diffs, on_gradients_ready, the update."""
+        net = self.net
+        net.clear_param_diffs()
+        for on_start, _ in self._callbacks:
+            on_start()
+        loss = 0.0
+        for _ in range(self.param.iter_size):
+            net.forward()
+            net.backward()
+            loss += net._last_loss
+        for _, on_gradients_ready in self._callbacks:
+            on_gradients_ready()
+        norm = self._update_from_diffs(rate)
+        return np.float32(loss / self.param.iter_size), norm
+
     def apply_update(self) -> None:
         """Caffe's ApplyUpdate on the diffs already in the net's param blobs (after net.backward())."""
         rate = self._learning_rate()
         if self._displays(self.iter):
             self._say("Iteration %d, lr = %s", self.iter, _g(rate))
+        self._log_clipping(self._update_from_diffs(rate))
+
+    def _update_from_diffs(self, rate: float):
+        """The update from the param blobs' diffs: new weights, and the update values in the diffs; returns the
+        gradient's norm (for clip_gradients' log)."""
         cache_key = ("apply_update",)
         fn = self._programs.get(cache_key)
         if fn is None:
@@ -438,8 +461,8 @@ class Solver:
         diffs = [self.net.params[l.layer][l.index]._diff.value() for l in self._learnables]
         params, self._history, updates, norm = fn(self.net.param_arrays(), diffs, self._history,
                                                   self.step_scalars(rate))
-        self._log_clipping(norm)
         self._write_back(params, updates)
+        return norm
 
     # -- the loop (Solver::Step / Solve) ------------------------------------------------------------------------
     def step(self, iters: int) -> None:
@@ -454,7 +477,8 @@ class Solver:
             rate = self._learning_rate()
             start_params = self.net.param_arrays() if self.debug_nans else None
             with self.net._python_layers:
-                loss, norm = self._train_iteration(rate)
+                loss, norm = (self._train_iteration_by_passes(rate)
+                              if self._callbacks or self.net._has_layer_callbacks() else self._train_iteration(rate))
                 if any(layer.type == "Python" for layer in self.net.graph.layers):
                     jax.block_until_ready(loss)  # a Python layer's failure surfaces here, as its typed error
             if self.debug_nans:
@@ -626,10 +650,25 @@ class Solver:
         """pycaffe's ``solver.share_weights(net)``: ``net`` uses the train net's weights."""
         net.share_with(self.net)
 
-    def add_callback(self, *callbacks) -> None:
-        raise UnsupportedError("solver.add_callback: caffejax fuses forward, backward and the update into one "
-                               "program, so there is no point between them to call back into Python; step(1) "
-                               "in a loop and act between steps instead")
+    def add_callback(self, on_start, on_gradients_ready=None) -> None:
+        """pycaffe's ``solver.add_callback(on_start, on_gradients_ready)``: each iteration calls ``on_start()``
+        before its forward/backward passes and ``on_gradients_ready()`` once the param diffs hold the gradient,
+        before the update (Solver::Step). An object with those two methods (Caffe's callback) works too.
+
+        An iteration is one program, with no point between its backward and its update to call back into
+        Python; with callbacks set, an iteration runs as Caffe's does instead: ``net.forward()`` and
+        ``net.backward()`` per pass (layer by layer if the net has layer callbacks), then the update from the
+        param diffs (``apply_update``). The arithmetic is the same; it is slower, and a pass's Dropout masks
+        are drawn from the net's own stream rather than the fused program's."""
+        if self._parallel is not None:
+            raise UnsupportedError(f"solver.add_callback over several devices: {self._parallel.mesh.size} devices "
+                                   "run one fused program; there is no point between passes to call back")
+        if on_gradients_ready is None and hasattr(on_start, "on_gradients_ready"):
+            on_start, on_gradients_ready = on_start.on_start, on_start.on_gradients_ready
+        for name, fn in (("on_start", on_start), ("on_gradients_ready", on_gradients_ready)):
+            if not callable(fn):
+                raise TypeError(f"solver.add_callback: {name} must be callable, got {type(fn).__name__}")
+        self._callbacks.append((on_start, on_gradients_ready))
 
     def _say(self, fmt: str, *args) -> None:
         if self._progress is not None:

@@ -1,0 +1,191 @@
+"""pycaffe's hooks: a net's per-layer callbacks, a solver's add_callback, and the process-level calls scripts
+make around them (caffe.Timer, caffe.log, the multi-GPU settings), as BVLC's python/train.py uses them."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+from google.protobuf import text_format
+
+import caffejax
+from caffejax.proto import caffe_pb2
+from caffejax.runtime import mode
+
+# An in-place BatchNorm -> Scale -> ReLU chain: run one layer at a time, each backward must read the bottom
+# its forward read, not the blob the chain overwrote.
+NET = '''name: "hooks"
+layer { name: "x" type: "Input" top: "x" top: "label"
+        input_param { shape { dim: 4 dim: 3 dim: 6 dim: 6 } shape { dim: 4 } } }
+layer { name: "conv" type: "Convolution" bottom: "x" top: "conv"
+        convolution_param { num_output: 5 kernel_size: 3 weight_filler { type: "gaussian" std: 0.3 }
+                            bias_filler { type: "constant" value: 0.1 } } }
+layer { name: "bn" type: "BatchNorm" bottom: "conv" top: "conv" }
+layer { name: "sc" type: "Scale" bottom: "conv" top: "conv"
+        scale_param { bias_term: true filler { type: "constant" value: 1.5 } } }
+layer { name: "relu" type: "ReLU" bottom: "conv" top: "conv" }
+layer { name: "ip" type: "InnerProduct" bottom: "conv" top: "ip"
+        inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+'''
+RNG = np.random.default_rng(0)
+X = RNG.normal(size=(4, 3, 6, 6)).astype(np.float32)
+LABELS = np.array([0, 1, 2, 1], np.float32)
+
+
+def _net() -> caffejax.Net:
+    caffejax.set_random_seed(3)
+    return caffejax.Net(NET, caffejax.TRAIN)
+
+
+def _param_diffs(net) -> dict[str, list[np.ndarray]]:
+    return {name: [np.array(blob.diff) for blob in blobs] for name, blobs in net.params.items()}
+
+
+def test_layer_callbacks_run_around_each_layer_with_the_fused_passes_values():
+    plain = _net()
+    loss = plain.forward(x=X, label=LABELS)["loss"]
+    plain.backward()
+    hooked, calls = _net(), []
+    for when in ("before_forward", "after_forward", "before_backward", "after_backward"):
+        getattr(hooked, when)(lambda i, when=when: calls.append((when, i)))
+    np.testing.assert_allclose(hooked.forward(x=X, label=LABELS)["loss"], loss, rtol=1e-6)
+    hooked.backward()
+    n = len(hooked.layers)
+    forward = [(w, i) for i in range(n) for w in ("before_forward", "after_forward")]
+    backward = [(w, i) for i in reversed(range(n)) for w in ("before_backward", "after_backward")]
+    assert calls == forward + backward  # every layer, the Input's too, as Caffe's ForwardFromTo/BackwardFromTo
+    for name, diffs in _param_diffs(plain).items():
+        for want, got in zip(diffs, _param_diffs(hooked)[name]):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(hooked.blobs["x"].diff, plain.blobs["x"].diff, rtol=1e-5, atol=1e-7)
+
+
+def test_a_layer_callback_sees_and_changes_the_blobs_between_layers():
+    """What a callback writes into a blob is what the next layer reads, as with Caffe's blobs."""
+    net = _net()
+    seen = {}
+    relu = list(net._layer_names).index("relu")
+
+    def after(i):
+        if i == relu:
+            seen["relu"] = np.array(net.blobs["conv"].data)
+            net.blobs["conv"].data[...] = 0.0
+
+    net.after_forward(after)
+    net.forward(x=X, label=LABELS)
+    assert seen["relu"].min() == 0.0 and seen["relu"].max() > 0  # the ReLU's output
+    np.testing.assert_allclose(net.blobs["ip"].data, np.broadcast_to(net.params["ip"][1].data, (4, 3)), atol=1e-7)
+
+
+def test_layer_by_layer_backward_uses_each_layers_forward_mask():
+    """Each layer run on its own draws its own key; its backward must reuse it: a Dropout's backward passes
+    no gradient where its forward dropped, and all of it where it kept."""
+    net = caffejax.Net(NET.replace('layer { name: "ip"', 'layer { name: "drop" type: "Dropout" bottom: "conv" '
+                                                         'top: "conv" }\nlayer { name: "ip"'), caffejax.TRAIN)
+    drop, seen = list(net._layer_names).index("drop"), {}
+    net.before_forward(lambda i: seen.setdefault("in", np.array(net.blobs["conv"].data)) if i == drop else None)
+    net.after_forward(lambda i: seen.setdefault("out", np.array(net.blobs["conv"].data)) if i == drop else None)
+    net.after_backward(lambda i: seen.setdefault("diff", np.array(net.blobs["conv"].diff)) if i == drop else None)
+    net.forward(x=X, label=LABELS)
+    net.backward()
+    dropped, kept = (seen["in"] > 0) & (seen["out"] == 0), (seen["in"] > 0) & (seen["out"] != 0)
+    assert dropped.any() and kept.any()
+    assert not seen["diff"][dropped].any() and seen["diff"][kept].all()
+
+
+def _solver(iter_size: int) -> caffejax.SGDSolver:
+    caffejax.set_random_seed(5)
+    param = text_format.Parse(f'base_lr: 0.05 lr_policy: "fixed" momentum: 0.9 weight_decay: 0.01 max_iter: 100 '
+                              f'iter_size: {iter_size} net_param {{ {NET} }}', caffe_pb2.SolverParameter())
+    solver = caffejax.SGDSolver(param)
+    solver.net.blobs["x"].data[...] = X
+    solver.net.blobs["label"].data[...] = LABELS
+    return solver
+
+
+@pytest.mark.parametrize("iter_size", [1, 2])
+def test_solver_callbacks_come_before_the_passes_and_before_the_update(iter_size):
+    """Solver::Step: on_start, iter_size forward/backward passes, on_gradients_ready with the diffs summed over
+    the passes, the update. The weights are those of the fused iterations."""
+    fused, hooked = _solver(iter_size), _solver(iter_size)
+    events = []
+
+    def on_gradients_ready():
+        events.append(("gradients", np.array(hooked.net.params["ip"][1].diff)))
+
+    hooked.add_callback(lambda: events.append("start"), on_gradients_ready)
+    fused.step(2)
+    hooked.step(2)
+    assert [e if isinstance(e, str) else e[0] for e in events] == ["start", "gradients"] * 2
+    # The softmax loss gradient's bias part sums to 0 over classes in every pass; not yet the update.
+    assert abs(events[1][1].sum()) < 1e-5 and np.abs(events[1][1]).max() > 0
+    for name, blobs in fused.net.params.items():
+        for want, got in zip(blobs, hooked.net.params[name]):
+            np.testing.assert_allclose(got.data, want.data, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(hooked.smoothed_loss, fused.smoothed_loss, rtol=1e-5)
+
+
+def test_solver_callback_objects_and_errors():
+    solver, events = _solver(1), []
+
+    class Callback:  # Caffe's Solver::Callback shape
+        def on_start(self):
+            events.append("start")
+
+        def on_gradients_ready(self):
+            events.append("ready")
+
+    solver.add_callback(Callback())
+    solver.step(1)
+    assert events == ["start", "ready"]
+    with pytest.raises(TypeError, match="on_gradients_ready must be callable"):
+        solver.add_callback(lambda: None, 3)
+
+
+def test_timer_is_caffes(monkeypatch):
+    clock = [10.0]
+    monkeypatch.setattr(mode.time, "perf_counter", lambda: clock[0])
+    timer = caffejax.Timer()
+    assert timer.ms == 0.0  # never run: Caffe warns and reads 0
+    timer.start()
+    clock[0] += 0.25
+    timer.start()  # already running: no restart
+    clock[0] += 0.25
+    assert timer.ms == pytest.approx(500.0)  # reading stops a running timer
+    clock[0] += 1.0
+    assert timer.ms == pytest.approx(500.0)
+    timer.start()
+    clock[0] += 0.002
+    timer.stop()
+    timer.stop()
+    assert timer.ms == pytest.approx(2.0)  # the last interval, not a sum
+
+
+def test_log_and_init_log_use_caffes_log(caplog):
+    logger = logging.getLogger("caffejax")
+    level = logger.level
+    try:
+        caffejax.init_log(1)
+        assert logger.level == logging.WARNING
+        caffejax.init_log()
+        with caplog.at_level(logging.INFO, logger="caffejax"):
+            caffejax.log("iteration 7 done")
+        assert [r.getMessage() for r in caplog.records if r.name == "caffejax"] == ["iteration 7 done"]
+        with pytest.raises(ValueError, match="glog"):
+            caffejax.init_log(4)
+    finally:
+        logger.setLevel(level)
+
+
+def test_multi_gpu_settings_accept_one_solver_and_refuse_more():
+    assert caffejax.solver_count() == 1 and caffejax.solver_rank() == 0 and caffejax.has_nccl() is False
+    caffejax.set_solver_count(1)
+    caffejax.set_solver_rank(0)
+    caffejax.set_multiprocess(False)
+    for call in (lambda: caffejax.set_solver_count(4), lambda: caffejax.set_solver_rank(2),
+                 lambda: caffejax.set_multiprocess(True), lambda: caffejax.NCCL(None, None),
+                 caffejax.NCCL.new_uid):
+        with pytest.raises(caffejax.UnsupportedError, match="devices=N"):
+            call()
