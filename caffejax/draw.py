@@ -52,20 +52,41 @@ def _first(values, default: int) -> int:
     return values[0] if len(values) else default
 
 
-def layer_label(layer, rankdir: str) -> str:
-    """The node text: name, type, and kernel/stride/pad for convolutions and pooling."""
+_LEARNING_TYPES = ("Convolution", "Deconvolution", "InnerProduct")
+
+
+def layer_lr_mult(layer) -> tuple[float, float]:
+    """The lr_mult of a Convolution, Deconvolution or InnerProduct's weights and bias (1 where unset)."""
+    if layer.type not in _LEARNING_TYPES:
+        raise ValueError(f"{layer.type} layers do not have a learning rate multiplier")
+    mults = [spec.lr_mult if spec.HasField("lr_mult") else 1.0 for spec in layer.param[:2]]
+    return tuple(mults + [1.0] * (2 - len(mults)))
+
+
+def layer_label(layer, rankdir: str, display_lrm: bool = False) -> str:
+    """The node text: name, type, kernel/stride/pad for convolutions and pooling, and with ``display_lrm`` the
+    learning layers' lr_mult (as pycaffe writes it, unless both are 0)."""
     # Vertical graphs have room across, horizontal ones down (pycaffe's choice of separator).
     sep = " " if rankdir in ("TB", "BT") else "\n"
     if layer.type in ("Convolution", "Deconvolution"):
         p = layer.convolution_param
-        return (f"{layer.name}{sep}({layer.type}){sep}kernel size: {_first(p.kernel_size, 1)}{sep}"
-                f"stride: {_first(p.stride, 1)}{sep}pad: {_first(p.pad, 0)}")
-    if layer.type == "Pooling":
+        label = (f"{layer.name}{sep}({layer.type}){sep}kernel size: {_first(p.kernel_size, 1)}{sep}"
+                 f"stride: {_first(p.stride, 1)}{sep}pad: {_first(p.pad, 0)}")
+    elif layer.type == "Pooling":
         p = layer.pooling_param
         method = caffe_pb2.PoolingParameter.PoolMethod.Name(p.pool)
-        return (f"{layer.name}{sep}({method} {layer.type}){sep}kernel size: {p.kernel_size}{sep}"
-                f"stride: {p.stride}{sep}pad: {p.pad}")
-    return f"{layer.name}{sep}({layer.type})"
+        label = (f"{layer.name}{sep}({method} {layer.type}){sep}kernel size: {p.kernel_size}{sep}"
+                 f"stride: {p.stride}{sep}pad: {p.pad}")
+    else:
+        label = f"{layer.name}{sep}({layer.type})"
+    if display_lrm and layer.type in _LEARNING_TYPES and any(layer_lr_mult(layer)):
+        label += sep + "lr mult: %.1f, %.1f" % layer_lr_mult(layer)
+    return label
+
+
+def layer_color(layer_type: str) -> str:
+    """The fill colour of a layer that is not an in-place neuron layer."""
+    return LAYER_COLORS.get(layer_type, DEFAULT_LAYER_COLOR)
 
 
 def edge_label(layer) -> str:
@@ -93,7 +114,8 @@ def _attrs(attrs: dict) -> str:
     return ", ".join(f"{key}={_quote(str(value), record and key == 'label')}" for key, value in attrs.items())
 
 
-def get_dot_text(caffe_net, rankdir: str = "LR", label_edges: bool = True, phase: int | None = None) -> str:
+def get_dot_text(caffe_net, rankdir: str = "LR", label_edges: bool = True, phase: int | None = None,
+                 display_lrm: bool = False) -> str:
     """The net as Graphviz DOT text: one node per layer and per blob, an edge per bottom and top."""
     if rankdir not in RANKDIRS:
         raise CaffejaxError(f"rankdir must be one of {', '.join(RANKDIRS)}, got {rankdir!r}")
@@ -103,8 +125,8 @@ def get_dot_text(caffe_net, rankdir: str = "LR", label_edges: bool = True, phase
     for layer in _phase_layers(net, phase):
         node = f"layer {layer.name} ({layer.type})"
         in_place = len(layer.bottom) == 1 and len(layer.top) == 1 and layer.bottom[0] == layer.top[0]
-        color = NEURON_LAYER_COLOR if in_place else LAYER_COLORS.get(layer.type, DEFAULT_LAYER_COLOR)
-        nodes[node] = {"label": layer_label(layer, rankdir), **LAYER_STYLE, "fillcolor": color}
+        color = NEURON_LAYER_COLOR if in_place else layer_color(layer.type)
+        nodes[node] = {"label": layer_label(layer, rankdir, display_lrm), **LAYER_STYLE, "fillcolor": color}
         for bottom in layer.bottom:
             nodes.setdefault(f"blob {bottom}", {"label": bottom, **BLOB_STYLE})
             edges.append((f"blob {bottom}", node, ""))
@@ -119,14 +141,15 @@ def get_dot_text(caffe_net, rankdir: str = "LR", label_edges: bool = True, phase
     return "\n".join(lines) + "\n"
 
 
-def get_pydot_graph(caffe_net, rankdir: str = "LR", label_edges: bool = True, phase: int | None = None):
+def get_pydot_graph(caffe_net, rankdir: str = "LR", label_edges: bool = True, phase: int | None = None,
+                    display_lrm: bool = False):
     """pycaffe's ``get_pydot_graph``: the same graph as a ``pydot.Dot`` (needs pydot)."""
     try:
         import pydot
     except ImportError:
         raise UnsupportedError("get_pydot_graph needs pydot: pip install 'caffejax[draw]' (draw_net and "
                                "draw_net_to_file work without it)") from None
-    graphs = pydot.graph_from_dot_data(get_dot_text(caffe_net, rankdir, label_edges, phase))
+    graphs = pydot.graph_from_dot_data(get_dot_text(caffe_net, rankdir, label_edges, phase, display_lrm))
     return graphs[0]
 
 
@@ -146,15 +169,30 @@ def render_dot(dot_text: str, ext: str) -> bytes:
     return done.stdout
 
 
-def draw_net(caffe_net, rankdir: str = "LR", ext: str = "png", phase: int | None = None) -> bytes:
+def draw_net(caffe_net, rankdir: str = "LR", ext: str = "png", phase: int | None = None,
+             display_lrm: bool = False) -> bytes:
     """The drawn net, encoded as ``ext`` (``png``, ``svg``, ``pdf``, ... or ``dot`` for DOT text)."""
-    return render_dot(get_dot_text(caffe_net, rankdir, phase=phase), ext.lower().lstrip("."))
+    return render_dot(get_dot_text(caffe_net, rankdir, phase=phase, display_lrm=display_lrm),
+                      ext.lower().lstrip("."))
 
 
-def draw_net_to_file(caffe_net, filename: str, rankdir: str = "LR", phase: int | None = None) -> None:
+def draw_net_to_file(caffe_net, filename: str, rankdir: str = "LR", phase: int | None = None,
+                     display_lrm: bool = False) -> None:
     """Draw the net into ``filename``; the format is the file's extension (``.dot`` for DOT text)."""
     filename = os.fspath(filename)
     ext = os.path.splitext(filename)[1].lstrip(".").lower()
     if not ext:
         raise CaffejaxError(f"{filename}: give the output file an extension (.png, .svg, .pdf, .dot...)")
-    atomic_write(filename, draw_net(caffe_net, rankdir, ext, phase))
+    atomic_write(filename, draw_net(caffe_net, rankdir, ext, phase, display_lrm))
+
+
+# pycaffe's names for the pieces above.
+get_layer_label = layer_label
+get_edge_label = edge_label
+get_layer_lr_mult = layer_lr_mult
+choose_color_by_layertype = layer_color
+
+
+def get_pooling_types_dict() -> dict[int, str]:
+    """pycaffe's: PoolingParameter's method numbers -> names."""
+    return {v.number: name for name, v in caffe_pb2.PoolingParameter.PoolMethod.DESCRIPTOR.values_by_name.items()}

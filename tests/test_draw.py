@@ -94,3 +94,28 @@ def test_get_pydot_graph(lenet):
     graph = draw.get_pydot_graph(lenet, "LR")
     layer_nodes = [n for n in graph.get_nodes() if n.get_name().startswith('"layer ')]
     assert len(layer_nodes) == len(lenet.layer) - 1  # the two 'mnist' Data layers are one node
+
+
+def test_display_lrm_shows_the_learning_layers_multipliers(tmp_path):
+    """python/draw_net.py --display_lrm: "lr mult: w, b" on Convolution/InnerProduct nodes, unless both are 0."""
+    text = ('layer { name: "x" type: "Input" top: "x" input_param { shape { dim: 1 dim: 1 dim: 4 dim: 4 } } }\n'
+            'layer { name: "c" type: "Convolution" bottom: "x" top: "c" param { lr_mult: 1 } param { lr_mult: 2 } '
+            'convolution_param { num_output: 2 kernel_size: 3 } }\n'
+            'layer { name: "f" type: "InnerProduct" bottom: "c" top: "f" param { lr_mult: 0 } param { lr_mult: 0 } '
+            'inner_product_param { num_output: 2 } }\n'
+            'layer { name: "g" type: "InnerProduct" bottom: "f" top: "g" inner_product_param { num_output: 2 } }\n')
+    net = parse_net_text(text, is_path=False)
+    assert "lr mult" not in draw.get_dot_text(net)
+    shown = draw.get_dot_text(net, display_lrm=True)
+    assert "lr mult: 1.0, 2.0" in shown and "lr mult: 1.0, 1.0" in shown and shown.count("lr mult") == 2
+    assert draw.get_layer_lr_mult(net.layer[1]) == (1.0, 2.0) and draw.get_layer_lr_mult(net.layer[3]) == (1.0, 1.0)
+    with pytest.raises(ValueError, match="Input layers do not have"):
+        draw.get_layer_lr_mult(net.layer[0])
+    assert draw.choose_color_by_layertype("Pooling") == "#FF9900" and draw.choose_color_by_layertype("X") == "#6495ED"
+    assert draw.get_pooling_types_dict() == {0: "MAX", 1: "AVE", 2: "STOCHASTIC"}
+    assert draw.get_layer_label(net.layer[1], "TB", display_lrm=True).endswith(" lr mult: 1.0, 2.0")
+    prototxt, out = tmp_path / "net.prototxt", tmp_path / "net.dot"
+    prototxt.write_text(text)
+    from caffejax.cli import main
+    assert main(["draw", str(prototxt), str(out), "--display_lrm"]) == 0
+    assert out.read_text().count("lr mult") == 2

@@ -72,6 +72,8 @@ def add_commands(commands, parents) -> None:
                    help="direction of the graph layout (default LR)")
     p.add_argument("--phase", default="ALL", choices=("TRAIN", "TEST", "ALL"),
                    help="draw only the layers of this phase (default ALL)")
+    p.add_argument("--display_lrm", "--display-lrm", action="store_true",
+                   help="show the learning layers' lr_mult (python/draw_net.py's --display_lrm)")
 
     p = command("upgrade", upgrade, "upgrade an old net, solver or caffemodel to the current format",
                 "Upgrade a V0/V1 net prototxt, a solver prototxt (solver_type), or a binary caffemodel (its "
@@ -414,7 +416,7 @@ def draw(args) -> int:
     phase = None if args.phase == "ALL" else PHASES[args.phase]
     net = _read_net_file(args.prototxt)
     log.info("Drawing net to %s", args.output)
-    drawing.draw_net_to_file(net, args.output, args.rankdir, phase)
+    drawing.draw_net_to_file(net, args.output, args.rankdir, phase, display_lrm=args.display_lrm)
     return 0
 
 
