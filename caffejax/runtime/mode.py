@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 import time
 
 import jax
@@ -118,8 +119,6 @@ def init_log(level: int = 0, stderr: bool | None = None) -> None:
     """pycaffe's ``caffe.init_log([level[, stderr]])``: Caffe's log (the ``caffejax`` logger) shown from glog's
     ``level`` up (0 INFO, 1 WARNING, 2 ERROR, 3 FATAL), on stdout as Caffe's tools write it or, with
     ``stderr``, on stderr. An application that configured logging itself keeps its handlers."""
-    import sys
-
     if not 0 <= int(level) < len(_GLOG_LEVELS):
         raise ValueError(f"init_log: level {level} is not one of glog's 0 (INFO) .. 3 (FATAL)")
     log.setLevel(_GLOG_LEVELS[int(level)])

@@ -427,6 +427,9 @@ class Solver:
         """One iteration as Caffe's Solver::Step runs it, for the callbacks: on_start, iter_size forward and
         backward passes of the net accumulating the param diffs, on_gradients_ready, the update."""
         net = self.net
+        if self._parallel is not None:  # layer callbacks set on the train net after the solver was made
+            raise UnsupportedError("layer callbacks on a solver's net over several devices: the devices run one "
+                                   "fused program, with no point between layers to call back")
         net.clear_param_diffs()
         for on_start, _ in self._callbacks:
             on_start()
