@@ -303,6 +303,12 @@ class DoublesInPlace(caffejax.Layer):
         bottom[0].diff[...] *= 2
 
 
+class AddsABlob(Scale):
+    def setup(self, bottom, top):
+        self.blobs.add_blob(2, 3)
+        self.blobs[0].data[...] = 1.0
+
+
 class SecondSetupFails(Scale):
     setups = 0
 
@@ -602,6 +608,9 @@ def test_python_layer_failures_name_the_layer(layers_module):
     with pytest.raises(caffejax.GraphError, match="layer 'f' \\(type Python\\): the Python layer's setup failed: "
                                                   "ValueError: bad param_str"):
         caffejax.Net(_input(2) + _python_layer("f", "Fails", ["x"], "y"), caffejax.TEST, allow_python_layers=True)
+    with pytest.raises(caffejax.UnsupportedError, match="layer 'b' \\(type Python\\): the layer made learnable "
+                                                        "blobs"):
+        caffejax.Net(_input(2) + _python_layer("b", "AddsABlob", ["x"], "y"), caffejax.TEST, allow_python_layers=True)
     with pytest.raises(caffejax.GraphError, match="has no layer class 'Nope'"):
         caffejax.Net(_input(2) + _python_layer("n", "Nope", ["x"], "y"), caffejax.TEST, allow_python_layers=True)
     net = caffejax.Net(_input(2) + _python_layer("g", "Grows", ["x"], "y"), caffejax.TEST, allow_python_layers=True)

@@ -53,7 +53,7 @@ class Layer:
     """
 
     def __init__(self, param: Any = None):
-        self.blobs: list = []
+        self.blobs: _LayerBlobs = _LayerBlobs()
         self.param_str = ""
         self.phase = 0
 
@@ -68,6 +68,15 @@ class Layer:
 
     def backward(self, top, propagate_down, bottom) -> None:
         pass
+
+
+class _LayerBlobs(list):
+    """pycaffe's ``self.blobs`` of a Python layer, with its ``add_blob(*shape)``. A layer that adds one is
+    refused by name after its setup (caffejax does not train Python layers' blobs), rather than failing inside
+    setup on a missing method."""
+
+    def add_blob(self, *shape: int) -> None:
+        self.append(Blob(tuple(int(d) for d in shape)))
 
 
 @dataclasses.dataclass
