@@ -79,8 +79,10 @@ def layer_label(layer, rankdir: str, display_lrm: bool = False) -> str:
                  f"stride: {p.stride}{sep}pad: {p.pad}")
     else:
         label = f"{layer.name}{sep}({layer.type})"
-    if display_lrm and layer.type in _LEARNING_TYPES and any(layer_lr_mult(layer)):
-        label += sep + "lr mult: %.1f, %.1f" % layer_lr_mult(layer)
+    if display_lrm and layer.type in _LEARNING_TYPES:
+        mults = layer_lr_mult(layer)
+        if any(mults):
+            label += sep + "lr mult: %.1f, %.1f" % mults
     return label
 
 

@@ -234,24 +234,10 @@ def _on_host(ctx: LayerContext, instance: _Instance, top_shapes: list[Shape], dt
     def forward_with_key(*arrays):
         return forward_on_host(*arrays[len(pass_key):])
 
-    @jax.custom_vjp
-    def run(key, *xs):
+    def forward_program(key, *xs):
         return jax.pure_callback(forward_with_key, top_types, *key, *xs)
 
-    # With symbolic zeros, the forward learns which bottoms the gradient reaches (perturbed): Caffe's
-    # propagate_down for the layer's backward, which is false for a label (a loss layer may refuse to
-    # backpropagate to it, as Caffe's own do), and whose other bottoms get no diff computed.
-    def run_forward(key, *xs):
-        values = tuple(x.value for x in xs)
-        ys = run(tuple(k.value for k in key), *values)
-        return ys, (values, ys, _PropagateDown(tuple(x.perturbed for x in xs)))
-
-    def run_backward(residuals, gs):
-        xs, ys, propagate_down = residuals
-        return (tuple(None for _ in pass_key), *_backward_on_host(ctx, instance, dtype, xs, ys, gs, propagate_down))
-
-    run.defvjp(run_forward, run_backward, symbolic_zeros=True)
-    return list(run(pass_key, *bottoms))
+    return _through_backward(ctx, instance, dtype, forward_program, pass_key, bottoms)
 
 
 def _replayed(ctx: LayerContext, instance: _Instance, top_shapes: list[Shape], dtype, bottoms):
@@ -261,21 +247,36 @@ def _replayed(ctx: LayerContext, instance: _Instance, top_shapes: list[Shape], d
     recorded = tuple(jnp.asarray(t, dtype).reshape(shape) for t, shape in zip(ctx.recorded_tops, top_shapes))
     if not bottoms:
         return list(recorded)
-
-    @jax.custom_vjp
-    def replay(tops, *xs):
+    def given(tops, *xs):
         return tops
 
-    def replay_forward(tops, *xs):
-        tops = tuple(t.value for t in tops)
-        return tops, (tuple(x.value for x in xs), tops, _PropagateDown(tuple(x.perturbed for x in xs)))
+    return _through_backward(ctx, instance, dtype, given, recorded, bottoms)
 
-    def replay_backward(residuals, gs):
+
+def _through_backward(ctx: LayerContext, instance: _Instance, dtype, tops_of: Callable, extra: tuple, bottoms):
+    """``tops_of(extra, *bottoms)``, the layer's tops, differentiable through the layer's ``backward``;
+    ``extra`` (the pass's key, or the recorded tops) gets no gradient.
+
+    With symbolic zeros, the forward learns which bottoms the gradient reaches (perturbed): Caffe's
+    propagate_down for the layer's backward, which is false for a label (a loss layer may refuse to
+    backpropagate to it, as Caffe's own do), and whose other bottoms get no diff computed."""
+    n_extra = len(extra)
+
+    @jax.custom_vjp
+    def run(extra, *xs):
+        return tops_of(extra, *xs)
+
+    def run_forward(extra, *xs):
+        values = tuple(x.value for x in xs)
+        ys = run(tuple(e.value for e in extra), *values)
+        return ys, (values, ys, _PropagateDown(tuple(x.perturbed for x in xs)))
+
+    def run_backward(residuals, gs):
         xs, ys, propagate_down = residuals
-        return (tuple(None for _ in ys), *_backward_on_host(ctx, instance, dtype, xs, ys, gs, propagate_down))
+        return ((None,) * n_extra, *_backward_on_host(ctx, instance, dtype, xs, ys, gs, propagate_down))
 
-    replay.defvjp(replay_forward, replay_backward, symbolic_zeros=True)
-    return list(replay(recorded, *bottoms))
+    run.defvjp(run_forward, run_backward, symbolic_zeros=True)
+    return list(run(extra, *bottoms))
 
 
 def _backward_on_host(ctx: LayerContext, instance: _Instance, dtype, xs, ys, gs, propagate_down: "_PropagateDown"):

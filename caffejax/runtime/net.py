@@ -47,6 +47,12 @@ class LayerView:
 _CALLBACK_POINTS = ("before_forward", "after_forward", "before_backward", "after_backward")
 
 
+def _python_top_values(layers) -> list[str]:
+    """The value ids of the tops of the Python layers among ``layers``: a forward records them, for the backward
+    that must not run those layers again."""
+    return [v for layer in layers if layer.type == "Python" for v in layer.top_values]
+
+
 def _collect(store: list, value) -> None:
     """A batch's blob into forward_all's list: its items, or the whole value for a scalar (a loss: one per batch)."""
     value = np.array(value, copy=True)
@@ -510,8 +516,7 @@ class Net:
         values, updates, loss = fn(params, env, key)
         # A Python layer's tops, for a backward that must not run its forward again (Caffe's Backward reads the
         # tops Forward left; a pass over a Python layer hands back every value).
-        self._recorded_tops.update((v, values[v]) for layer in layers if layer.type == "Python"
-                                   for v in layer.top_values if v in values)
+        self._recorded_tops.update((v, values[v]) for v in _python_top_values(layers) if v in values)
         self._state.update((v, values[out]) for layer in layers for v, out in zip(layer.state_in, layer.state_out))
         final = {}  # blob -> the value it holds after this pass
         for layer in layers:
@@ -674,8 +679,7 @@ class Net:
         else:
             key = self._last_key if self._last_key is not None else self._next_key()
             env = {**self._feed(layers), **self._state_feed(layers, self._state_seen)}
-        recorded = {v: self._recorded_tops[v] for layer in layers if layer.type == "Python"
-                    for v in layer.top_values if v in self._recorded_tops}
+        recorded = {v: self._recorded_tops[v] for v in _python_top_values(layers) if v in self._recorded_tops}
         grads, value_diffs = fn(self.param_arrays(), env, seeds, key, recorded)
         for blob, value in writes:
             self.blobs[blob]._diff.set(value_diffs[value])
