@@ -6,7 +6,7 @@ file is the whole model: loading it needs JAX and nothing of caffejax (the loade
 ``jax.export.deserialize``). The program takes the fed blobs (the tops of Input and data layers) as a dict
 by blob name and returns the net's outputs by blob name. Input shapes are fixed at export (``batch``
 replaces the first axis); layer randomness is not exported (a net whose forward draws random numbers in
-the exported phase is refused). A file holds at most 2 GB (flatbuffers' limit): use :func:`to_flax` for
+the exported phase is refused), nor are Python layers (host code). A file holds at most 2 GB (flatbuffers' limit): use :func:`to_flax` for
 bigger nets.
 
 **Flax NNX** (:func:`to_flax`). A ``flax.nnx.Module`` whose ``params[layer][i]`` are ``nnx.Param``
@@ -58,6 +58,10 @@ def export_stablehlo(net, path: str, *, batch: int | None = None,
     given. ``platforms`` (e.g. ``("cpu", "cuda")``) lowers for those backends instead of the default one.
     """
     graph = net.graph
+    python = [layer.name for layer in graph.layers if layer.type == "Python"]
+    if python:  # their code runs in this process, as host callbacks, which a serialized program cannot hold
+        raise UnsupportedError(f"cannot export Python layers {python} to StableHLO: their code runs on the host, "
+                               "in this process; register pure-JAX rules for them (caffejax.register_layer)")
     forward = _forward_fn(graph, net._program)
     params = net.param_arrays()
     specs = {}

@@ -303,10 +303,53 @@ class DoublesInPlace(caffejax.Layer):
         bottom[0].diff[...] *= 2
 
 
-class AddsABlob(Scale):
+class Affine(caffejax.Layer):
+    """A learnable InnerProduct written as a pycaffe layer (param_str: num_output): y = x W^T + b. Its backward
+    accumulates into the param diffs, as Caffe's layers do."""
+
     def setup(self, bottom, top):
-        self.blobs.add_blob(2, 3)
-        self.blobs[0].data[...] = 1.0
+        n_out, n_in = int(self.param_str), bottom[0].count // bottom[0].num
+        self.blobs.add_blob(n_out, n_in)
+        self.blobs.add_blob(n_out)
+        self.blobs[0].data[...] = np.cos(np.arange(n_out * n_in)).reshape(n_out, n_in) / 2
+        self.blobs[1].data[...] = 0.1
+
+    def reshape(self, bottom, top):
+        top[0].reshape(bottom[0].num, self.blobs[0].data.shape[0])
+
+    def forward(self, bottom, top):
+        x = bottom[0].data.reshape(bottom[0].num, -1)
+        top[0].data[...] = x @ self.blobs[0].data.T + self.blobs[1].data
+
+    def backward(self, top, propagate_down, bottom):
+        x = bottom[0].data.reshape(bottom[0].num, -1)
+        self.blobs[0].diff[...] += top[0].diff.T @ x
+        self.blobs[1].diff[...] += top[0].diff.sum(0)
+        if propagate_down[0]:
+            bottom[0].diff[...] = (top[0].diff @ self.blobs[0].data).reshape(bottom[0].data.shape)
+
+
+class CountsInABlob(Scale):
+    """Keeps the number of forwards it ran in a learnable blob (a running statistic, as BatchNorm's are)."""
+
+    def setup(self, bottom, top):
+        super().setup(bottom, top)
+        self.blobs.add_blob(1)
+
+    def forward(self, bottom, top):
+        self.blobs[0].data[...] += 1
+        super().forward(bottom, top)
+
+
+class AddsAList(Scale):
+    def setup(self, bottom, top):
+        self.blobs.append([1.0, 2.0])
+
+
+class GrowsABlob(Affine):
+    def forward(self, bottom, top):
+        super().forward(bottom, top)
+        self.blobs[1].reshape(7)
 
 
 class SecondSetupFails(Scale):
@@ -608,9 +651,14 @@ def test_python_layer_failures_name_the_layer(layers_module):
     with pytest.raises(caffejax.GraphError, match="layer 'f' \\(type Python\\): the Python layer's setup failed: "
                                                   "ValueError: bad param_str"):
         caffejax.Net(_input(2) + _python_layer("f", "Fails", ["x"], "y"), caffejax.TEST, allow_python_layers=True)
-    with pytest.raises(caffejax.UnsupportedError, match="layer 'b' \\(type Python\\): the layer made learnable "
-                                                        "blobs"):
-        caffejax.Net(_input(2) + _python_layer("b", "AddsABlob", ["x"], "y"), caffejax.TEST, allow_python_layers=True)
+    with pytest.raises(caffejax.GraphError, match="layer 'b' \\(type Python\\): learnable blob 0 is a list; add "
+                                                  "blobs with self.blobs.add_blob"):
+        caffejax.Net(_input(2) + _python_layer("b", "AddsAList", ["x"], "y"), caffejax.TEST, allow_python_layers=True)
+    net = caffejax.Net(_input(4, 5) + _python_layer("g", "GrowsABlob", ["x"], "y").replace("2.5", "3"),
+                       caffejax.TEST, allow_python_layers=True)
+    with pytest.raises(caffejax.ShapeError, match="layer 'g' \\(type Python\\): its forward changed the learnable "
+                                                  "blob shapes to \\[\\(3, 5\\), \\(7,\\)\\]"):
+        net.forward(x=np.ones((4, 5), np.float32))
     with pytest.raises(caffejax.GraphError, match="has no layer class 'Nope'"):
         caffejax.Net(_input(2) + _python_layer("n", "Nope", ["x"], "y"), caffejax.TEST, allow_python_layers=True)
     net = caffejax.Net(_input(2) + _python_layer("g", "Grows", ["x"], "y"), caffejax.TEST, allow_python_layers=True)
@@ -655,3 +703,118 @@ def test_prototxt_text_keeps_registered_fork_fields(isolated_registry):
     assert to_text(parse_net_text(written, is_path=False)) == written
     plain = parse_net_text(_input(1, 3), is_path=False)
     assert to_text(plain) == str(plain)
+
+
+def _affine_solver(layer: str, iter_size: int) -> str:
+    """PYTHON_DATA_SOLVER's net and update, with ``layer`` as its ip layer."""
+    return f'''
+base_lr: 0.1 lr_policy: "fixed" momentum: 0.9 weight_decay: 0.01 max_iter: 3 snapshot_after_train: false
+iter_size: {iter_size}
+net_param {{
+  {PYTHON_DATA_LAYER}
+  {layer}
+  layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }}
+}}
+'''
+
+
+@pytest.mark.parametrize("iter_size", [1, 2])
+def test_a_python_layers_learnable_blobs_train_as_caffes_params(layers_module, iter_size):
+    """Blobs a Python layer adds in setup are the layer's params, as Caffe's Net::AppendParam makes them: they
+    start from what setup wrote (no filler), the solver trains them (momentum, weight decay, iter_size passes), and
+    a pycaffe InnerProduct written as a Python layer trains exactly as BVLC's InnerProduct from the same weights."""
+    from caffejax.proto import caffe_pb2
+    from google.protobuf import text_format
+
+    def solver(layer):
+        param = text_format.Parse(_affine_solver(layer, iter_size), caffe_pb2.SolverParameter())
+        return caffejax.SGDSolver(param, allow_python_layers=True)
+
+    python = solver(_python_layer("ip", "Affine", ["data"], "ip").replace("2.5", "3"))
+    native = solver('layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip" '
+                    'inner_product_param { num_output: 3 } }')
+    w0 = np.cos(np.arange(15)).reshape(3, 5) / 2
+    np.testing.assert_allclose(python.net.params["ip"][0].data, w0, rtol=1e-6)
+    np.testing.assert_array_equal(python.net.params["ip"][1].data, np.full(3, 0.1, np.float32))
+    assert python.net.layers[list(python.net._layer_names).index("ip")].blobs is python.net.params["ip"]
+    for blob, start in zip(native.net.params["ip"], python.net.params["ip"]):
+        blob.data[...] = start.data
+    python.solve()
+    native.solve()
+    for trained, expected in zip(python.net.params["ip"], native.net.params["ip"]):
+        assert not np.allclose(trained.data, [0.1, w0][trained.data.ndim - 1])
+        np.testing.assert_allclose(trained.data, expected.data, rtol=1e-5, atol=1e-6)
+
+
+def test_a_python_layers_blobs_are_saved_loaded_and_masked_as_params(layers_module, tmp_path):
+    """A Python layer's blobs are in the caffemodel under its name (a BVLC InnerProduct of the same name loads
+    them), copy_from fills them and the layer computes with what was loaded; net.backward gives their diffs, and
+    with lr_mult 0 the solver leaves them as they are."""
+    python_net = "force_backward: true\n" + _input(4, 5) + _python_layer("ip", "Affine", ["x"], "y").replace("2.5", "3")
+    net = caffejax.Net(python_net, caffejax.TRAIN, allow_python_layers=True)
+    path = str(tmp_path / "affine.caffemodel")
+    net.save(path)
+    native = caffejax.Net(_input(4, 5) + 'layer { name: "ip" type: "InnerProduct" bottom: "x" top: "y" '
+                          'inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 1 } } }\n',
+                          caffejax.TEST, weights=path)
+    for loaded, saved in zip(native.params["ip"], net.params["ip"]):
+        np.testing.assert_array_equal(loaded.data, saved.data)
+    native.params["ip"][0].data[...] *= -2
+    native.save(path)
+    net.copy_from(path)
+    x = np.random.default_rng(1).normal(size=(4, 5)).astype(np.float32)
+    np.testing.assert_allclose(net.forward(x=x)["y"], native.forward(x=x)["y"], rtol=1e-5, atol=1e-6)
+    dy = np.random.default_rng(2).normal(size=(4, 3)).astype(np.float32)
+    diffs = net.backward(y=dy, diffs=["x"])
+    w = native.params["ip"][0].data
+    np.testing.assert_allclose(net.params["ip"][0].diff, dy.T @ x, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(net.params["ip"][1].diff, dy.sum(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(diffs["x"], dy @ w, rtol=1e-5, atol=1e-6)
+
+    from caffejax.proto import caffe_pb2
+    from google.protobuf import text_format
+
+    frozen = (PYTHON_DATA_LAYER + _python_layer("ip", "Affine", ["data"], "ip", extra="param { lr_mult: 0 } "
+                                                "param { lr_mult: 1 } ").replace("2.5", "3")
+              + 'layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }\n')
+    param = text_format.Parse(f'base_lr: 0.1 lr_policy: "fixed" max_iter: 2 net_param {{ {frozen} }}',
+                              caffe_pb2.SolverParameter())
+    solver = caffejax.SGDSolver(param, allow_python_layers=True)
+    solver.step(2)
+    np.testing.assert_allclose(solver.net.params["ip"][0].data, np.cos(np.arange(15)).reshape(3, 5) / 2, rtol=1e-6)
+    assert not np.allclose(solver.net.params["ip"][1].data, 0.1)
+
+
+@pytest.mark.parametrize("iter_size", [1, 2])
+def test_what_a_python_layers_forward_writes_in_its_blobs_stays(layers_module, iter_size):
+    """A layer's forward may keep a running statistic in its blobs (as BatchNorm's are): what it writes is the
+    param's new value, in Net.forward and through every pass of a solver's iteration."""
+    from caffejax.proto import caffe_pb2
+    from google.protobuf import text_format
+
+    counting = _python_layer("c", "CountsInABlob", ["x"], "y", extra="param { lr_mult: 0 } ")
+    net = caffejax.Net(_input(2) + counting, caffejax.TEST, allow_python_layers=True)
+    for _ in range(2):
+        np.testing.assert_array_equal(net.forward(x=np.ones(2, np.float32))["y"], [2.5, 2.5])
+    np.testing.assert_array_equal(net.params["c"][0].data, [2.0])
+    text = ('layer { name: "x" type: "Input" top: "x" top: "label" '
+            'input_param { shape { dim: 4 dim: 5 } shape { dim: 4 } } }\n' + counting.replace('"x"', '"x"', 1)
+            + 'layer { name: "ip" type: "InnerProduct" bottom: "y" top: "ip" '
+              'inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.5 } } }\n'
+              'layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }\n')
+    param = text_format.Parse(f'base_lr: 0.1 lr_policy: "fixed" max_iter: 3 iter_size: {iter_size} '
+                              f'net_param {{ {text} }}', caffe_pb2.SolverParameter())
+    solver = caffejax.SGDSolver(param, allow_python_layers=True)
+    solver.step(3)
+    np.testing.assert_array_equal(solver.net.params["c"][0].data, [3.0 * iter_size])
+
+
+def test_a_net_with_python_layers_is_refused_by_stablehlo_export(layers_module, tmp_path):
+    """A serialized program cannot hold host code: the export names the Python layers (it failed inside JAX's
+    serializer with NotImplementedError)."""
+    from caffejax.export import export_stablehlo
+
+    net = caffejax.Net(_input(2) + _python_layer("s", "Scale", ["x"], "y"), caffejax.TEST, allow_python_layers=True)
+    with pytest.raises(caffejax.UnsupportedError, match="cannot export Python layers \\['s'\\] to StableHLO"):
+        export_stablehlo(net, str(tmp_path / "net.stablehlo"))
+    assert not (tmp_path / "net.stablehlo").exists()

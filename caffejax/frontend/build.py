@@ -239,7 +239,11 @@ class _Builder:
         if any(s is None for s in bottom_shapes):
             return [], [None] * len(tops), False
         try:
-            param_shapes = [tuple(int(d) for d in s) for s in rule.param_shapes(lp, bottom_shapes)]
+            if lp.type == "Python":  # its learnable blobs are those its setup adds: run it now, as LayerSetUp does
+                from caffejax.lower.python_layer import learnable_blob_shapes  # noqa: PLC0415 (runtime imports build)
+                param_shapes = learnable_blob_shapes(lp, self.phase, bottom_shapes, self.python_layers)
+            else:
+                param_shapes = [tuple(int(d) for d in s) for s in rule.param_shapes(lp, bottom_shapes)]
         except CaffejaxError:
             raise
         except Exception as e:  # a rule's shape code tripped on a configuration it did not anticipate

@@ -20,7 +20,15 @@ this rule run, and it runs the layer as pycaffe does:
 Each net has its own layer objects, as Caffe makes one per layer per net (:class:`PythonLayers`, which the
 net hands its graph and programs through ``LayerContext.python_layers``): the net's rebuilds and all its
 programs, ``compile_inference``'s among them, call the same object, so a data layer serves one sequence of
-batches per net. Learnable blobs of Python layers (``self.blobs``) are not supported.
+batches per net.
+
+Learnable blobs (``self.blobs.add_blob(*shape)`` in ``setup``) are the layer's params, as Caffe's Net::AppendParam
+makes them: the solver trains them by their ParamSpecs (lr_mult 1 by default), caffemodels save and load them
+under the layer's name, and they start from the data ``setup`` wrote (Caffe runs no filler on them). Both
+callbacks get their current values in ``self.blobs[i].data``: each program passes them in, since the solver
+changes them between calls. What ``forward`` writes there is the params' new value (as BatchNorm's statistics
+are), which the solver's update then starts from; ``backward`` starts each pass from zero diffs, and the
+``self.blobs[i].diff`` it leaves are the params' diffs, summed over an iteration's passes.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 from jax.experimental import io_callback
 
-from caffejax.errors import CaffejaxError, GraphError, ShapeError, UnsupportedError, layer_error
+from caffejax.errors import CaffejaxError, GraphError, ShapeError, layer_error
 from caffejax.lower.registry import LayerContext, layer
 from caffejax.runtime.blob import Blob
 
@@ -71,9 +79,7 @@ class Layer:
 
 
 class _LayerBlobs(list):
-    """pycaffe's ``self.blobs`` of a Python layer, with its ``add_blob(*shape)``. A layer that adds one is
-    refused by name after its setup (caffejax does not train Python layers' blobs), rather than failing inside
-    setup on a missing method."""
+    """pycaffe's ``self.blobs`` of a Python layer, with its ``add_blob(*shape)``: the layer's learnable blobs."""
 
     def add_blob(self, *shape: int) -> None:
         self.append(Blob(tuple(int(d) for d in shape)))
@@ -85,6 +91,10 @@ class _Instance:
 
     obj: Any
     top_shapes: dict[tuple[Shape, ...], list[Shape]] = dataclasses.field(default_factory=dict)
+    blob_shapes: list[Shape] | None = None  # the learnable blobs its setup added; None until setup ran
+    # The tops' shapes the next reshape starts from: Caffe's top blobs keep their shapes between calls (a data
+    # layer that shapes its tops in setup may leave reshape empty).
+    last_top_shapes: list[Shape] = dataclasses.field(default_factory=list)
     failure: CaffejaxError | None = None  # raised on the host inside a program; PythonLayers re-raises it
 
 
@@ -97,6 +107,11 @@ class PythonLayers:
 
     def __init__(self):
         self.objects: dict[bytes, _Instance] = {}
+
+    def learnable_values(self, layer_param) -> list[np.ndarray]:
+        """Copies of the data a Python layer's learnable blobs hold now (after its setup: their initial values)."""
+        instance = self.objects[_object_key(layer_param)]
+        return [np.array(blob.data, copy=True) for blob in instance.obj.blobs]
 
     def __enter__(self) -> None:
         return None
@@ -118,20 +133,41 @@ class PythonLayers:
 @layer("Python")
 def python(ctx: LayerContext, bottoms, params):
     """Run the user's pycaffe layer on the host (see the module docstring)."""
-    dtype = np.dtype(bottoms[0].dtype) if bottoms else np.dtype(np.float32)
+    dtype = np.dtype((bottoms or params)[0].dtype) if (bottoms or params) else np.dtype(np.float32)
     bottom_shapes = tuple(tuple(int(d) for d in b.shape) for b in bottoms)
     instance = _instance(ctx)
     top_shapes = _top_shapes(ctx, instance, bottom_shapes, dtype)
     if len(top_shapes) != ctx.num_tops:
         raise ctx.error(f"the layer's reshape gave {len(top_shapes)} tops, the prototxt names {ctx.num_tops}",
                         GraphError)
-    return _on_host(ctx, instance, top_shapes, dtype, bottoms)
+    param_shapes = [tuple(int(d) for d in p.shape) for p in params]
+    if param_shapes != instance.blob_shapes:
+        raise ctx.error(f"the layer's setup made learnable blobs of shapes {instance.blob_shapes}, the net holds "
+                        f"{param_shapes}")
+    tops, blobs = _on_host(ctx, instance, top_shapes, dtype, bottoms, params)
+    for i, value in enumerate(blobs):  # what forward left in self.blobs (no change, for most layers)
+        ctx.update_param(i, value)
+    return tops
+
+
+def learnable_blob_shapes(layer_param, phase: int, bottom_shapes: Sequence[Shape], python_layers) -> list[Shape]:
+    """The shapes of the learnable blobs a Python layer's setup adds, for the net's build (Caffe's LayerSetUp,
+    then Net::AppendParam). Runs the setup on the net's object (``python_layers``), once."""
+    ctx = LayerContext(layer=layer_param, phase=phase, num_tops=len(layer_param.top), python_layers=python_layers)
+    instance = _instance(ctx)
+    _set_up(ctx, instance, tuple(tuple(int(d) for d in s) for s in bottom_shapes), np.dtype(np.float32))
+    return list(instance.blob_shapes)
+
+
+def _object_key(layer_param) -> bytes:
+    """A layer object's key in its net's PythonLayers: the layer's definition."""
+    return layer_param.SerializeToString(deterministic=True)
 
 
 def _instance(ctx: LayerContext) -> _Instance:
     # Outside a net (a rule called on its own) the object lives for this call only.
     objects = ctx.python_layers.objects if ctx.python_layers is not None else {}
-    key = ctx.layer.SerializeToString(deterministic=True)
+    key = _object_key(ctx.layer)
     instance = objects.get(key)
     if instance is None:
         p = ctx.layer.python_param
@@ -147,24 +183,39 @@ def _instance(ctx: LayerContext) -> _Instance:
         obj = _call(ctx, f"{p.layer}(layer_param)", cls, ctx.layer)
         obj.param_str = p.param_str
         obj.phase = ctx.phase
+        if not isinstance(getattr(obj, "blobs", None), _LayerBlobs):  # an __init__ that skipped caffejax.Layer's
+            obj.blobs = _LayerBlobs()
         instance = objects[key] = _Instance(obj)
     return instance
+
+
+def _set_up(ctx: LayerContext, instance: _Instance, bottom_shapes: tuple[Shape, ...], dtype) -> None:
+    """Caffe's LayerSetUp, once per layer object: ``setup`` on host blobs of the bottom shapes. The blobs it
+    added to ``self.blobs`` are the layer's learnable blobs; the tops' shapes it left start the first reshape."""
+    if instance.blob_shapes is not None:
+        return
+    bottom = [Blob(shape, dtype) for shape in bottom_shapes]
+    top = [Blob((), dtype) for _ in range(ctx.num_tops)]
+    _call(ctx, "setup", instance.obj.setup, bottom, top)
+    blobs = instance.obj.blobs
+    for i, blob in enumerate(blobs):
+        if not isinstance(blob, Blob):
+            raise ctx.error(f"learnable blob {i} is a {type(blob).__name__}; add blobs with "
+                            "self.blobs.add_blob(*shape)", GraphError)
+    instance.blob_shapes = [tuple(int(d) for d in blob.shape) for blob in blobs]
+    instance.last_top_shapes = [tuple(int(d) for d in t.shape) for t in top]
 
 
 def _top_shapes(ctx: LayerContext, instance: _Instance, bottom_shapes: tuple[Shape, ...], dtype) -> list[Shape]:
     """setup (once per layer object) and reshape on host blobs of these bottom shapes: the tops' shapes."""
     shapes = instance.top_shapes.get(bottom_shapes)
     if shapes is None:
+        _set_up(ctx, instance, bottom_shapes, dtype)
         bottom = [Blob(shape, dtype) for shape in bottom_shapes]
-        top = [Blob((), dtype) for _ in range(ctx.num_tops)]
-        if not instance.top_shapes:
-            _call(ctx, "setup", instance.obj.setup, bottom, top)
-            if getattr(instance.obj, "blobs", None):
-                raise ctx.error("the layer made learnable blobs (self.blobs): caffejax does not train Python "
-                                "layers' blobs; write it as a pure JAX rule (caffejax.register_layer)",
-                                UnsupportedError)
+        top = [Blob(shape, dtype) for shape in instance.last_top_shapes]
         _call(ctx, "reshape", instance.obj.reshape, bottom, top)
-        shapes = instance.top_shapes[bottom_shapes] = [tuple(int(d) for d in t.shape) for t in top]
+        shapes = instance.top_shapes[bottom_shapes] = instance.last_top_shapes = \
+            [tuple(int(d) for d in t.shape) for t in top]
     return shapes
 
 
@@ -202,29 +253,35 @@ def _recording(instance: _Instance, fn: Callable) -> Callable:
     return run
 
 
-def _on_host(ctx: LayerContext, instance: _Instance, top_shapes: list[Shape], dtype, bottoms: Sequence[jax.Array]):
-    """The tops of the layer on ``bottoms``: a host callback, differentiable through the layer's backward."""
+def _on_host(ctx: LayerContext, instance: _Instance, top_shapes: list[Shape], dtype, bottoms: Sequence[jax.Array],
+             params: Sequence[jax.Array]) -> tuple[list[jax.Array], list[jax.Array]]:
+    """The tops of the layer on ``bottoms``, and what its learnable blobs hold after its forward (given ``params``
+    before it): a host callback, differentiable through the layer's backward."""
     name, type_name, obj = ctx.name, ctx.type, instance.obj
-    top_types = tuple(jax.ShapeDtypeStruct(shape, dtype) for shape in top_shapes)
+    blob_shapes = instance.blob_shapes
+    out_types = tuple(jax.ShapeDtypeStruct(shape, dtype) for shape in (*top_shapes, *blob_shapes))
+    n_bottoms = len(bottoms)
 
     @functools.partial(_recording, instance)
     def forward_on_host(*arrays):
-        bottom = [_holding(a, dtype) for a in arrays]
+        bottom = [_holding(a, dtype) for a in arrays[:n_bottoms]]
+        _hand_blobs(obj, arrays[n_bottoms:])
         # An in-place top is its bottom's blob, as in Caffe: it starts out holding the bottom's data.
         top = [bottom[i] if _in_place(ctx, i) else Blob(shape, dtype) for i, shape in enumerate(top_shapes)]
         _checked(name, type_name, "reshape", obj.reshape, bottom, top)
-        _check_top_shapes(name, type_name, "reshape", top, top_shapes)
+        _check_shapes(name, type_name, "reshape", "top", top, top_shapes)
         _checked(name, type_name, "forward", obj.forward, bottom, top)
-        _check_top_shapes(name, type_name, "forward", top, top_shapes)
-        return tuple(np.asarray(t.data, dtype) for t in top)
+        _check_shapes(name, type_name, "forward", "top", top, top_shapes)
+        _check_shapes(name, type_name, "forward", "learnable blob", obj.blobs, blob_shapes)
+        return tuple(np.asarray(b.data, dtype) for b in (*top, *obj.blobs))
 
     if ctx.recorded_tops is not None:  # a backward pass after the net's forward: the tops that forward left
-        return _replayed(ctx, instance, top_shapes, dtype, bottoms)
-    if not bottoms:
+        return _replayed(ctx, instance, top_shapes, dtype, bottoms, params)
+    if not bottoms and not params:
         # A data layer: its forward serves the next batch, so it must run once per pass, in order. A pure
         # callback without operands is loop-invariant to XLA: inside the scan over iter_size passes it was
         # hoisted and ran once an iteration, every pass training on the same batch.
-        return list(io_callback(forward_on_host, top_types, ordered=True))
+        return list(io_callback(forward_on_host, out_types, ordered=True)), []
 
     # The pass's key goes to the callback too, unused: a pure callback whose operands are the same in every pass
     # of a solver's scan over iter_size passes (bottoms from an Input) is loop-invariant to XLA, which hoisted
@@ -235,36 +292,40 @@ def _on_host(ctx: LayerContext, instance: _Instance, top_shapes: list[Shape], dt
         return forward_on_host(*arrays[len(pass_key):])
 
     def forward_program(key, *xs):
-        return jax.pure_callback(forward_with_key, top_types, *key, *xs)
+        return jax.pure_callback(forward_with_key, out_types, *key, *xs)
 
-    return _through_backward(ctx, instance, dtype, forward_program, pass_key, bottoms)
+    return _through_backward(ctx, instance, dtype, forward_program, pass_key, bottoms, params)
 
 
-def _replayed(ctx: LayerContext, instance: _Instance, top_shapes: list[Shape], dtype, bottoms):
+def _replayed(ctx: LayerContext, instance: _Instance, top_shapes: list[Shape], dtype, bottoms, params):
     """The tops the net's last forward recorded, differentiable through the layer's backward: Caffe's Backward
     reads the tops Forward left and never runs forward again (a data layer would serve the next batch, a layer
-    that samples would sample again)."""
+    that samples would sample again). The learnable blobs hold what that forward left: the net's params now."""
     recorded = tuple(jnp.asarray(t, dtype).reshape(shape) for t, shape in zip(ctx.recorded_tops, top_shapes))
-    if not bottoms:
-        return list(recorded)
+    if not bottoms and not params:
+        return list(recorded), []
+
     def given(tops, *xs):
-        return tops
+        return (*tops, *xs[len(bottoms):])
 
-    return _through_backward(ctx, instance, dtype, given, recorded, bottoms)
+    return _through_backward(ctx, instance, dtype, given, recorded, bottoms, params)
 
 
-def _through_backward(ctx: LayerContext, instance: _Instance, dtype, tops_of: Callable, extra: tuple, bottoms):
-    """``tops_of(extra, *bottoms)``, the layer's tops, differentiable through the layer's ``backward``;
-    ``extra`` (the pass's key, or the recorded tops) gets no gradient.
+def _through_backward(ctx: LayerContext, instance: _Instance, dtype, outputs_of: Callable, extra: tuple, bottoms,
+                      params) -> tuple[list[jax.Array], list[jax.Array]]:
+    """``outputs_of(extra, *bottoms, *params)``: the layer's tops and its blobs after forward, differentiable
+    through the layer's ``backward`` (the blobs' new values carry no gradient, as BatchNorm's statistics);
+    ``extra`` (the pass's key, or the recorded tops) gets none either.
 
-    With symbolic zeros, the forward learns which bottoms the gradient reaches (perturbed): Caffe's
-    propagate_down for the layer's backward, which is false for a label (a loss layer may refuse to
-    backpropagate to it, as Caffe's own do), and whose other bottoms get no diff computed."""
+    With symbolic zeros, the forward learns which bottoms and params the gradient reaches (perturbed): for the
+    bottoms, Caffe's propagate_down for the layer's backward, which is false for a label (a loss layer may refuse
+    to backpropagate to it, as Caffe's own do), and whose other bottoms get no diff computed; for the params,
+    which diffs the solver reads (not those of lr_mult 0)."""
     n_extra = len(extra)
 
     @jax.custom_vjp
     def run(extra, *xs):
-        return tops_of(extra, *xs)
+        return outputs_of(extra, *xs)
 
     def run_forward(extra, *xs):
         values = tuple(x.value for x in xs)
@@ -273,30 +334,51 @@ def _through_backward(ctx: LayerContext, instance: _Instance, dtype, tops_of: Ca
 
     def run_backward(residuals, gs):
         xs, ys, propagate_down = residuals
-        return ((None,) * n_extra, *_backward_on_host(ctx, instance, dtype, xs, ys, gs, propagate_down))
+        return ((None,) * n_extra,
+                *_backward_on_host(ctx, instance, dtype, xs, ys, gs, propagate_down, len(bottoms)))
 
     run.defvjp(run_forward, run_backward, symbolic_zeros=True)
-    return list(run(extra, *bottoms))
+    outputs = list(run(extra, *bottoms, *params))
+    n_tops = len(outputs) - len(params)
+    return outputs[:n_tops], outputs[n_tops:]
 
 
-def _backward_on_host(ctx: LayerContext, instance: _Instance, dtype, xs, ys, gs, propagate_down: "_PropagateDown"):
-    """The bottoms' diffs from the layer's ``backward`` on the host, None for those ``propagate_down`` leaves
-    out (Caffe's propagate_down: the bottoms the gradient reaches)."""
-    name, type_name, obj, down = ctx.name, ctx.type, instance.obj, propagate_down.flags
-    gs = [jnp.zeros(y.shape, y.dtype) if isinstance(g, SymbolicZero) else g for g, y in zip(gs, ys)]
+def _backward_on_host(ctx: LayerContext, instance: _Instance, dtype, xs, ys, gs, propagate_down: "_PropagateDown",
+                      n_bottoms: int):
+    """The diffs of the bottoms and params from the layer's ``backward`` on the host; None for the bottoms
+    ``propagate_down`` leaves out (Caffe's propagate_down: the bottoms the gradient reaches) and for the params
+    no gradient is asked of. ``ys`` are the tops and then the blobs as forward left them."""
+    name, type_name, obj, flags = ctx.name, ctx.type, instance.obj, propagate_down.flags
+    down, param_down = flags[:n_bottoms], flags[n_bottoms:]
+    n_tops = len(ys) - len(param_down)
+    tops, blobs = ys[:n_tops], ys[n_tops:]
+    gs = [jnp.zeros(y.shape, y.dtype) if isinstance(g, SymbolicZero) else g for g, y in zip(gs[:n_tops], tops)]
 
     @functools.partial(_recording, instance)
     def on_host(*arrays):
-        n = len(xs)
-        top = [_holding(y, dtype, diff=g) for y, g in zip(arrays[n:n + len(ys)], arrays[n + len(ys):])]
+        bottoms, arrays = arrays[:n_bottoms], arrays[n_bottoms:]
+        top_data, top_diffs, blob_data = arrays[:n_tops], arrays[n_tops:2 * n_tops], arrays[2 * n_tops:]
+        top = [_holding(y, dtype, diff=g) for y, g in zip(top_data, top_diffs)]
         # In place, Caffe's bottom is the top's blob: its data is the forward's output, its diff the top's.
-        bottom = [top[i] if _in_place(ctx, i) else _holding(x, dtype) for i, x in enumerate(arrays[:n])]
+        bottom = [top[i] if _in_place(ctx, i) else _holding(x, dtype) for i, x in enumerate(bottoms)]
+        _hand_blobs(obj, blob_data, zero_diffs=True)  # this pass's param diffs start from zero
         _checked(name, type_name, "backward", obj.backward, top, list(down), bottom)
-        return tuple(np.asarray(b.diff, dtype) for b, d in zip(bottom, down) if d)
+        _check_shapes(name, type_name, "backward", "learnable blob", obj.blobs, instance.blob_shapes)
+        return (*(np.asarray(b.diff, dtype) for b, d in zip(bottom, down) if d),
+                *(np.asarray(b.diff, dtype) for b, d in zip(obj.blobs, param_down) if d))
 
-    diff_types = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x, d in zip(xs, down) if d)
-    diffs = iter(jax.pure_callback(on_host, diff_types, *xs, *ys, *gs) if diff_types else ())
-    return tuple(next(diffs) if d else None for d in down)
+    diff_types = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x, d in zip(xs, flags) if d)
+    diffs = iter(jax.pure_callback(on_host, diff_types, *xs[:n_bottoms], *tops, *gs, *blobs)
+                 if diff_types else ())
+    return tuple(next(diffs) if d else None for d in flags)
+
+
+def _hand_blobs(obj, values, zero_diffs: bool = False) -> None:
+    """Put the learnable blobs' current values (the program's) into the layer's ``self.blobs``."""
+    for blob, value in zip(obj.blobs, values):
+        blob.data[...] = np.asarray(value)
+        if zero_diffs:
+            blob.diff[...] = 0
 
 
 @jax.tree_util.register_static
@@ -312,11 +394,11 @@ def _in_place(ctx: LayerContext, i: int) -> bool:
     return i < len(ctx.in_place) and ctx.in_place[i]
 
 
-def _check_top_shapes(name: str, type_name: str, what: str, top: list[Blob], expected: list[Shape]) -> None:
-    got = [tuple(t.shape) for t in top]
+def _check_shapes(name: str, type_name: str, what: str, kind: str, blobs, expected: list[Shape]) -> None:
+    got = [tuple(b.shape) for b in blobs]
     if got != list(expected):
         raise layer_error(ShapeError, name, type_name,
-                          f"its {what} changed the top shapes to {got} after the net was built for {expected}; "
+                          f"its {what} changed the {kind} shapes to {got} after the net was built for {expected}; "
                           "caffejax compiles fixed shapes (reshape the net's inputs instead)")
 
 

@@ -255,7 +255,8 @@ class Net:
         self.layers = [LayerView(layer.name, layer.type, self.params.get(layer.name, []))
                        for layer in self._graph.layers]
         to_fill = [(position, layer) for position, layer in enumerate(self._graph.layers)
-                   if layer.params and layer.name not in skip and get_rule(layer.type).init_params is not None]
+                   if layer.params and layer.name not in skip
+                   and (layer.type == "Python" or get_rule(layer.type).init_params is not None)]
         if not to_fill:
             return
 
@@ -263,8 +264,11 @@ class Net:
         key = HostKey(mode.random_seed())
         for position, layer in to_fill:
             try:
-                arrays = get_rule(layer.type).init_params(layer.proto, [slot.shape for slot in layer.params],
-                                                          fold_in(key, position))
+                if layer.type == "Python":  # no filler: its blobs start from what the layer's setup wrote
+                    arrays = self._python_layers.learnable_values(layer.proto)
+                else:
+                    arrays = get_rule(layer.type).init_params(layer.proto, [slot.shape for slot in layer.params],
+                                                              fold_in(key, position))
             except CaffejaxError as e:  # a filler setting Caffe CHECK-fails on: name the layer
                 raise layer_error(type(e), layer.name, layer.type, str(e)) from None
             for slot, array in zip(layer.params, arrays):
