@@ -341,6 +341,16 @@ class CountsInABlob(Scale):
         super().forward(bottom, top)
 
 
+class ShapedInSetup(caffejax.Layer):
+    """Shapes its top in setup and leaves reshape empty, as py-faster-rcnn's data layers do."""
+
+    def setup(self, bottom, top):
+        top[0].reshape(2, 3)
+
+    def forward(self, bottom, top):
+        top[0].data[...] = bottom[0].data.sum()
+
+
 class AddsAList(Scale):
     def setup(self, bottom, top):
         self.blobs.append([1.0, 2.0])
@@ -818,3 +828,16 @@ def test_a_net_with_python_layers_is_refused_by_stablehlo_export(layers_module, 
     with pytest.raises(caffejax.UnsupportedError, match="cannot export Python layers \\['s'\\] to StableHLO"):
         export_stablehlo(net, str(tmp_path / "net.stablehlo"))
     assert not (tmp_path / "net.stablehlo").exists()
+
+
+def test_a_python_layers_tops_keep_their_shapes_between_reshapes(layers_module):
+    """Caffe's top blobs keep their shapes: a layer that shapes its tops in setup, with an empty reshape, keeps
+    them when the net is reshaped to new input shapes (they became () there, and the forward failed)."""
+    net = caffejax.Net(_input(2) + _python_layer("s", "ShapedInSetup", ["x"], "y"), caffejax.TEST,
+                       allow_python_layers=True)
+    y = net.forward(x=np.ones(2, np.float32))["y"]
+    assert y.shape == (2, 3) and np.all(y == 2.0)
+    net.blobs["x"].reshape(5)
+    net.reshape()
+    y = net.forward(x=np.ones(5, np.float32))["y"]
+    assert y.shape == (2, 3) and np.all(y == 5.0)
