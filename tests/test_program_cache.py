@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -97,3 +101,85 @@ def test_the_key_follows_the_source_and_the_description():
     assert key != program_cache.program_key(["a"], (np.zeros((2, 4), np.float32),), {})
     assert key != program_cache.program_key(["a"], args, {"xla_cpu_experimental_ynn_fusion_type": "x"})
     assert len(program_cache.source_digest()) == 64
+
+
+def test_net_forward_loads_its_programs_without_tracing(cache, caplog):
+    """A new Net of the same model runs Net.forward's program, and the one that fills an intermediate blob when
+    it is read, from the cache: nothing is traced (compile_count stays 0), and the values are the first net's."""
+    caplog.set_level(logging.DEBUG, logger=program_cache.__name__)
+    x = _digits(2)
+    first = caffejax.Net(str(LENET), str(WEIGHTS), caffejax.TEST)
+    first.blobs["data"].reshape(*x.shape)
+    prob = first.forward(data=x)["prob"].copy()
+    conv1 = first.blobs["conv1"].data.copy()  # deferred: the program that keeps every blob runs now
+    assert _events(caplog) == ["compiled", "compiled"] and first.compile_count == 2
+    again = caffejax.Net(str(LENET), str(WEIGHTS), caffejax.TEST)
+    again.blobs["data"].reshape(*x.shape)
+    np.testing.assert_array_equal(again.forward(data=x)["prob"], prob)
+    np.testing.assert_array_equal(again.blobs["conv1"].data, conv1)
+    assert _events(caplog) == ["compiled", "compiled", "cache", "cache"] and again.compile_count == 0
+    # The weights are the program's arguments: net surgery shows on the next pass of the loaded program.
+    again.params["ip2"][1].data[...] += 3.0 * np.arange(10, dtype=np.float32)
+    assert not np.allclose(again.forward(data=x)["prob"], prob)
+
+
+def test_programs_of_python_layers_and_carried_state_are_not_kept(cache, tmp_path):
+    python_net = ('layer { name: "x" type: "Input" top: "x" input_param { shape { dim: 2 } } }\n'
+                  'layer { name: "p" type: "Python" bottom: "x" top: "y" '
+                  'python_param { module: "caffejax_test_cached" layer: "Double" } }\n')
+    (tmp_path / "caffejax_test_cached.py").write_text(textwrap.dedent('''
+        import caffejax
+        class Double(caffejax.Layer):
+            def reshape(self, bottom, top):
+                top[0].reshape(*bottom[0].data.shape)
+            def forward(self, bottom, top):
+                top[0].data[...] = 2 * bottom[0].data
+        '''))
+    sys.path.insert(0, str(tmp_path))
+    try:
+        net = caffejax.Net(python_net, caffejax.TEST, allow_python_layers=True)
+        np.testing.assert_array_equal(net.forward(x=np.ones(2, np.float32))["y"], [2.0, 2.0])
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("caffejax_test_cached", None)
+    rnn = ('layer { name: "x" type: "Input" top: "x" top: "cont" '
+           'input_param { shape { dim: 3 dim: 1 dim: 2 } shape { dim: 3 dim: 1 } } }\n'
+           'layer { name: "rnn" type: "RNN" bottom: "x" bottom: "cont" top: "h" '
+           'recurrent_param { num_output: 2 weight_filler { type: "gaussian" std: 0.5 } } }\n')
+    net = caffejax.Net(rnn, caffejax.TEST)
+    for _ in range(2):  # the first forward starts from Caffe's zero state, the second from the first's
+        net.forward(x=np.ones((3, 1, 2), np.float32), cont=np.ones((3, 1), np.float32))
+    assert not cache.exists() or not list(cache.glob("*.program"))
+
+
+CACHED_RUN = """
+import sys, numpy as np, jax
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+import caffejax
+net = caffejax.Net(sys.argv[2], sys.argv[3], caffejax.TEST)
+x = np.random.default_rng(0).random((2, 1, 28, 28), dtype=np.float32)
+net.blobs["data"].reshape(*x.shape)
+a = np.asarray(net.forward(data=x)["prob"])
+b = np.asarray(caffejax.compile_inference(net)({"data": x})["prob"])
+np.save(sys.argv[4], np.stack([a, b]))
+"""
+
+
+def test_programs_kept_while_jaxs_own_cache_holds_them_run(tmp_path):
+    """JAX's persistent cache already holds the programs (caffejax upgraded, or its program cache switched on
+    later). The programs caffejax keeps must still run when a later process loads them: an executable JAX
+    loaded from its cache serializes without some kernels, and failed there with "NOT_FOUND: Function ... not
+    found". Three processes: JAX's cache only; then caffejax's kept too; then loaded from caffejax's."""
+    jax_cache = tmp_path / "jax-cache"
+    outputs = []
+    for step, program_cache_setting in enumerate(["0", "", ""]):
+        out = tmp_path / f"out{step}.npy"
+        env = {**os.environ, program_cache.ENVIRONMENT: program_cache_setting}
+        done = subprocess.run([sys.executable, "-c", CACHED_RUN, str(jax_cache), str(LENET), str(WEIGHTS), str(out)],
+                              capture_output=True, text=True, timeout=300, env=env)
+        assert done.returncode == 0, done.stderr[-2000:]
+        outputs.append(np.load(out))
+    assert len(list((jax_cache / program_cache.SUBDIRECTORY).glob("*.program"))) == 2
+    for got in outputs[1:]:
+        np.testing.assert_array_equal(got, outputs[0])

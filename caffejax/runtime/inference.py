@@ -28,8 +28,7 @@ from caffejax.errors import CaffejaxError, ShapeError
 from caffejax.frontend.ir import Graph
 from caffejax.lower.optimize import (DEFAULT_PASSES, Plan, check_passes, make_plan, optimize, prepare_params,
                                      run_plan)
-from caffejax.lower.registry import get_rule
-from caffejax.runtime.program_cache import compile_program
+from caffejax.runtime.program_cache import compile_program, describe_graph
 from caffejax.runtime.xla_options import compiler_options
 
 Shapes = tuple[tuple[str, tuple[int, ...]], ...]
@@ -141,21 +140,8 @@ class InferenceFunction:
 
 def _describe(plan: Plan, passes: Sequence[str]) -> list[bytes | str] | None:
     """What the plan's program computes, for the program cache (None: not cacheable)."""
-    graph = plan.graph
-    if any(layer.type == "Python" or not get_rule(layer.type).forward.__module__.startswith("caffejax.")
-           for layer in graph.layers):
-        return None  # Python layers and rules registered by the user: code no digest of caffejax's covers
-    parts: list[bytes | str] = ["inference", repr(tuple(passes)), repr((graph.phase, graph.outputs)),
-                                repr(sorted(graph.fed.items())), repr(sorted(graph.value_shapes.items()))]
-    for value, data in sorted(graph.concrete.items()):  # data that decided shapes enters as constants
-        parts.append(repr((value, np.asarray(data).dtype.str, np.shape(data))))
-        parts.append(np.ascontiguousarray(data).tobytes())
-    for layer in graph.layers:
-        kernel = plan.kernels.get(layer.name)
-        parts.append(repr((layer.name, layer.bottom_values, layer.top_values, layer.is_input,
-                           kernel.name if kernel is not None else None)))
-        parts.append(layer.proto.SerializeToString(deterministic=True))
-    return parts
+    described = describe_graph(plan.graph, plan.kernels)
+    return None if described is None else ["inference", repr(tuple(passes)), *described]
 
 
 def _as_input(x, dtype, device):

@@ -4,7 +4,8 @@ JAX's persistent compilation cache (``jax_compilation_cache_dir``) saves XLA's c
 by the lowered program: every new process still traces the net's Python and lowers it to StableHLO first,
 which for GoogLeNet costs about a second, more than loading the compiled program. Where that cache is on,
 caffejax keeps beside it, under ``caffejax-programs/``, the serialized executables of its inference programs
-keyed by what decides them, and a later process loads the executable directly:
+(``compile_inference``) and of ``Net.forward``'s, keyed by what decides them, and a later process loads the
+executable directly:
 
 - the program: every layer of the optimised plan (its LayerParameter, wiring, kernel), every value's shape,
   and the arguments' shapes and dtypes;
@@ -12,7 +13,7 @@ keyed by what decides them, and a later process loads the executable directly:
 - the compiler: jax and jaxlib versions, backend and device kind, ``XLA_FLAGS``, the program's compiler
   options and the jax settings that change lowering (x64, default matmul precision).
 
-Plans with Python layers are never cached (their code lives outside caffejax). A file that fails to load
+Graphs with Python layers or rules the user registered are never cached (their code lives outside caffejax). A file that fails to load
 (another jaxlib, a truncated write) is compiled again and replaced. ``CAFFEJAX_PROGRAM_CACHE=0`` turns the
 cache off; ``CAFFEJAX_PROGRAM_CACHE=DIR`` puts it in DIR even without JAX's cache.
 """
@@ -28,8 +29,10 @@ import pickle
 from typing import Any, Callable, Mapping
 
 import jax
+import numpy as np
 
 from caffejax.fileio import atomic_write
+from caffejax.lower.registry import get_rule
 from caffejax.runtime.mode import environment_switch
 
 ENVIRONMENT = "CAFFEJAX_PROGRAM_CACHE"
@@ -77,6 +80,25 @@ def _avals(tree) -> str:
     return repr(treedef) + repr([(tuple(x.shape), str(x.dtype)) for x in leaves])
 
 
+def describe_graph(graph, kernels: Mapping[str, Any]) -> list[bytes | str] | None:
+    """What a program over ``graph`` computes, with ``kernels`` (layer name -> kernel) running those layers:
+    the parts of its cache key (None: not cacheable). Callers put in front what else decides their program."""
+    if any(layer.type == "Python" or not get_rule(layer.type).forward.__module__.startswith("caffejax.")
+           for layer in graph.layers):
+        return None  # Python layers and rules registered by the user: code no digest of caffejax's covers
+    parts: list[bytes | str] = [repr((graph.phase, graph.outputs)), repr(sorted(graph.fed.items())),
+                                repr(sorted(graph.value_shapes.items()))]
+    for value, data in sorted(graph.concrete.items()):  # data that decided shapes enters as constants
+        parts.append(repr((value, np.asarray(data).dtype.str, np.shape(data))))
+        parts.append(np.ascontiguousarray(data).tobytes())
+    for layer in graph.layers:
+        kernel = kernels.get(layer.name)
+        parts.append(repr((layer.name, layer.bottom_values, layer.top_values, layer.is_input,
+                           kernel.name if kernel is not None else None)))
+        parts.append(layer.proto.SerializeToString(deterministic=True))
+    return parts
+
+
 def program_key(description: list[bytes | str], args: tuple, options: Mapping[str, str]) -> str:
     """The cache key of one program: its ``description`` (what the traced function computes), the
     arguments' shapes and dtypes, and the environment that compiles it."""
@@ -114,7 +136,12 @@ def compile_program(function: Callable, args: tuple, *, options: Mapping[str, st
         except Exception as error:  # another jaxlib or a damaged file: compile again, replace it
             log.warning("caffejax: cached program %s does not load (%s: %s); compiling it again", path.name,
                         type(error).__name__, error)
-    compiled = jitted.lower(*args).compile()
+    lowered = jitted.lower(*args)
+    fresh = _without_jax_cache()
+    if fresh is None:  # cannot keep JAX's cache out of this compile: compile, but keep nothing
+        return lowered.compile()
+    with fresh:
+        compiled = lowered.compile()
     log.debug("caffejax: program %s compiled", path.name)
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -123,3 +150,32 @@ def compile_program(function: Callable, args: tuple, *, options: Mapping[str, st
         log.warning("caffejax: could not keep the compiled program in %s (%s: %s)", directory,
                     type(error).__name__, error)
     return compiled
+
+
+def _without_jax_cache():
+    """A context in which XLA compiles afresh rather than loading from JAX's persistent cache, or None where
+    this jax has no such switch. An executable JAX loaded from its cache serializes without some of its
+    kernels: stored and loaded again, it fails when called ("NOT_FOUND: Function copy_bitcast_fusion not
+    found"; jax 0.10.2 on the CPU, LeNet and GoogLeNet alike). A program is compiled for this cache once."""
+    try:
+        from jax._src import config
+    except ImportError:
+        return None
+    switch = getattr(config, "enable_compilation_cache", None)
+    return switch(False) if callable(switch) else None
+
+
+def compiled_at_first_call(function: Callable, *, options: Mapping[str, str],
+                           description: list[bytes | str]) -> Callable:
+    """``function`` through :func:`compile_program`, for the arguments of its first call: for callers that know
+    what a program computes before they know its arguments. Later calls must pass arguments of the same
+    structure, shapes and dtypes."""
+    compiled = None
+
+    def run(*args):
+        nonlocal compiled
+        if compiled is None:
+            compiled = compile_program(function, args, options=options, description=description)
+        return compiled(*args)
+
+    return run
