@@ -841,3 +841,16 @@ def test_a_python_layers_tops_keep_their_shapes_between_reshapes(layers_module):
     net.reshape()
     y = net.forward(x=np.ones(5, np.float32))["y"]
     assert y.shape == (2, 3) and np.all(y == 5.0)
+
+
+def test_debug_nans_replays_a_forward_without_running_its_python_layers_again(layers_module):
+    """debug_nans finds the layer that made NaN by replaying the forward layer by layer; it takes the Python
+    layers' tops from that forward (a Python data layer ran again there, served the next batch and looked for the
+    NaN in data the forward never saw)."""
+    text = PYTHON_DATA_LAYER + 'layer { name: "log" type: "Log" bottom: "data" top: "logs" }\n'
+    net = caffejax.Net(text, caffejax.TEST, allow_python_layers=True, debug_nans=True)
+    batches = sys.modules["caffejax_test_pylayers"].Batches
+    start = batches.forwards
+    with pytest.raises(caffejax.NumericalError, match="layer 'log' \\(type Log\\) produced [0-9]+ NaN"):
+        net.forward()
+    assert batches.forwards - start == 1

@@ -40,11 +40,14 @@ class NonFinite:
         return f"blob '{self.blob}', fed by layer '{self.layer}' (type {self.type}), holds {what}"
 
 
-def find_first_nan(net, params: Mapping[str, list[Any]] | None = None) -> NonFinite | None:
+def find_first_nan(net, params: Mapping[str, list[Any]] | None = None,
+                   recorded: Mapping[str, Any] | None = None) -> NonFinite | None:
     """Replay ``net``'s last forward layer by layer and report where NaN/Inf first appears (None if nowhere).
 
     ``params`` (the program's params pytree, see Net.param_arrays) replaces the net's current weights: a solver
-    passes the weights an iteration started from, since its update has already overwritten them.
+    passes the weights an iteration started from, since its update has already overwritten them. ``recorded``
+    (value id -> array): the tops of the Python layers that forward made, which the replay takes instead of
+    running them again (a Python data layer would serve the next batch). Without them, they run again.
     """
     program, graph = net._program, net.graph
     params = net.param_arrays() if params is None else params
@@ -62,7 +65,7 @@ def find_first_nan(net, params: Mapping[str, list[Any]] | None = None) -> NonFin
                 found = _non_finite(layer, "weights", str(slot.index), params[slot.storage[0]][slot.storage[1]])
                 if found:
                     return found
-            env, _ = program.run_layers([layer], params, env, key)
+            env, _ = program.run_layers([layer], params, env, key, recorded=recorded)
             for top, value in zip(layer.tops, layer.top_values):
                 found = _non_finite(layer, "top", top, env[value])
                 if found:

@@ -675,7 +675,7 @@ class Net:
             return
         from caffejax.runtime.debug_nans import find_first_nan
 
-        found = find_first_nan(self)
+        found = find_first_nan(self, recorded=self._recorded_tops)
         raise NumericalError(f"forward of net '{self._graph.name}' produced NaN/Inf: "
                              + (str(found) if found else "no single layer does when replayed eagerly"))
 
