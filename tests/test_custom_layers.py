@@ -633,23 +633,28 @@ def test_backward_after_forward_does_not_run_a_python_layer_again(layers_module)
     assert net.forward_all()["loss"].shape == (1,) and batches.forwards - start == 3
 
 
-@pytest.mark.parametrize("iter_size", [1, 3])
-def test_a_python_layer_on_an_input_runs_once_a_pass(layers_module, iter_size):
-    """A Python layer whose bottom is the same in every pass of an iteration (an Input blob) still runs its
-    forward once a pass, as Caffe calls it: as a pure callback of the same operands it was loop-invariant to
-    XLA inside the scan over iter_size passes, and ran once an iteration."""
+def _solver_over_an_input(python_layer: str, iter_size: int) -> "caffejax.SGDSolver":
+    """An SGD solver (base_lr 0.1) of a net: Input x (4 x 5) and label, ``python_layer`` from x to y, an
+    InnerProduct and a softmax loss."""
     from caffejax.proto import caffe_pb2
     from google.protobuf import text_format
 
     net = ('layer { name: "x" type: "Input" top: "x" top: "label" '
-           'input_param { shape { dim: 4 dim: 5 } shape { dim: 4 } } }\n'
-           + _python_layer("c", "Counts", ["x"], "y")
+           'input_param { shape { dim: 4 dim: 5 } shape { dim: 4 } } }\n' + python_layer
            + 'layer { name: "ip" type: "InnerProduct" bottom: "y" top: "ip" '
              'inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.5 } } }\n'
              'layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }\n')
     param = text_format.Parse(f'base_lr: 0.1 lr_policy: "fixed" max_iter: 10 iter_size: {iter_size} '
                               f'net_param {{ {net} }}', caffe_pb2.SolverParameter())
-    solver = caffejax.SGDSolver(param, allow_python_layers=True)
+    return caffejax.SGDSolver(param, allow_python_layers=True)
+
+
+@pytest.mark.parametrize("iter_size", [1, 3])
+def test_a_python_layer_on_an_input_runs_once_a_pass(layers_module, iter_size):
+    """A Python layer whose bottom is the same in every pass of an iteration (an Input blob) still runs its
+    forward once a pass, as Caffe calls it: as a pure callback of the same operands it was loop-invariant to
+    XLA inside the scan over iter_size passes, and ran once an iteration."""
+    solver = _solver_over_an_input(_python_layer("c", "Counts", ["x"], "y"), iter_size)
     solver.net.blobs["x"].data[...] = 1.0
     counts = sys.modules["caffejax_test_pylayers"].Counts
     counts.calls = 0
@@ -799,22 +804,12 @@ def test_a_python_layers_blobs_are_saved_loaded_and_masked_as_params(layers_modu
 def test_what_a_python_layers_forward_writes_in_its_blobs_stays(layers_module, iter_size):
     """A layer's forward may keep a running statistic in its blobs (as BatchNorm's are): what it writes is the
     param's new value, in Net.forward and through every pass of a solver's iteration."""
-    from caffejax.proto import caffe_pb2
-    from google.protobuf import text_format
-
     counting = _python_layer("c", "CountsInABlob", ["x"], "y", extra="param { lr_mult: 0 } ")
     net = caffejax.Net(_input(2) + counting, caffejax.TEST, allow_python_layers=True)
     for _ in range(2):
         np.testing.assert_array_equal(net.forward(x=np.ones(2, np.float32))["y"], [2.5, 2.5])
     np.testing.assert_array_equal(net.params["c"][0].data, [2.0])
-    text = ('layer { name: "x" type: "Input" top: "x" top: "label" '
-            'input_param { shape { dim: 4 dim: 5 } shape { dim: 4 } } }\n' + counting.replace('"x"', '"x"', 1)
-            + 'layer { name: "ip" type: "InnerProduct" bottom: "y" top: "ip" '
-              'inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.5 } } }\n'
-              'layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }\n')
-    param = text_format.Parse(f'base_lr: 0.1 lr_policy: "fixed" max_iter: 3 iter_size: {iter_size} '
-                              f'net_param {{ {text} }}', caffe_pb2.SolverParameter())
-    solver = caffejax.SGDSolver(param, allow_python_layers=True)
+    solver = _solver_over_an_input(counting, iter_size)
     solver.step(3)
     np.testing.assert_array_equal(solver.net.params["c"][0].data, [3.0 * iter_size])
 
