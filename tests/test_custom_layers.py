@@ -849,3 +849,23 @@ def test_debug_nans_replays_a_forward_without_running_its_python_layers_again(la
     with pytest.raises(caffejax.NumericalError, match="layer 'log' \\(type Log\\) produced [0-9]+ NaN"):
         net.forward()
     assert batches.forwards - start == 1
+
+
+def test_debug_nans_in_training_replays_the_batch_the_python_data_layer_served(layers_module):
+    """A solver's debug_nans replay takes the Python layers' tops the iteration made, as Net.forward's does."""
+    from caffejax.proto import caffe_pb2
+    from google.protobuf import text_format
+
+    net = (PYTHON_DATA_LAYER + 'layer { name: "log" type: "Log" bottom: "data" top: "logs" }\n'
+           'layer { name: "ip" type: "InnerProduct" bottom: "logs" top: "ip" '
+           'inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.5 } } }\n'
+           'layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }\n')
+    param = text_format.Parse(f'base_lr: 0.1 lr_policy: "fixed" max_iter: 1 net_param {{ {net} }}',
+                              caffe_pb2.SolverParameter())
+    solver = caffejax.SGDSolver(param, allow_python_layers=True)
+    solver.debug_nans = True
+    batches = sys.modules["caffejax_test_pylayers"].Batches
+    start = batches.forwards
+    with pytest.raises(caffejax.NumericalError, match="layer 'log' \\(type Log\\) produced [0-9]+ NaN"):
+        solver.step(1)
+    assert batches.forwards - start == 1

@@ -48,7 +48,7 @@ from caffejax.lower.registry import TEST, TRAIN, get_rule
 from caffejax.proto import caffe_pb2
 from caffejax.runtime import lr_policy, mode, snapshot as snapshots
 from caffejax.runtime.distributed import DataParallel, Devices
-from caffejax.runtime.net import Net, to_device
+from caffejax.runtime.net import Net, _python_top_values, to_device
 from caffejax.runtime.xla_options import compiler_options
 
 log = logging.getLogger("caffejax")
@@ -407,6 +407,11 @@ class Solver:
         self._write_back(params, [new[0] if update is None else update for update, new in zip(updates, history)])
         for name, value in blobs.items():
             net.blobs[name]._data.set(value)
+        # The Python layers' tops the blobs hold, as Net.forward records them: debug_nans' replay and a
+        # net.backward() after the step take them instead of running those layers again.
+        python_tops = set(_python_top_values(graph.layers))
+        net._recorded_tops = {value: blobs[blob] for blob, value in graph.blob_value.items()
+                              if value in python_tops and blob in blobs}
         # Blobs the program did not hand back (_returned_blobs: only ever with one pass an iteration, whose key
         # train_step folds 0 into) are recomputed when read.
         unreturned = {blob: value for blob, value in graph.blob_value.items()
@@ -507,7 +512,7 @@ class Solver:
         from caffejax.runtime.debug_nans import find_first_nan
 
         if not np.isfinite(float(loss)):
-            found = find_first_nan(self.net, params=start_params)
+            found = find_first_nan(self.net, params=start_params, recorded=self.net._recorded_tops)
             raise NumericalError(f"iteration {self.iter}: the loss is {float(loss)}: "
                                  + (str(found) if found else "no single layer does when replayed eagerly"))
         for learnable in self._learnables:
