@@ -6,8 +6,8 @@ file is the whole model: loading it needs JAX and nothing of caffejax (the loade
 ``jax.export.deserialize``). The program takes the fed blobs (the tops of Input and data layers) as a dict
 by blob name and returns the net's outputs by blob name. Input shapes are fixed at export (``batch``
 replaces the first axis); layer randomness is not exported (a net whose forward draws random numbers in
-the exported phase is refused), nor are Python layers (host code). A file holds at most 2 GB (flatbuffers' limit): use :func:`to_flax` for
-bigger nets.
+the exported phase is refused), nor are Python layers (host code). A file holds at most 2 GB (flatbuffers'
+limit): use :func:`to_flax` for bigger nets.
 
 **Flax NNX** (:func:`to_flax`). A ``flax.nnx.Module`` whose ``params[layer][i]`` are ``nnx.Param``
 variables holding the Caffe blobs (BatchNorm's statistics are ``nnx.BatchStat``), each carrying the blob's

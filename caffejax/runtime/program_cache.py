@@ -13,8 +13,8 @@ executable directly:
 - the compiler: jax and jaxlib versions, backend and device kind, ``XLA_FLAGS``, the program's compiler
   options and the jax settings that change lowering (x64, default matmul precision).
 
-Graphs with Python layers or rules the user registered are never cached (their code lives outside caffejax). A file that fails to load
-(another jaxlib, a truncated write) is compiled again and replaced. ``CAFFEJAX_PROGRAM_CACHE=0`` turns the
+Graphs with Python layers or rules the user registered are never cached (their code lives outside caffejax). A
+file that fails to load (another jaxlib, a truncated write) is compiled again and replaced. ``CAFFEJAX_PROGRAM_CACHE=0`` turns the
 cache off; ``CAFFEJAX_PROGRAM_CACHE=DIR`` puts it in DIR even without JAX's cache.
 """
 
