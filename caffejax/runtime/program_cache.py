@@ -14,8 +14,9 @@ executable directly:
   options and the jax settings that change lowering (x64, default matmul precision).
 
 Graphs with Python layers or rules the user registered are never cached (their code lives outside caffejax). A
-file that fails to load (another jaxlib, a truncated write) is compiled again and replaced. ``CAFFEJAX_PROGRAM_CACHE=0`` turns the
-cache off; ``CAFFEJAX_PROGRAM_CACHE=DIR`` puts it in DIR even without JAX's cache.
+file that fails to load (another jaxlib, a truncated write) is compiled again and replaced.
+``CAFFEJAX_PROGRAM_CACHE=0`` turns the cache off; ``CAFFEJAX_PROGRAM_CACHE=DIR`` puts it in DIR even without
+JAX's cache.
 """
 
 from __future__ import annotations
