@@ -183,3 +183,58 @@ def test_programs_kept_while_jaxs_own_cache_holds_them_run(tmp_path):
     assert len(list((jax_cache / program_cache.SUBDIRECTORY).glob("*.program"))) == 2
     for got in outputs[1:]:
         np.testing.assert_array_equal(got, outputs[0])
+
+
+SOLVER_NET = '''
+layer { name: "x" type: "Input" top: "x" top: "label" input_param { shape { dim: 8 dim: 1 dim: 6 dim: 6 }
+        shape { dim: 8 } } }
+layer { name: "conv" type: "Convolution" bottom: "x" top: "conv"
+        convolution_param { num_output: 4 kernel_size: 3 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "relu" type: "ReLU" bottom: "conv" top: "conv" }
+layer { name: "ip" type: "InnerProduct" bottom: "conv" top: "ip"
+        inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+'''
+
+
+def _trained(solver_type: str, steps: int):
+    from caffejax.proto import caffe_pb2
+    from google.protobuf import text_format
+
+    caffejax.set_random_seed(7)
+    param = text_format.Parse(f'type: "{solver_type}" base_lr: 0.05 lr_policy: "fixed" momentum: 0.9 '
+                              f'weight_decay: 0.001 max_iter: 10 net_param {{ {SOLVER_NET} }}',
+                              caffe_pb2.SolverParameter())
+    solver = caffejax.get_solver(param)
+    rng = np.random.default_rng(0)
+    solver.net.blobs["x"].data[...] = rng.normal(size=(8, 1, 6, 6))
+    solver.net.blobs["label"].data[...] = rng.integers(0, 3, 8)
+    history = None
+    for _ in range(steps):
+        history = list(solver._history[0])  # what the next step gives up
+        solver.step(1)
+    return solver, history
+
+
+@pytest.mark.parametrize("solver_type", ["SGD", "Adam"])
+def test_a_solvers_iteration_loads_without_tracing_and_trains_the_same(cache, caplog, solver_type):
+    """A new solver of the same net and settings runs its iterations from the kept program: nothing traced, the
+    same weights after three steps, and the history each step gives up (donated) is given up by the loaded
+    program too."""
+    caplog.set_level(logging.DEBUG, logger=program_cache.__name__)
+    first, _ = _trained(solver_type, 3)
+    assert _events(caplog) == ["compiled"] and first.compile_count == 1
+    again, given_up = _trained(solver_type, 3)
+    assert _events(caplog) == ["compiled", "cache"] and again.compile_count == 0
+    assert all(array.is_deleted() for array in given_up)
+    for name in ("conv", "ip"):
+        for trained, expected in zip(again.net.params[name], first.net.params[name]):
+            np.testing.assert_array_equal(trained.data, expected.data)
+    other = caffejax.get_solver(first.param.__class__.FromString(first.param.SerializeToString()))
+    other.param.momentum = 0.5  # other settings: another program
+    assert other._step_description() != first._step_description()
+
+    class OwnRule(caffejax.SGDSolver):  # code outside caffejax decides its program: never kept
+        pass
+
+    assert OwnRule(first.param)._step_description() is None

@@ -4,7 +4,7 @@ JAX's persistent compilation cache (``jax_compilation_cache_dir``) saves XLA's c
 by the lowered program: every new process still traces the net's Python and lowers it to StableHLO first,
 which for GoogLeNet costs about a second, more than loading the compiled program. Where that cache is on,
 caffejax keeps beside it, under ``caffejax-programs/``, the serialized executables of its inference programs
-(``compile_inference``) and of ``Net.forward``'s, keyed by what decides them, and a later process loads the
+(``compile_inference``), ``Net.forward``'s and solvers' iterations, keyed by what decides them, and a later process loads the
 executable directly:
 
 - the program: every layer of the optimised plan (its LayerParameter, wiring, kernel), every value's shape,
@@ -112,11 +112,13 @@ def program_key(description: list[bytes | str], args: tuple, options: Mapping[st
 
 
 def compile_program(function: Callable, args: tuple, *, options: Mapping[str, str],
-                    description: list[bytes | str] | None) -> Callable:
-    """``function`` compiled for ``args`` (arrays or ``jax.ShapeDtypeStruct``) with ``options``: loaded from
-    the program cache when it holds it, otherwise compiled (through JAX's own cache) and stored there.
-    ``description=None`` compiles without the cache."""
-    jitted = jax.jit(function, compiler_options=dict(options))
+                    description: list[bytes | str] | None, donate_argnums: tuple[int, ...] = ()) -> Callable:
+    """``function`` compiled for ``args`` (arrays or ``jax.ShapeDtypeStruct``) with ``options``, giving up
+    the arguments ``donate_argnums`` (as ``jax.jit``'s): loaded from the program cache when it holds it,
+    otherwise compiled and stored there. ``description=None`` compiles without the cache."""
+    jitted = jax.jit(function, compiler_options=dict(options), donate_argnums=donate_argnums)
+    if description is not None and donate_argnums:
+        description = [*description, f"donates {tuple(donate_argnums)}"]
     directory = cache_directory() if description is not None else None
     placed = {d for leaf in jax.tree.leaves(args) if isinstance(leaf, jax.Array) for d in leaf.sharding.device_set}
     if placed - {jax.devices()[0]}:  # a loaded executable runs on the first device: others compile afresh
@@ -166,8 +168,8 @@ def _without_jax_cache():
     return switch(False) if callable(switch) else None
 
 
-def compiled_at_first_call(function: Callable, *, options: Mapping[str, str],
-                           description: list[bytes | str]) -> Callable:
+def compiled_at_first_call(function: Callable, *, options: Mapping[str, str], description: list[bytes | str],
+                           donate_argnums: tuple[int, ...] = ()) -> Callable:
     """``function`` through :func:`compile_program`, for the arguments of its first call: for callers that know
     what a program computes before they know its arguments. Later calls must pass arguments of the same
     structure, shapes and dtypes."""
@@ -176,7 +178,8 @@ def compiled_at_first_call(function: Callable, *, options: Mapping[str, str],
     def run(*args):
         nonlocal compiled
         if compiled is None:
-            compiled = compile_program(function, args, options=options, description=description)
+            compiled = compile_program(function, args, options=options, description=description,
+                                       donate_argnums=donate_argnums)
         return compiled(*args)
 
     return run

@@ -49,6 +49,7 @@ from caffejax.proto import caffe_pb2
 from caffejax.runtime import lr_policy, mode, snapshot as snapshots
 from caffejax.runtime.distributed import DataParallel, Devices
 from caffejax.runtime.net import Net, _python_top_values, to_device
+from caffejax.runtime.program_cache import cache_directory, compiled_at_first_call, describe_graph
 from caffejax.runtime.xla_options import compiler_options
 
 log = logging.getLogger("caffejax")
@@ -339,12 +340,31 @@ class Solver:
             # The history is the solver's alone: the step writes the new one over it (AlexNet's iteration at
             # batch 1 peaked at 2.8 GB RSS instead of 3.3). The weights are not given up: the blobs the step
             # deferred are recomputed from them when read.
-            fn = self._programs[cache_key] = (jax.jit(counted_step(net._program, returned=self._returned_blobs()),
-                                                      donate_argnums=1,
-                                                      compiler_options=compiler_options(net.graph, backward=True))
-                                              if self._parallel is None
-                                              else self._parallel.train_step(net, counted_step))
+            if self._parallel is not None:
+                fn = self._parallel.train_step(net, counted_step)
+            else:
+                step, options = counted_step(net._program, returned=self._returned_blobs()), \
+                    compiler_options(net.graph, backward=True)
+                description = self._step_description()
+                fn = (compiled_at_first_call(step, options=options, description=description, donate_argnums=(1,))
+                      if description is not None and cache_directory() is not None
+                      else jax.jit(step, donate_argnums=1, compiler_options=options))
+            self._programs[cache_key] = fn
         return fn
+
+    def _step_description(self) -> list[bytes | str] | None:
+        """What one iteration's program computes, for the program cache: a new process then loads it instead of
+        tracing the step (GoogLeNet at batch 16: about 2 s). None where its arguments may change structure
+        (carried RNN state present or not), or where code outside caffejax decides it (a solver subclass)."""
+        net = self.net
+        if type(self).__module__ != __name__ or any(layer.state_in for layer in net.graph.layers):
+            return None
+        described = describe_graph(net.graph, net._program.kernels or {})
+        if described is None:
+            return None
+        returned = self._returned_blobs()
+        return ["solver-step", type(self).__name__, self.param.SerializeToString(deterministic=True),
+                repr(None if returned is None else sorted(returned)), repr(net.channels_last), *described]
 
     def _returned_blobs(self) -> set[str] | None:
         """The blobs one iteration's program hands back (None: all): with one pass an iteration, what a forward
