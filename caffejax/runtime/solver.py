@@ -343,8 +343,8 @@ class Solver:
             if self._parallel is not None:
                 fn = self._parallel.train_step(net, counted_step)
             else:
-                step, options = counted_step(net._program, returned=self._returned_blobs()), \
-                    compiler_options(net.graph, backward=True)
+                step = counted_step(net._program, returned=self._returned_blobs())
+                options = compiler_options(net.graph, backward=True)
                 description = self._step_description()
                 fn = (compiled_at_first_call(step, options=options, description=description, donate_argnums=(1,))
                       if description is not None and cache_directory() is not None
@@ -430,8 +430,9 @@ class Solver:
         # The Python layers' tops the blobs hold, as Net.forward records them: debug_nans' replay and a
         # net.backward() after the step take them instead of running those layers again.
         python_tops = set(_python_top_values(graph.layers))
-        net._recorded_tops = {value: blobs[blob] for blob, value in graph.blob_value.items()
-                              if value in python_tops and blob in blobs}
+        if python_tops:
+            net._recorded_tops = {value: blobs[blob] for blob, value in graph.blob_value.items()
+                                  if value in python_tops and blob in blobs}
         # Blobs the program did not hand back (_returned_blobs: only ever with one pass an iteration, whose key
         # train_step folds 0 into) are recomputed when read.
         unreturned = {blob: value for blob, value in graph.blob_value.items()
