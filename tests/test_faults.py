@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import caffejax
+from caffejax import fileio
 from caffejax.cli import main as cli_main
 from caffejax.frontend.caffemodel import read_weights
 from caffejax.runtime import snapshot as snapshots
@@ -121,12 +122,14 @@ def test_sigkill_during_snapshot_loses_nothing_and_resume_continues_the_trajecto
     rng = random.Random(0)
     resume = None
     partial_files = 0
-    for kill_after in sorted(rng.sample(range(2, MAX_ITER - 1), 2)):
+    kills = sorted(rng.sample(range(2, MAX_ITER - 1), 2))
+    for kill_after in kills:
         assert _run_child(solver_file, resume, kill_after)
-        leftovers = list(tmp_path.glob("*.tmp"))
+        leftovers = list(tmp_path.glob("*.tmp"))  # what a crash leaves behind is a temporary file, never a snapshot
         partial_files += len(leftovers)
-        for partial in leftovers:  # what a crash leaves behind is a temporary file, never a snapshot
-            partial.unlink()
+        if kill_after != kills[-1]:
+            for partial in leftovers:  # (the next child's kill waits for a temporary file of its own)
+                partial.unlink()
         _check_every_snapshot_loads(tmp_path)
         newest = _complete_pairs(tmp_path)[-1]
         assert newest >= kill_after
@@ -134,6 +137,7 @@ def test_sigkill_during_snapshot_loses_nothing_and_resume_continues_the_trajecto
     assert partial_files, "the kills should land while a snapshot is being written"
     _run_child(solver_file, resume, None)
     _check_every_snapshot_loads(tmp_path)
+    assert not any(partial.exists() for partial in leftovers), "the next snapshot removes the killed child's files"
 
     # The same training without interruption, in this process: the resumed runs reached the same weights.
     (tmp_path / "reference").mkdir()
@@ -198,3 +202,23 @@ def test_debug_nans_in_training_and_on_the_command_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("caffejax: error:") and "layer 'log1' (type Log) produced" in err, err
     assert cli_main(["test", "-model", str(net), "-weights", str(weights), "-iterations", "1"]) == 0
+
+
+def test_a_write_removes_only_what_killed_writers_of_this_host_left(tmp_path):
+    """A temporary file names its writer's host and process: the next write into the directory removes those of
+    this host's processes that no longer run, and leaves the files of running processes, of other hosts (a shared
+    filesystem) and of other programs."""
+    dead_pid = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                                  text=True, check=True).stdout)
+    host = fileio._host()
+    stale = tmp_path / f"snap_iter_10.caffemodel.caffejax.{host}.{dead_pid}.k2j4.tmp"
+    running = tmp_path / f"snap_iter_20.caffemodel.caffejax.{host}.{os.getpid()}.k2j4.tmp"
+    other_host = tmp_path / f"snap_iter_30.caffemodel.caffejax.{host}x.{dead_pid}.k2j4.tmp"
+    other_program = tmp_path / f"notes.{dead_pid}.tmp"
+    for partial in (stale, running, other_host, other_program):
+        partial.write_bytes(b"partial")
+    fileio.atomic_write(str(tmp_path / "model.caffemodel"), b"whole")
+    assert (tmp_path / "model.caffemodel").read_bytes() == b"whole"
+    assert not stale.exists() and running.exists() and other_host.exists() and other_program.exists()
+    assert sorted(p.name for p in tmp_path.glob("*.tmp")) == sorted(p.name for p in (running, other_host,
+                                                                                      other_program))
