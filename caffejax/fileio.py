@@ -64,7 +64,8 @@ def _remove_leftovers(directory: str, host: str) -> None:
 
 
 def _running(pid: int) -> bool:
-    if pid == os.getpid():
+    """Whether process ``pid`` of this host may still be writing (True where that cannot be told)."""
+    if pid == os.getpid() or os.name != "posix":  # on Windows, os.kill(pid, 0) would send CTRL_C_EVENT
         return True
     try:
         os.kill(pid, 0)
