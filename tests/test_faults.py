@@ -125,7 +125,8 @@ def test_sigkill_during_snapshot_loses_nothing_and_resume_continues_the_trajecto
     kills = sorted(rng.sample(range(2, MAX_ITER - 1), 2))
     for kill_after in kills:
         assert _run_child(solver_file, resume, kill_after)
-        leftovers = list(tmp_path.glob("*.tmp"))  # what a crash leaves behind is a temporary file, never a snapshot
+        # What a crash leaves behind is a temporary file, never a snapshot.
+        leftovers = list(tmp_path.glob("*.tmp"))
         partial_files += len(leftovers)
         if kill_after != kills[-1]:
             for partial in leftovers:  # (the next child's kill waits for a temporary file of its own)

@@ -29,7 +29,7 @@ from caffejax.lower.python_layer import PythonLayers
 from caffejax.lower.registry import TRAIN, TEST, get_rule
 from caffejax.runtime import mode
 from caffejax.runtime.blob import ArraySlot, Blob
-from caffejax.runtime.program_cache import cache_directory, compiled_at_first_call, describe_graph
+from caffejax.runtime.program_cache import describe_graph, jit_through_cache
 from caffejax.runtime.xla_options import compiler_options, matmul_flops
 
 _fold_in = jax.jit(jax.random.fold_in)
@@ -429,11 +429,7 @@ class Net:
                 self.compile_count += 1
                 return build(*args)
             options = compiler_options(self._graph, backward=kind == "backward")
-            description = self._cache_description(kind, start, end)
-            if description is not None and cache_directory() is not None:
-                fn = compiled_at_first_call(counted, options=options, description=description)
-            else:
-                fn = jax.jit(counted, compiler_options=options)
+            fn = jit_through_cache(counted, options=options, describe=lambda: self._cache_description(kind, start, end))
             if matmul_flops(self._graph) >= DEVICE_ARGUMENTS_MIN_FLOPS:
                 fn = _with_device_arguments(fn)
             self._compiled[cache_key] = fn
@@ -447,7 +443,7 @@ class Net:
         if (kind not in ("forward", "forward-all") or (start, end) != (0, len(self._graph.layers) - 1)
                 or any(layer.state_in for layer in self._graph.layers)):
             return None
-        described = describe_graph(self._graph, self._program.kernels or {})
+        described = describe_graph(self._graph, self._program.kernels)
         return None if described is None else ["net", kind, repr((start, end, self.channels_last)), *described]
 
     def _sync_shapes(self) -> None:

@@ -4,8 +4,8 @@ JAX's persistent compilation cache (``jax_compilation_cache_dir``) saves XLA's c
 by the lowered program: every new process still traces the net's Python and lowers it to StableHLO first,
 which for GoogLeNet costs about a second, more than loading the compiled program. Where that cache is on,
 caffejax keeps beside it, under ``caffejax-programs/``, the serialized executables of its inference programs
-(``compile_inference``), ``Net.forward``'s and solvers' iterations, keyed by what decides them, and a later process loads the
-executable directly:
+(``compile_inference``), ``Net.forward``'s and solvers' iterations, keyed by what decides them, and a later
+process loads the executable directly:
 
 - the program: every layer of the optimised plan (its LayerParameter, wiring, kernel), every value's shape,
   and the arguments' shapes and dtypes;
@@ -168,11 +168,16 @@ def _without_jax_cache():
     return switch(False) if callable(switch) else None
 
 
-def compiled_at_first_call(function: Callable, *, options: Mapping[str, str], description: list[bytes | str],
-                           donate_argnums: tuple[int, ...] = ()) -> Callable:
-    """``function`` through :func:`compile_program`, for the arguments of its first call: for callers that know
-    what a program computes before they know its arguments. Later calls must pass arguments of the same
-    structure, shapes and dtypes."""
+def jit_through_cache(function: Callable, *, options: Mapping[str, str],
+                      describe: Callable[[], list[bytes | str] | None], donate_argnums: tuple[int, ...] = ()
+                      ) -> Callable:
+    """``jax.jit(function)`` with ``options`` and ``donate_argnums``, for callers that know what a program computes
+    before they know its arguments. Where the cache is on and ``describe()`` gives a description (it runs only
+    then), the program goes through :func:`compile_program` for the arguments of its first call instead; later
+    calls must pass arguments of the same structure, shapes and dtypes."""
+    description = describe() if cache_directory() is not None else None
+    if description is None:
+        return jax.jit(function, compiler_options=dict(options), donate_argnums=donate_argnums)
     compiled = None
 
     def run(*args):

@@ -49,7 +49,7 @@ from caffejax.proto import caffe_pb2
 from caffejax.runtime import lr_policy, mode, snapshot as snapshots
 from caffejax.runtime.distributed import DataParallel, Devices
 from caffejax.runtime.net import Net, _python_top_values, to_device
-from caffejax.runtime.program_cache import cache_directory, compiled_at_first_call, describe_graph
+from caffejax.runtime.program_cache import describe_graph, jit_through_cache
 from caffejax.runtime.xla_options import compiler_options
 
 log = logging.getLogger("caffejax")
@@ -343,12 +343,9 @@ class Solver:
             if self._parallel is not None:
                 fn = self._parallel.train_step(net, counted_step)
             else:
-                step = counted_step(net._program, returned=self._returned_blobs())
-                options = compiler_options(net.graph, backward=True)
-                description = self._step_description()
-                fn = (compiled_at_first_call(step, options=options, description=description, donate_argnums=(1,))
-                      if description is not None and cache_directory() is not None
-                      else jax.jit(step, donate_argnums=1, compiler_options=options))
+                fn = jit_through_cache(counted_step(net._program, returned=self._returned_blobs()),
+                                       options=compiler_options(net.graph, backward=True),
+                                       describe=self._step_description, donate_argnums=(1,))
             self._programs[cache_key] = fn
         return fn
 
@@ -359,7 +356,7 @@ class Solver:
         net = self.net
         if type(self).__module__ != __name__ or any(layer.state_in for layer in net.graph.layers):
             return None
-        described = describe_graph(net.graph, net._program.kernels or {})
+        described = describe_graph(net.graph, net._program.kernels)
         if described is None:
             return None
         returned = self._returned_blobs()
