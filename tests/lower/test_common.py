@@ -96,6 +96,34 @@ def test_batch_norm_train_updates_running_sums_like_caffe():
     np.testing.assert_allclose(ctx.param_updates[2], [0.5 * 4 + 1])
 
 
+@pytest.mark.parametrize("shape", [(4, 3, 5, 2), (40, 3), (3, 2, 4)])
+def test_batch_norm_batch_stats_backward_is_the_derivative_of_its_forward(shape):
+    """BatchNorm with batch statistics is differentiated by Caffe's formula (a written-out backward); in
+    float64 it is JAX's own derivative of (x - mean) / sqrt(var + eps), for 2-D, 3-D and 4-D bottoms (the 2-D
+    one is how channels-last programs see a 4-D blob)."""
+    rng = np.random.default_rng(4)
+    with jax.enable_x64(True):
+        x = jnp.asarray(rng.normal(2.0, 3.0, shape))
+        dy = jnp.asarray(rng.normal(size=shape))
+        axes = (0,) + tuple(range(2, len(shape)))
+
+        def plain(x):
+            mean = jnp.mean(x, axis=axes, keepdims=True)
+            return (x - mean) / jnp.sqrt(jnp.mean(jnp.square(x - mean), axis=axes, keepdims=True) + 0.25)
+
+        def rule(x):
+            ctx = layer_context(BN.replace("moving_average_fraction", "eps: 0.25 moving_average_fraction"), TRAIN)
+            return get_rule("BatchNorm").forward(ctx, [x], [jnp.zeros(shape[1]), jnp.zeros(shape[1]),
+                                                          jnp.zeros(1)])[0]
+
+        y, vjp = jax.vjp(rule, x)
+        want_y, want_vjp = jax.vjp(plain, x)
+        np.testing.assert_allclose(y, want_y, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(vjp(dy)[0], want_vjp(dy)[0], rtol=1e-10, atol=1e-12)
+        # Shifting a channel's inputs changes nothing: its input gradient sums to 0.
+        np.testing.assert_allclose(jnp.sum(vjp(dy)[0], axis=axes), 0, atol=1e-10)
+
+
 def test_batch_norm_global_stats_with_zero_factor_uses_zero_statistics():
     x = np.random.RandomState(1).randn(2, 3, 4).astype(np.float32)
     (y,) = layer_forward('type: "BatchNorm" batch_norm_param { eps: 0.25 }', [x], [np.ones(3), np.ones(3), [0.0]])
