@@ -10,6 +10,7 @@ compared with ``passes=()`` at Caffe's forward tolerance.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -124,16 +125,18 @@ def test_unoptimised_program_is_net_forward(zoo):
     _check(reference, {blob: out[blob] for blob in reference}, "passes=() vs Net.forward")
 
 
-@pytest.mark.parametrize("group, channels_last", [(16, False), (16, True), (4, False), (4, True), (2, True)])
-def test_grouped_convolution_is_xla_grouped_convolution(group, channels_last):
-    """Depthwise as shifted multiply-adds and few groups as one convolution each: XLA's grouped convolution's
-    values, in both layouts (stride 2, dilation 2, uneven padding)."""
+@pytest.mark.parametrize("group, channels, channels_last", [(16, 16, False), (16, 16, True), (4, 16, False),
+                                                            (4, 16, True), (2, 16, True), (32, 64, False),
+                                                            (32, 64, True)])
+def test_grouped_convolution_is_xla_grouped_convolution(group, channels, channels_last):
+    """Depthwise as shifted multiply-adds and up to 64 groups (ResNeXt's 32) as one convolution each: XLA's
+    grouped convolution's values, in both layouts (stride 2, dilation 2, uneven padding)."""
     from jax import lax
     from caffejax.lower import vision
 
     rng = np.random.default_rng(group)
-    x = rng.normal(size=(2, 16, 9, 8)).astype(np.float32)
-    w = rng.normal(size=(16, 16 // group, 3, 3)).astype(np.float32)
+    x = rng.normal(size=(2, channels, 9, 8)).astype(np.float32)
+    w = rng.normal(size=(channels, channels // group, 3, 3)).astype(np.float32)
     g = vision.ConvGeometry(1, (3, 3), (2, 2), (1, 2), (2, 1))
     padding, out = [(1, 2), (2, 2)], (4, 5)
     expected = lax.conv_general_dilated(x, w, g.stride, padding, rhs_dilation=g.dilation, feature_group_count=group,
@@ -145,6 +148,38 @@ def test_grouped_convolution_is_xla_grouped_convolution(group, channels_last):
     else:
         got = vision.grouped_convolution(x, w, g, padding, out, group, precision=lax.Precision.HIGHEST)
     assert_close(got, expected, FORWARD_RTOL, FORWARD_ATOL, f"group {group}")
+
+
+def test_a_convolution_split_by_group_has_xla_grouped_convolutions_gradients():
+    """ResNeXt's grouped layers run one convolution per group, so their gradients are those of each group's
+    convolution: the same as XLA's grouped convolution's (whose filter gradient XLA:CPU runs naively)."""
+    from jax import lax
+    from caffejax.lower import vision
+
+    rng = np.random.default_rng(7)
+    group = 32
+    g = vision.ConvGeometry(1, (3, 3), (2, 2), (1, 1), (1, 1))
+    padding, out = [(1, 1), (1, 1)], (4, 4)
+    with jax.enable_x64(True):
+        x = jnp.asarray(rng.normal(size=(2, 7, 7, 64)))
+        w = jnp.asarray(rng.normal(size=(3, 3, 64 // group, 96)))
+        dy = jnp.asarray(rng.normal(size=(2,) + out + (96,)))
+
+        def split(x, w):
+            return vision.grouped_convolution(x, w, g, padding, out, group, channels_last=True,
+                                              precision=lax.Precision.HIGHEST)
+
+        def xla(x, w):
+            return lax.conv_general_dilated(x, w, g.stride, padding, rhs_dilation=g.dilation,
+                                            feature_group_count=group, dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                            precision=lax.Precision.HIGHEST)
+
+        y, vjp = jax.vjp(split, x, w)
+        want_y, want_vjp = jax.vjp(xla, x, w)
+        assert "feature_group_count=32" not in str(jax.make_jaxpr(split)(x, w))
+        np.testing.assert_allclose(y, want_y, rtol=1e-12, atol=1e-12)
+        for got, want in zip(vjp(dy), want_vjp(dy)):
+            np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("passes", [("fold_batchnorm",), ("nhwc",), ("nhwc", "conv_gemm"), ("nhwc", "winograd"),

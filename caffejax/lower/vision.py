@@ -253,8 +253,13 @@ def _add_bias(y: jax.Array, params: Sequence[jax.Array], nspatial: int) -> jax.A
 # Caffe runs a grouped convolution as one GEMM per group. XLA:CPU's feature_group_count convolutions are far
 # slower than that (measured on 2 cores: 6x for AlexNet's two groups; 10-50x, forward and backward, for
 # MobileNet's depthwise ones), so up to this many groups run as separate convolutions, and depthwise ones
-# (one group per channel) as k*k shifted multiply-adds, which XLA fuses into one pass.
-MAX_SPLIT_GROUPS = 8
+# (one group per channel) as k*k shifted multiply-adds, which XLA fuses into one pass. ResNeXt's 32 groups
+# are the worst case: XLA derives the filter gradient of a grouped convolution as a batch_group_count
+# convolution, which XLA:CPU runs naively (a 3x3 layer of ResNeXt-50 at batch 4: 0.6-5.2 s, against 4-25 ms
+# split). Split, ResNeXt-50's training step at batch 4 took 1.36 s instead of 36 s, and its forward at batch
+# 16 0.68 of the time; the price is compile time (training step 4 -> 26 s, forward 1.2 -> 8.2 s), one
+# small convolution per group in each direction. More groups than this run as XLA's one convolution.
+MAX_SPLIT_GROUPS = 64
 
 
 def grouped_convolution(x: jax.Array, w: jax.Array, g: ConvGeometry, padding, out: Shape, group: int,
