@@ -125,18 +125,19 @@ def test_unoptimised_program_is_net_forward(zoo):
     _check(reference, {blob: out[blob] for blob in reference}, "passes=() vs Net.forward")
 
 
-@pytest.mark.parametrize("group, channels, channels_last", [(16, 16, False), (16, 16, True), (4, 16, False),
-                                                            (4, 16, True), (2, 16, True), (32, 64, False),
-                                                            (32, 64, True)])
-def test_grouped_convolution_is_xla_grouped_convolution(group, channels, channels_last):
-    """Depthwise as shifted multiply-adds and up to 64 groups (ResNeXt's 32) as one convolution each: XLA's
-    grouped convolution's values, in both layouts (stride 2, dilation 2, uneven padding)."""
+@pytest.mark.parametrize("group, channels, outputs", [(16, 16, 16), (16, 16, 48), (4, 16, 16), (2, 16, 16),
+                                                     (32, 64, 64)])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_grouped_convolution_is_xla_grouped_convolution(group, channels, outputs, channels_last):
+    """Depthwise (with a channel multiplier too) as shifted multiply-adds and up to 64 groups (ResNeXt's 32) as
+    one convolution each: XLA's grouped convolution's values, in both layouts (stride 2, dilation 2, uneven
+    padding)."""
     from jax import lax
     from caffejax.lower import vision
 
     rng = np.random.default_rng(group)
     x = rng.normal(size=(2, channels, 9, 8)).astype(np.float32)
-    w = rng.normal(size=(channels, channels // group, 3, 3)).astype(np.float32)
+    w = rng.normal(size=(outputs, channels // group, 3, 3)).astype(np.float32)
     g = vision.ConvGeometry(1, (3, 3), (2, 2), (1, 2), (2, 1))
     padding, out = [(1, 2), (2, 2)], (4, 5)
     expected = lax.conv_general_dilated(x, w, g.stride, padding, rhs_dilation=g.dilation, feature_group_count=group,
@@ -150,19 +151,20 @@ def test_grouped_convolution_is_xla_grouped_convolution(group, channels, channel
     assert_close(got, expected, FORWARD_RTOL, FORWARD_ATOL, f"group {group}")
 
 
-def test_a_convolution_split_by_group_has_xla_grouped_convolutions_gradients():
-    """ResNeXt's grouped layers run one convolution per group, so their gradients are those of each group's
-    convolution: the same as XLA's grouped convolution's (whose filter gradient XLA:CPU runs naively)."""
+@pytest.mark.parametrize("group, channels", [(32, 64), (16, 16)])
+def test_convolutions_split_by_group_have_xla_grouped_convolutions_gradients(group, channels):
+    """ResNeXt's grouped layers run one convolution per group, and a depthwise one with a channel multiplier as
+    shifted multiply-adds over its repeated channels: their gradients are XLA's grouped convolution's (whose
+    filter gradient XLA:CPU runs naively)."""
     from jax import lax
     from caffejax.lower import vision
 
     rng = np.random.default_rng(7)
-    group = 32
     g = vision.ConvGeometry(1, (3, 3), (2, 2), (1, 1), (1, 1))
     padding, out = [(1, 1), (1, 1)], (4, 4)
     with jax.enable_x64(True):
-        x = jnp.asarray(rng.normal(size=(2, 7, 7, 64)))
-        w = jnp.asarray(rng.normal(size=(3, 3, 64 // group, 96)))
+        x = jnp.asarray(rng.normal(size=(2, 7, 7, channels)))
+        w = jnp.asarray(rng.normal(size=(3, 3, channels // group, 96)))
         dy = jnp.asarray(rng.normal(size=(2,) + out + (96,)))
 
         def split(x, w):
@@ -176,7 +178,7 @@ def test_a_convolution_split_by_group_has_xla_grouped_convolutions_gradients():
 
         y, vjp = jax.vjp(split, x, w)
         want_y, want_vjp = jax.vjp(xla, x, w)
-        assert "feature_group_count=32" not in str(jax.make_jaxpr(split)(x, w))
+        assert f"feature_group_count={group}" not in str(jax.make_jaxpr(split)(x, w))
         np.testing.assert_allclose(y, want_y, rtol=1e-12, atol=1e-12)
         for got, want in zip(vjp(dy), want_vjp(dy)):
             np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)

@@ -253,12 +253,13 @@ def _add_bias(y: jax.Array, params: Sequence[jax.Array], nspatial: int) -> jax.A
 # Caffe runs a grouped convolution as one GEMM per group. XLA:CPU's feature_group_count convolutions are far
 # slower than that (measured on 2 cores: 6x for AlexNet's two groups; 10-50x, forward and backward, for
 # MobileNet's depthwise ones), so up to this many groups run as separate convolutions, and depthwise ones
-# (one group per channel) as k*k shifted multiply-adds, which XLA fuses into one pass. ResNeXt's 32 groups
-# are the worst case: XLA derives the filter gradient of a grouped convolution as a batch_group_count
-# convolution, which XLA:CPU runs naively (a 3x3 layer of ResNeXt-50 at batch 4: 0.6-5.2 s, against 4-25 ms
-# split). Split, ResNeXt-50's training step at batch 4 took 1.36 s instead of 36 s, and its forward at batch
-# 16 0.68 of the time; the price is compile time (training step 4 -> 26 s, forward 1.2 -> 8.2 s), one
-# small convolution per group in each direction. More groups than this run as XLA's one convolution.
+# (one group per input channel, any number of filters each) as k*k shifted multiply-adds, which XLA fuses
+# into one pass. ResNeXt's 32 groups are the worst case: XLA derives the filter gradient of a grouped
+# convolution as a batch_group_count convolution, which XLA:CPU runs naively (a 3x3 layer of ResNeXt-50 at
+# batch 4: 0.6-5.2 s, against 4-25 ms split). Split, ResNeXt-50's training step at batch 4 took 1.36 s instead
+# of 36 s, and its forward at batch 16 0.68 of the time; the price is compile time (training step 4 -> 26 s,
+# forward 1.2 -> 8.2 s), one small convolution per group in each direction. More groups than this (and not
+# one per input channel) run as XLA's one convolution.
 MAX_SPLIT_GROUPS = 64
 
 
@@ -269,7 +270,12 @@ def grouped_convolution(x: jax.Array, w: jax.Array, g: ConvGeometry, padding, ou
     accumulation dtype for lax.conv_general_dilated (products accumulate in the result's dtype)."""
     channel_axis, out_axis = (x.ndim - 1, w.ndim - 1) if channels_last else (1, 0)
     channels, num_output = x.shape[channel_axis], w.shape[out_axis]
-    if group > 1 and group == channels == num_output and math.prod(g.kernel) <= _MAX_TAPS:
+    if group > 1 and group == channels and math.prod(g.kernel) <= _MAX_TAPS:  # num_output % group == 0
+        if num_output > channels:
+            # A channel multiplier m: output c*m + j filters input channel c, so it is the depthwise convolution
+            # of each channel repeated m times. XLA's grouped convolution ran 4x 28x28x128 -> 256 at 25 ms
+            # forward and 4.8 s backward (its filter gradient), this form at 1.6 and 7.9 ms.
+            x = jnp.repeat(x, num_output // channels, axis=channel_axis)
         return _depthwise(x, w, g, tuple(map(tuple, padding)), out, channels_last,
                           options.get("preferred_element_type"))
     numbers = ("NHWC", "HWIO", "NHWC") if channels_last else None
