@@ -226,16 +226,16 @@ def batch_norm(ctx: LayerContext, bottoms, params):
     if use_global_stats:
         mean, inv_std = batch_norm_global_stats(params, p.eps, x.dtype)
         return [_scale_channels(x - mean.reshape(per_channel), inv_std.reshape(per_channel))]
-    mean, var = _batch_stats(x, axes)
-    _update_moving_stats(ctx, params, mean, var, x.size // channels)
+    mean, var = _batch_stats(x, axes)  # XLA computes them once for both uses: the same sums of the same x
+    _update_moving_stats(ctx, params, mean.reshape(-1), var.reshape(-1), x.size // channels)
     return [_normalize_by_batch_stats(x, axes, p.eps)]
 
 
 def _batch_stats(x: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
-    """The biased mean and variance over ``axes``, in Caffe's two passes: var = mean((x - mean)^2)."""
+    """The biased mean and variance over ``axes`` (kept as size-1 axes), in Caffe's two passes:
+    var = mean((x - mean)^2)."""
     mean = jnp.mean(x, axis=axes, keepdims=True)
-    var = jnp.mean(jnp.square(x - mean), axis=axes, keepdims=True)
-    return mean.reshape(-1), var.reshape(-1)
+    return mean, jnp.mean(jnp.square(x - mean), axis=axes, keepdims=True)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
@@ -251,8 +251,8 @@ def _normalize_by_batch_stats(x: jax.Array, axes: tuple[int, ...], eps: float) -
 
 
 def _normalize_by_batch_stats_fwd(x, axes, eps):
-    mean = jnp.mean(x, axis=axes, keepdims=True)
-    std = jnp.sqrt(jnp.mean(jnp.square(x - mean), axis=axes, keepdims=True) + eps)
+    mean, var = _batch_stats(x, axes)
+    std = jnp.sqrt(var + eps)
     # x rather than y is kept: x is the layer before's output, alive anyway, where y may never be written out
     # (XLA fuses the normalization into the Scale and ReLU after it); the backward recomputes y in its passes.
     return (x - mean) / std, (x, mean, std)
