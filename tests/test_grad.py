@@ -130,7 +130,9 @@ layer { name: "pool" type: "Pooling" bottom: "n" top: "p" pooling_param { pool: 
 layer { name: "pool2" type: "Pooling" bottom: "p" top: "p2" pooling_param { pool: MAX kernel_size: 3 stride: 2 } }
 layer { name: "dw" type: "Convolution" bottom: "p2" top: "d"
         convolution_param { num_output: 4 group: 4 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.5 } } }
-layer { name: "ip" type: "InnerProduct" bottom: "d" top: "score"
+layer { name: "up" type: "Deconvolution" bottom: "d" top: "u"
+        convolution_param { num_output: 2 kernel_size: 4 stride: 2 pad: 1 weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "ip" type: "InnerProduct" bottom: "u" top: "score"
         inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.1 } } }
 layer { name: "loss" type: "SoftmaxWithLoss" bottom: "score" bottom: "label" top: "loss" }
 """
@@ -138,8 +140,8 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "score" bottom: "label" top
 
 def test_hessian_vector_product_through_written_out_backwards(monkeypatch):
     """The written-out backwards (BatchNorm's with global and with batch statistics, LRN's, MAX pooling's with
-    stride 1 and 2, the depthwise convolution's filter gradient over 2-image chunks) compose with
-    forward-over-reverse (jax.jvp of grad)."""
+    stride 1 and 2, the depthwise convolution's filter gradient over 2-image chunks, Deconvolution's) compose
+    with forward-over-reverse (jax.jvp of grad)."""
     from caffejax.lower import vision
 
     monkeypatch.setattr(vision, "_depthwise_chunk", lambda: 2)

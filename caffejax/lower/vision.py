@@ -563,28 +563,87 @@ def convolution(ctx: LayerContext, bottoms, params):
     return tops
 
 
+def _deconvolution_by_col2im(x: jax.Array, w: jax.Array, g: ConvGeometry, group: int, out: Shape) -> jax.Array:
+    """2-D Deconvolution of x (N, C, H, W) by w (C, O/g, kh, kw) as Caffe's col2im(W^T x): input pixel (i, j)
+    adds W[c, o, t, u] x[c, i, j] to output (i*sh + t*dh - ph, j*sw + u*dw - pw).
+
+    The dilated kernel is padded with zero taps to P x Q blocks of stride size, t = p*sh + a: the columns
+    (one product per group) then land on output block (i + p, j + q), phase (a, b), so col2im is P*Q shifted
+    sums of whole blocks, and blocks and phases interleave by a reshape. XLA's transposed convolution (a
+    convolution of the stride-dilated input) multiplies all the zeros between the input's pixels: FCN's
+    bilinear 16x16 / 8 upsampling of 21 channels (groups of one) took 333 ms forward, a learned 4x4 / 2 one of
+    4x64x32x32 19 ms forward and 151 ms for its filter gradient."""
+    n, c, h, wd = x.shape
+    og = w.shape[1]
+    (sh, sw), (dh, dw), (ph, pw) = g.stride, g.dilation, g.pad
+    eh, ew = g.extent
+    p_blocks, q_blocks = -(-eh // sh), -(-ew // sw)
+    taps = jnp.zeros((c, og, p_blocks * sh, q_blocks * sw), w.dtype).at[:, :, :eh:dh, :ew:dw].set(w)
+    taps = taps.reshape(group, c // group, og, p_blocks, sh, q_blocks, sw)
+    cols = jnp.einsum("ngchw,gcopaqb->ngopqhawb", x.reshape(n, group, c // group, h, wd), taps,
+                      precision=lax.Precision.HIGHEST)
+    blocks = sum(jnp.pad(cols[:, :, :, p, q], ((0, 0),) * 3 + ((p, p_blocks - 1 - p), (0, 0),
+                                                               (q, q_blocks - 1 - q), (0, 0)))
+                 for p in range(p_blocks) for q in range(q_blocks))
+    full = blocks.reshape(n, group * og, (h + p_blocks - 1) * sh, (wd + q_blocks - 1) * sw)
+    return full[:, :, ph:ph + out[0], pw:pw + out[1]]
+
+
+def _deconvolution_by_convolution(x: jax.Array, w: jax.Array, g: ConvGeometry, group: int) -> jax.Array:
+    """Deconvolution of x (N, C, spatial...) by w (C, O/g, k...) as a convolution of the stride-dilated input
+    with the spatially flipped kernel whose two channel axes are swapped within each group, padded by
+    extent - 1 - p on both sides."""
+    channels, og, nsp = w.shape[0], w.shape[1], w.ndim - 2
+    w = jnp.swapaxes(w.reshape((group, channels // group, og) + g.kernel), 1, 2)
+    w = jnp.flip(w.reshape((group * og, channels // group) + g.kernel), axis=tuple(range(2, 2 + nsp)))
+    return lax.conv_general_dilated(x, w, window_strides=(1,) * nsp,
+                                    padding=[(e - 1 - p, e - 1 - p) for e, p in zip(g.extent, g.pad)],
+                                    lhs_dilation=g.stride, rhs_dilation=g.dilation, feature_group_count=group,
+                                    precision=lax.Precision.HIGHEST)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _deconvolution_2d(x: jax.Array, w: jax.Array, g: ConvGeometry, group: int, out: Shape) -> jax.Array:
+    """2-D Deconvolution: forward and filter gradient by :func:`_deconvolution_by_col2im`; input gradient by
+    :func:`_deconvolution_by_convolution`, whose derivative in x is a plain strided convolution of dy (Caffe's
+    im2col + GEMM), where the columns' derivative regathers and transposes them (measured alone: 1.6-6.7 ms
+    against 5.1-22.6 ms)."""
+    return _deconvolution_by_col2im(x, w, g, group, out)
+
+
+def _deconvolution_2d_fwd(x, w, g, group, out):
+    return _deconvolution_by_col2im(x, w, g, group, out), (x, w)
+
+
+def _deconvolution_2d_bwd(g, group, out, residuals, dy):
+    x, w = residuals
+    _, input_vjp = jax.vjp(lambda x: _deconvolution_by_convolution(x, w, g, group), x)
+    _, filter_vjp = jax.vjp(lambda w: _deconvolution_by_col2im(x, w, g, group, out), w)
+    return input_vjp(dy)[0], filter_vjp(dy)[0]
+
+
+_deconvolution_2d.defvjp(_deconvolution_2d_fwd, _deconvolution_2d_bwd)
+
+
 @layer("Deconvolution", param_shapes=lambda lp, shapes: _conv_param_shapes(lp, shapes, reverse=True),
        init_params=_conv_init_params, bottoms=(1, None), tops=(1, None), top_shapes=_conv_top_shapes(True))
 def deconvolution(ctx: LayerContext, bottoms, params):
     """y = W^T x + b: the transpose of Convolution (Caffe's col2im), W: Cin x Cout/g x k...
 
-    Computed as a convolution of the stride-dilated input with the spatially flipped kernel whose two channel
-    axes are swapped within each group, padded by extent - 1 - p on both sides.
+    2-D: as Caffe computes it, the columns W^T x summed into the output (:func:`_deconvolution_2d`). Otherwise
+    as :func:`_deconvolution_by_convolution`.
     """
     shape = tuple(bottoms[0].shape)
     g, channels, num_output, group, spatial, out = _conv_setup(
         ctx.layer, [b.shape for b in bottoms], [p.shape for p in params], ctx.num_tops, reverse=True)
     nsp = len(spatial)
-    w = params[0].reshape((group, channels // group, num_output // group) + g.kernel)
-    w = jnp.swapaxes(w, 1, 2).reshape((num_output, channels // group) + g.kernel)
-    w = jnp.flip(w, axis=tuple(range(2, 2 + nsp)))
-    padding = [(e - 1 - p, e - 1 - p) for e, p in zip(g.extent, g.pad)]
     tops = []
     for x in bottoms:
-        y = lax.conv_general_dilated(
-            _as_batched(x, g.channel_axis), w.astype(x.dtype), window_strides=(1,) * nsp, padding=padding,
-            lhs_dilation=g.stride, rhs_dilation=g.dilation, feature_group_count=group,
-            precision=lax.Precision.HIGHEST)
+        x_batched, w = _as_batched(x, g.channel_axis), params[0].astype(x.dtype)
+        if nsp == 2:
+            y = _deconvolution_2d(x_batched, w, g, group, out)
+        else:
+            y = _deconvolution_by_convolution(x_batched, w, g, group)
         y = _add_bias(y, params, nsp)
         tops.append(y.reshape(shape[:g.channel_axis] + (num_output,) + out))
     return tops

@@ -388,6 +388,30 @@ def test_deconvolution_matches_caffe_col2im(spatial, cin, cout, group, kernel, s
                                rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("spatial,cin,cout,group,kernel,stride,pad,dilation", [
+    c for c in CONV_CONFIGS if len(c[0]) == 2] + [
+    ((5, 4), 2, 2, 1, (1, 2), (2, 3), (1, 1), (1, 1)),   # kernel shorter than the stride
+    ((4, 4), 3, 3, 3, (4, 4), (2, 2), (1, 1), (1, 1)),   # bilinear upsampling's shape: one channel per group
+    ((3, 2), 2, 4, 1, (16, 16), (8, 8), (4, 0), (1, 1)),  # FCN's 8x one
+    ((4, 3), 4, 6, 2, (3, 3), (1, 1), (0, 2), (1, 1)),   # stride 1
+])
+def test_deconvolution_by_col2im_has_the_convolution_forms_values_and_gradients(spatial, cin, cout, group,
+                                                                                kernel, stride, pad, dilation):
+    """2-D Deconvolution runs as Caffe's col2im(W^T x), with the filter gradient of that form and the input
+    gradient of the stride-dilated convolution's: in float64 all three are the convolution form's."""
+    from caffejax.lower import vision
+
+    rng = np.random.default_rng(12)
+    x = rng.normal(size=(2, cin) + spatial)
+    w = rng.normal(size=(cin, cout // group) + kernel)
+    g = vision.ConvGeometry(channel_axis=1, kernel=kernel, stride=stride, pad=pad, dilation=dilation)
+    out = tuple(s * (i - 1) + d * (k - 1) + 1 - 2 * p for i, k, s, p, d in zip(spatial, kernel, stride, pad, dilation))
+    dy = rng.normal(size=(2, cout) + out)
+    _assert_same_forward_and_gradients_in_float64(lambda x, w: vision._deconvolution_2d(x, w, g, group, out),
+                                                  lambda x, w: vision._deconvolution_by_convolution(x, w, g, group),
+                                                  x, w, dy)
+
+
 def _assert_same_forward_and_gradients_in_float64(ours, xla, x, w, dy):
     """ours(x, w) equals xla(x, w), and so do dx and dw pulled back from dy, to 1e-12 in float64."""
     with jax.enable_x64(True):
