@@ -147,6 +147,21 @@ def _caffe_interp2(x: np.ndarray, out: tuple[int, int]) -> np.ndarray:
     return y
 
 
+def _caffe_interp2_backward(g: np.ndarray, size_in: tuple[int, int]) -> np.ndarray:
+    """DeepLab's caffe_cpu_interp2_backward (no crop), its loops as written: each top diff added to the four
+    bottom cells it blends, in float32."""
+    dx = np.zeros(g.shape[:2] + tuple(size_in), np.float32)
+    for i in range(g.shape[2]):
+        h, hp, h0, h1 = _caffe_interp_axis(size_in[0], g.shape[2], i)
+        for j in range(g.shape[3]):
+            w, wp, w0, w1 = _caffe_interp_axis(size_in[1], g.shape[3], j)
+            dx[:, :, h, w] += h0 * w0 * g[:, :, i, j]
+            dx[:, :, h, w + wp] += h0 * w1 * g[:, :, i, j]
+            dx[:, :, h + hp, w] += h1 * w0 * g[:, :, i, j]
+            dx[:, :, h + hp, w + wp] += h1 * w1 * g[:, :, i, j]
+    return dx
+
+
 @pytest.mark.parametrize("param, size", [("zoom_factor: 3", (10, 13)), ("shrink_factor: 2", (2, 3)),
                                          ("height: 7 width: 4", (7, 4)),
                                          ("zoom_factor: 2 shrink_factor: 2", (3, 5))])
@@ -164,6 +179,7 @@ def test_interp_is_deeplabs_bilinear_resize(isolated_registry, param, size):
     net.blobs["y"].diff[...] = g
     net.backward()
     np.testing.assert_allclose(np.sum(y * g), np.sum(x * net.blobs["x"].diff), rtol=1e-5)
+    np.testing.assert_allclose(net.blobs["x"].diff, _caffe_interp2_backward(g, x.shape[2:]), rtol=1e-5, atol=1e-5)
 
 
 def test_interp_crops_and_resizes_to_a_second_bottom(isolated_registry):

@@ -17,8 +17,10 @@ import dataclasses
 import math
 from typing import Any, Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from caffejax.errors import SchemaError, ShapeError
 from caffejax.frontend.build import MAX_BLOB_ELEMENTS
@@ -130,16 +132,47 @@ def interp(ctx: LayerContext, bottoms, params):
     crop = x[:, :, -p.pad_beg:-p.pad_beg + size_in_eff[0], -p.pad_beg:-p.pad_beg + size_in_eff[1]]
     if size_out == size_in_eff:  # caffe_cpu_interp2's special case: a plain copy
         return [crop]
-    (h0, h1, hl), (w0, w1, wl) = (_interp_taps(n, m) for n, m in zip(size_in_eff, size_out))
-    rows0, rows1 = jnp.take(crop, h0, axis=2), jnp.take(crop, h1, axis=2)
-    hl = jnp.asarray(hl, x.dtype)[:, None]
-    wl = jnp.asarray(wl, x.dtype)
-    one = jnp.asarray(1, x.dtype)
+    return [_bilinear_resize(crop, *(_interp_taps(n, m) for n, m in zip(size_in_eff, size_out)))]
 
-    def blend(rows):
-        return (one - wl) * jnp.take(rows, w0, axis=3) + wl * jnp.take(rows, w1, axis=3)
 
-    return [(one - hl) * blend(rows0) + hl * blend(rows1)]
+def _bilinear_resize(x: jax.Array, rows, columns) -> jax.Array:
+    """caffe_cpu_interp2 on (N, C, H, W) given each axis's :func:`_interp_taps`: every output blends two rows
+    of two columns, in Caffe's float32 order.
+
+    Its backward is the adjoint, dx = A_h^T dy A_w, with A the (out x in) matrices of the taps' weights: two
+    products. JAX's own derivative of the four gathers is a scatter-add that XLA:CPU runs element by element
+    (21 x 65x65 -> 513x513: 9 ms forward, 91 ms backward). Where dy holds an inf or a NaN, the products spread
+    NaN over its whole row and column of x's cells, where Caffe's scatter reaches four."""
+    (h0, h1, hl), (w0, w1, wl) = rows, columns
+    adjoint_h, adjoint_w = (_interp_matrix(*taps, n) for taps, n in zip((rows, columns), x.shape[2:]))
+
+    def forward(x):
+        rows0, rows1 = jnp.take(x, h0, axis=2), jnp.take(x, h1, axis=2)
+        row_weight, column_weight = jnp.asarray(hl, x.dtype)[:, None], jnp.asarray(wl, x.dtype)
+        one = jnp.asarray(1, x.dtype)
+
+        def blend(r):
+            return (one - column_weight) * jnp.take(r, w0, axis=3) + column_weight * jnp.take(r, w1, axis=3)
+
+        return (one - row_weight) * blend(rows0) + row_weight * blend(rows1)
+
+    def backward(_, dy):
+        by_columns = jnp.einsum("ncHW,Ww->ncHw", dy, adjoint_w.astype(dy.dtype), precision=lax.Precision.HIGHEST)
+        return (jnp.einsum("ncHw,Hh->nchw", by_columns, adjoint_h.astype(dy.dtype),
+                           precision=lax.Precision.HIGHEST),)
+
+    resize = jax.custom_vjp(forward)
+    resize.defvjp(lambda x: (forward(x), None), backward)
+    return resize(x)
+
+
+def _interp_matrix(first: np.ndarray, second: np.ndarray, weight: np.ndarray, n_in: int) -> np.ndarray:
+    """The (out x in) matrix of one axis's taps: row k holds 1 - weight[k] at first[k] and weight[k] at
+    second[k] (their sum where they coincide)."""
+    matrix = np.zeros((len(first), n_in), np.float32)
+    np.add.at(matrix, (np.arange(len(first)), first), np.float32(1) - weight)
+    np.add.at(matrix, (np.arange(len(first)), second), weight)
+    return matrix
 
 
 # ---- ReLU6: min(max(x, 0), 6) (MobileNet ports' relu6_layer.cpp) ------------------------------------------------
