@@ -28,6 +28,7 @@ from caffejax.errors import CaffejaxError, ShapeError
 from caffejax.frontend.ir import Graph
 from caffejax.lower.optimize import (DEFAULT_PASSES, Plan, check_passes, make_plan, optimize, prepare_params,
                                      run_plan)
+from caffejax.runtime.net import to_device
 from caffejax.runtime.program_cache import compile_program, describe_graph
 from caffejax.runtime.xla_options import compiler_options
 
@@ -41,6 +42,7 @@ class _Program:
     run: Callable[..., dict[str, jax.Array]]
     feeds: list[tuple[str, str]]  # (input blob, value id) pairs of the graph's fed layers
     device: Any = None  # where the program runs and its inputs go (None: split over a mesh)
+    inputs_to_device_first: bool = False  # see _maps_afresh_on_a_worker
 
 
 class InferenceFunction:
@@ -81,6 +83,8 @@ class InferenceFunction:
         signature = tuple((name, np.shape(inputs[name])) for name in self._sorted_inputs)
         program = self._programs.get(signature) or self._program(self._signature(dict(signature)))
         fed = {value: _as_input(inputs[blob], self.dtype, program.device) for blob, value in program.feeds}
+        if program.inputs_to_device_first:
+            fed = to_device(fed)
         with self._net._python_layers:  # a Python layer's failure as its typed error
             return program.run(program.params, fed)
 
@@ -98,8 +102,10 @@ class InferenceFunction:
             fed = {value: jax.ShapeDtypeStruct(plan.graph.value_shapes[value], self.dtype) for _, value in feeds}
             run = compile_program(_outputs_as_float32(plan), (params, fed), options=compiler_options(plan.graph),
                                   description=_describe(plan, self.passes))
-            device = jax.device_put(np.zeros((), self.dtype)).sharding.device_set  # device_put's default, as params
-            program = self._programs[signature] = _Program(plan, params, run, feeds, next(iter(device)))
+            device = next(iter(jax.device_put(np.zeros((), self.dtype)).sharding.device_set))  # as params'
+            program = self._programs[signature] = _Program(
+                plan, params, run, feeds, device,
+                inputs_to_device_first=device.platform == "cpu" and _maps_afresh_on_a_worker(run))
         return program
 
     def _sharded_program(self, signature: Shapes) -> _Program:
@@ -148,7 +154,8 @@ def _as_input(x, dtype, device):
     """An input in the compute dtype on the program's device (None: the mesh places it); jax arrays already
     there go to the program as they are. A host array goes to a one-device program as it is: the compiled
     program's own call moves it in C++, where jax.device_put first would cost more than LeNet's whole
-    forward at batch 1 (75 of 370 us, and the Python around it as much again)."""
+    forward at batch 1 (75 of 370 us, and the Python around it as much again). Programs with big buffers then
+    move their host inputs in one call of their own (:func:`_maps_afresh_on_a_worker`)."""
     if not isinstance(x, jax.Array):
         x = np.asarray(x, dtype)
         return x if device is not None else jax.device_put(x)
@@ -156,6 +163,24 @@ def _as_input(x, dtype, device):
     if device is not None and x.sharding.device_set != {device}:  # a compiled program runs where it was built
         x = jax.device_put(x, device)
     return x
+
+
+# Given a NumPy input, an XLA:CPU program waits for its transfer and then runs on a worker thread, whose glibc
+# malloc arena serves a block that does not fit one of its 64 MB heaps with a fresh mmap (net.to_device).
+_WORKER_HEAP_BYTES = 64 << 20
+
+
+def _maps_afresh_on_a_worker(compiled) -> bool:
+    """Whether a compiled CPU program's scratch space or outputs are blocks a worker thread maps afresh, and so
+    page-faults in again, on every call. Such a program gets its host inputs on the device first (net.to_device)
+    and then runs on the calling thread, whose malloc keeps freed memory (caffejax.runtime.memory). Measured on 2
+    AVX2 cores, alternating processes, NumPy inputs at batch 16: MobileNet v2 (150 MB of scratch) 38 thousand
+    faults and 215-234 ms a call -> at most 540 and 157-165 ms; GoogLeNet (112 MB) 29 thousand and 398-447 ->
+    349-430 ms; ResNet-50 (147 MB) 851-933 -> 839-883 ms. Programs with less do not fault, and on the calling
+    thread some ran slower (SqueezeNet v1.1, 62 MB: 104-110 -> 108-121 ms), so they keep the worker."""
+    analysis = compiled.memory_analysis()
+    return analysis is not None and max(analysis.temp_size_in_bytes,
+                                        analysis.output_size_in_bytes) >= _WORKER_HEAP_BYTES
 
 
 def _outputs_as_float32(plan: Plan) -> Callable[..., dict[str, jax.Array]]:
