@@ -174,9 +174,10 @@ def _maps_afresh_on_a_worker(compiled) -> bool:
     """Whether a compiled CPU program's scratch space or outputs are blocks a worker thread maps afresh, and so
     page-faults in again, on every call. Such a program gets its host inputs on the device first (net.to_device)
     and then runs on the calling thread, whose malloc keeps freed memory (caffejax.runtime.memory). Measured on 2
-    AVX2 cores, alternating processes, NumPy inputs at batch 16: MobileNet v2 (150 MB of scratch) 38 thousand
-    faults and 215-234 ms a call -> at most 540 and 157-165 ms; GoogLeNet (112 MB) 29 thousand and 398-447 ->
-    349-430 ms; ResNet-50 (147 MB) 851-933 -> 839-883 ms. Programs with less do not fault, and on the calling
+    AVX2 cores, alternating processes, NumPy inputs at batch 16: MobileNet v2 (150 MB of scratch) 36-38 thousand
+    faults and 215-234 ms a call -> at most 1.4 thousand and 157-178 ms (in one round of five the old code did
+    not fault and took 178 ms too); GoogLeNet (112 MB) 29 thousand and 398-447 -> 349-430 ms; ResNet-50 (147 MB)
+    851-933 -> 839-883 ms. Programs with less do not fault, and on the calling
     thread some ran slower (SqueezeNet v1.1, 62 MB: 104-110 -> 108-121 ms), so they keep the worker."""
     analysis = compiled.memory_analysis()
     return analysis is not None and max(analysis.temp_size_in_bytes,
