@@ -248,6 +248,81 @@ def test_backward_seeds_loss_weight_and_accumulates_param_diffs():
     assert not net.params["l"][0].diff.any()
 
 
+def test_backward_makes_the_other_blobs_diffs_when_read():
+    """Net.backward hands back the parameters' diffs and the inputs' (and requested) blobs' diffs; every other
+    blob's diff is made on its first read, by one more pass over the same weights, inputs and top diffs: the
+    values the pass would have written out (in-place ReLU's blob holding its bottom's diff, as Caffe's does)."""
+    from caffejax.frontend.prototxt import parse_net_text
+
+    param = parse_net_text(str(LENET))
+    param.force_backward = True
+    x = digits(2, seed=5)
+    seed = np.random.default_rng(6).random((2, 10), dtype=np.float32)
+
+    def passed(net, returned=None):
+        net.blobs["data"].reshape(*x.shape)
+        net.forward(data=x)
+        net.blobs["prob"].diff[...] = seed
+        if returned is None:
+            return net.backward()
+        last = len(net.layers) - 1
+        return net._backward(last, 0, returned=returned)
+
+    net = caffejax.Net(param, str(LENET_WEIGHTS), caffejax.TEST)
+    outputs = passed(net)
+    assert list(outputs) == ["data"] and np.abs(outputs["data"]).max() > 0
+    assert net.compile_count == 2 and net.blobs["ip1"]._diff._pending is not None
+    diff_of_data, diff_of_w = outputs["data"].copy(), net.params["conv1"][0].diff.copy()
+    net.blobs["prob"].diff[...] = 0  # the pass's own top diffs make the others, not the blob's later ones
+    written = caffejax.Net(param, str(LENET_WEIGHTS), caffejax.TEST)
+    passed(written, returned=set(written.blobs))  # every diff written out by the pass itself
+    assert all(blob._diff._pending is None for blob in written.blobs.values())
+    for name in ("conv1", "pool1", "conv2", "pool2", "ip1", "ip2"):
+        np.testing.assert_allclose(net.blobs[name].diff, written.blobs[name].diff, rtol=1e-6, atol=1e-9,
+                                   err_msg=name)
+    assert net.compile_count == 3  # all made by one program, the first read
+    # Only the input's diff asked for, the pass runs the channels-last kernels; every diff, Caffe's layout.
+    np.testing.assert_allclose(written.blobs["data"].diff, diff_of_data, rtol=1e-5, atol=1e-8)
+    np.testing.assert_allclose(written.params["conv1"][0].diff, diff_of_w, rtol=1e-5, atol=1e-8)
+    # ReLU runs in place: its blob holds the diff of ReLU's bottom, zero wherever ReLU's output is.
+    ip1, relu_out = net.blobs["ip1"].diff, net.blobs["ip1"].data
+    assert np.any(relu_out == 0) and not np.any(ip1[relu_out == 0]) and np.any(ip1[relu_out > 0])
+    passed(net)  # a new pass supersedes the diffs not yet read
+    assert net.blobs["conv2"]._diff._pending is not None
+    np.testing.assert_allclose(net.blobs["conv2"].diff, written.blobs["conv2"].diff, rtol=1e-6, atol=1e-9)
+
+
+def test_a_backward_asked_for_no_inner_diff_runs_the_channels_last_kernels():
+    """program.forward_backward runs the kernels (LeNet's convolutions channels-last) when the diffs it must
+    make are the inputs' or none, and Caffe's layout when one is inside the range (a perturbed value must be
+    in Caffe's layout); the gradients agree."""
+    from caffejax.frontend.prototxt import parse_net_text
+
+    param = parse_net_text(str(LENET))
+    param.force_backward = True
+    net = caffejax.Net(param, str(LENET_WEIGHTS), caffejax.TEST)
+    net.blobs["data"].reshape(2, 1, 28, 28)
+    net.reshape()
+    graph, program = net.graph, net._program
+    data, inner = graph.fed["data"], graph.layer("conv1").top_values[0]
+    inputs = {data: digits(2, seed=4)}
+    seeds = {graph.layer("prob").top_values[0]: np.ones((2, 10), np.float32)}
+
+    def layouts(diff_values):
+        jaxpr = jax.make_jaxpr(lambda p: program.forward_backward(p, inputs, seeds, diff_values=diff_values))(
+            net.param_arrays())
+        return {str(e.params["dimension_numbers"].lhs_spec) for e in jaxpr.eqns
+                if e.primitive.name == "conv_general_dilated"}
+
+    nhwc, nchw = "(0, 3, 1, 2)", "(0, 1, 2, 3)"  # the forward convolutions' input layouts
+    assert nhwc in layouts(()) and layouts(()) == layouts((data,)) and nchw not in layouts(())
+    assert nchw in layouts((data, inner)) and nhwc not in layouts((data, inner))
+    _, _, fast_grads, fast = program.forward_backward(net.param_arrays(), inputs, seeds, diff_values=(data,))
+    _, _, caffe_grads, caffe = program.forward_backward(net.param_arrays(), inputs, seeds, diff_values=(data, inner))
+    np.testing.assert_allclose(fast[data], caffe[data], rtol=1e-5, atol=1e-8)
+    np.testing.assert_allclose(fast_grads["conv1"][0], caffe_grads["conv1"][0], rtol=1e-5, atol=1e-7)
+
+
 def test_shape_errors_after_a_reshape_name_the_file_and_line(tmp_path):
     path = tmp_path / "small.prototxt"
     path.write_text('name: "t"\ninput: "data"\ninput_shape { dim: 1 dim: 3 dim: 8 dim: 8 }\n'

@@ -13,7 +13,6 @@ import os
 from typing import Any, Iterable, Mapping, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from caffejax.errors import CaffejaxError, NumericalError, ShapeError, WeightsError, layer_error
@@ -107,9 +106,9 @@ DEVICE_ARGUMENTS_MIN_FLOPS = 100e6
 
 
 def _with_device_arguments(program):
-    """``program(params, env, *rest)`` with the NumPy arrays among params and env moved by :func:`to_device`."""
-    def run(params, env, *rest):
-        return program(*to_device((params, env)), *rest)
+    """``program(*args)`` with the NumPy arrays among its arguments moved by :func:`to_device`."""
+    def run(*args):
+        return program(*to_device(args))
     return run
 
 
@@ -421,30 +420,42 @@ class Net:
             self._seed_key = (seed, jax.random.key(seed))
         return _fold_in(self._seed_key[1], np.uint32(self._pass_count))
 
-    def _jitted(self, kind: str, start: int, end: int, build):
-        cache_key = (self._signature(self._graph), kind, start, end)
+    def _jitted(self, kind: str, start: int, end: int, build, variant: tuple = ()):
+        """The compiled program of ``kind`` over layers start..end, ``build`` traced the first time; ``variant``
+        names what else decides it (a backward's diffs made at once)."""
+        cache_key = (self._signature(self._graph), kind, start, end, variant)
         fn = self._compiled.get(cache_key)
         if fn is None:
             def counted(*args):
                 self.compile_count += 1
                 return build(*args)
-            options = compiler_options(self._graph, backward=kind == "backward")
-            fn = jit_through_cache(counted, options=options, describe=lambda: self._cache_description(kind, start, end))
+            options = compiler_options(self._graph, backward=kind.startswith("backward"))
+            fn = jit_through_cache(counted, options=options,
+                                   describe=lambda: self._cache_description(kind, start, end, variant))
             if matmul_flops(self._graph) >= DEVICE_ARGUMENTS_MIN_FLOPS:
                 fn = _with_device_arguments(fn)
             self._compiled[cache_key] = fn
         return fn
 
-    def _cache_description(self, kind: str, start: int, end: int) -> list[bytes | str] | None:
-        """What a forward program over the whole net computes, for the program cache: a new process then loads
-        it instead of tracing the net (GoogLeNet: 0.55 s). None for programs whose arguments may change
-        structure between calls (a backward's requested diffs, carried RNN state present or not), and for
-        passes over part of the net (layer by layer, with callbacks set: a file per layer)."""
-        if (kind not in ("forward", "forward-all") or (start, end) != (0, len(self._graph.layers) - 1)
+    def _cache_description(self, kind: str, start: int, end: int, variant: tuple = ()
+                           ) -> list[bytes | str] | None:
+        """What a forward or backward program over the whole net computes, for the program cache: a new process
+        then loads it instead of tracing the net (GoogLeNet at batch 1: forward 0.55 s; backward, whose trace
+        and lowering JAX's own cache does not save, 2.4 s -> 0.7 s, half of it loading). None for programs whose arguments may
+        change structure between calls (carried RNN state present or not), and for passes over part of the net
+        (layer by layer, with callbacks set: a file per layer)."""
+        if ((start, end) != (0, len(self._graph.layers) - 1)
                 or any(layer.state_in for layer in self._graph.layers)):
             return None
         described = describe_graph(self._graph, self._program.kernels)
-        return None if described is None else ["net", kind, repr((start, end, self.channels_last)), *described]
+        if described is None:
+            return None
+        parts = ["net", kind, repr((start, end, self.channels_last, variant))]
+        if kind.startswith("backward"):
+            # Which diffs the pass computes: decided by force_backward and the inputs as well as the layers.
+            parts.append(repr([(layer.need_backward, layer.bottom_need_backward, layer.param_need_backward,
+                                layer.loss_weights) for layer in self._graph.layers]))
+        return [*parts, *described]
 
     def _sync_shapes(self) -> None:
         """Caffe reshapes every layer on each forward: rebuild if a fed blob's shape changed."""
@@ -675,20 +686,39 @@ class Net:
         raise NumericalError(f"forward of net '{self._graph.name}' produced NaN/Inf: "
                              + (str(found) if found else "no single layer does when replayed eagerly"))
 
-    def _backward(self, start: int, end: int) -> None:
-        """Caffe's BackwardFromTo(start, end): layers start down to end (indices, start >= end)."""
+    def _backward(self, start: int, end: int, returned: Iterable[str] = ()) -> None:
+        """Caffe's BackwardFromTo(start, end): layers start down to end (indices, start >= end). The parameters'
+        diffs and the ``returned`` blobs' diffs are made now; the other blobs' diffs when first read
+        (:meth:`_defer_diffs`), as a forward's blobs are. A pass that writes every diff out cannot run the
+        channels-last kernels (program.forward_backward), and compiles slower: with all three (the sums below
+        too), GoogLeNet's Net.backward at batch 1 went from 179-195 to 151-163 ms and its first call from 19-21
+        to 10-11 s; MobileNet v2's at batch 16 from 2.0-2.4 s to 0.87-0.99 s."""
         layers = self._program.layers_between(end, start)
         consumed = {v for layer in layers for v in layer.bottom_values}
         seeds = {value: self.blobs[top]._diff.value() for layer in layers if not layer.is_input
                  for top, value in zip(layer.tops, layer.top_values)
                  if value not in consumed and top in self.blobs}
-        writes = [(layer.bottoms[j], value) for layer in reversed(layers) if layer.need_backward
-                  for j, value in enumerate(layer.bottom_values) if layer.bottom_need_backward[j]]
-        diff_values = sorted({value for _, value in writes})
+        final = {}  # blob -> the value whose diff it holds after the pass: of an in-place chain, its first bottom
+        for layer in reversed(layers):
+            if layer.need_backward:
+                final.update((blob, value) for blob, value, need in
+                             zip(layer.bottoms, layer.bottom_values, layer.bottom_need_backward) if need)
+        rerun = self._reruns(layers) and start != end  # one layer (callbacks set): its diffs are read next
+        now = tuple(sorted({value for blob, value in final.items() if blob in returned or not rerun}))
+        # Caffe adds each pass's parameter gradients to the diffs: the sums are made in the program (one add
+        # each, eagerly, compiled a program per shape the first time: GoogLeNet's 116 took 0.8 s).
+        accumulated = [(slot.layer, slot.index, self._param_blobs[slot.key]._diff) for layer in layers
+                       if layer.need_backward for slot, need in zip(layer.params, layer.param_need_backward)
+                       if need and slot.is_owner]
+        slots = [(owner, index) for owner, index, _ in accumulated]
         program = self._program
-        fn = self._jitted("backward", end, start, self._with_concrete(
-            lambda params, env, seeds, key, recorded: program.forward_backward(
-                params, env, seeds, key, start=end, end=start, diff_values=diff_values, recorded=recorded)[2:]))
+
+        def backward_pass(params, env, seeds, key, recorded, param_diffs):
+            grads, value_diffs = program.forward_backward(params, env, seeds, key, start=end, end=start,
+                                                          diff_values=now, recorded=recorded)[2:]
+            return [diff + grads[owner][index] for (owner, index), diff in zip(slots, param_diffs)], value_diffs
+
+        fn = self._jitted("backward", end, start, self._with_concrete(backward_pass), variant=now)
         kept = self._layer_inputs.get(start) if start == end else None
         if kept is not None:
             env, key = kept
@@ -696,16 +726,37 @@ class Net:
             key = self._last_key if self._last_key is not None else self._next_key()
             env = {**self._feed(layers), **self._state_feed(layers, self._state_seen)}
         recorded = {v: self._recorded_tops[v] for v in _python_top_values(layers) if v in self._recorded_tops}
-        grads, value_diffs = fn(self.param_arrays(), env, seeds, key, recorded)
-        for blob, value in writes:
-            self.blobs[blob]._diff.set(value_diffs[value])
-        for layer in layers:
-            if not layer.need_backward:
-                continue
-            for slot, need in zip(layer.params, layer.param_need_backward):
-                if need and slot.is_owner:
-                    diff = self._param_blobs[slot.key]._diff
-                    diff.set(jnp.asarray(diff.value()) + grads[slot.layer][slot.index])
+        params = self.param_arrays()
+        param_diffs, value_diffs = fn(params, env, seeds, key, recorded, [diff.value() for _, _, diff in accumulated])
+        for blob, value in final.items():
+            if value in value_diffs:
+                self.blobs[blob]._diff.set(value_diffs[value])
+        for (_, _, diff), summed in zip(accumulated, param_diffs):
+            diff.set(summed)
+        self._defer_diffs(start, end, {blob: value for blob, value in final.items() if value not in value_diffs},
+                          (params, env, seeds, key, recorded))
+
+    def _defer_diffs(self, start: int, end: int, deferred: Mapping[str, str], arguments: tuple) -> None:
+        """Blobs (name -> value id) whose diffs a backward over layers start..end did not hand back: on the first
+        read of any of them, the pass runs again over the same ``arguments`` (params, inputs, seeds, key, recorded
+        tops) and sets them all. The parameters' diffs it leaves alone: they were added to once."""
+        if not deferred:
+            return
+        program = self._program
+        every = tuple(sorted(set(deferred.values())))
+        all_diffs = self._jitted("backward-all", end, start, self._with_concrete(
+            lambda params, env, seeds, key, recorded: program.forward_backward(
+                params, env, seeds, key, start=end, end=start, diff_values=every, recorded=recorded)[3]),
+            variant=every)
+
+        def materialize():
+            computed = all_diffs(*arguments)
+            for blob, value in deferred.items():
+                if self.blobs[blob]._diff._pending is materialize:
+                    self.blobs[blob]._diff.set(computed[value])
+
+        for blob in deferred:
+            self.blobs[blob]._diff.defer(materialize)
 
     def backward(self, diffs: Iterable[str] | None = None, start: str | None = None, end: str | None = None,
                  **kwargs) -> dict[str, np.ndarray]:
@@ -730,7 +781,7 @@ class Net:
             if self._has_layer_callbacks():
                 self._backward_layer_by_layer(start_ind, end_ind)
             else:
-                self._backward(start_ind, end_ind)
+                self._backward(start_ind, end_ind, returned=outputs)
         return {name: self.blobs[name].diff for name in outputs}
 
     def _batches(self, arrays: dict[str, np.ndarray]):
@@ -780,9 +831,10 @@ class Net:
                 {name: _collected(v, num) for name, v in grads.items()})
 
     def clear_param_diffs(self) -> None:
-        """Caffe's ClearParamDiffs: zero every learnable blob's diff."""
+        """Caffe's ClearParamDiffs: zero every learnable blob's diff. Host zeros: made eagerly on the device,
+        each shape compiled a program the first time (GoogLeNet's 116 blobs: 2.2 s, then 28 ms a call)."""
         for blob in self._param_blobs.values():
-            blob._diff.set(jnp.zeros(blob.shape, self._dtype))
+            blob._diff.set(np.zeros(blob.shape, self._dtype))
 
     # -- weights --------------------------------------------------------------------------------------------
     def copy_from(self, path: str) -> None:
