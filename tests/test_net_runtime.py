@@ -290,6 +290,13 @@ def test_backward_makes_the_other_blobs_diffs_when_read():
     passed(net)  # a new pass supersedes the diffs not yet read
     assert net.blobs["conv2"]._diff._pending is not None
     np.testing.assert_allclose(net.blobs["conv2"].diff, written.blobs["conv2"].diff, rtol=1e-6, atol=1e-9)
+    # From the ReLU run in place on ip1 (deep dream's loop): the blob it seeds from and then writes is made at
+    # once, so writing the next pass's seed into it does not first run the pass again.
+    net.forward(data=x)
+    net.blobs["ip1"].diff[...] = 1.0
+    net.backward(start="relu1")
+    assert net.blobs["ip1"]._diff._pending is None and net.blobs["conv2"]._diff._pending is not None
+    assert not np.any(net.blobs["ip1"].diff[net.blobs["ip1"].data == 0])
 
 
 def test_a_backward_asked_for_no_inner_diff_runs_the_channels_last_kernels():

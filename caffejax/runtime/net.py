@@ -441,9 +441,9 @@ class Net:
                            ) -> list[bytes | str] | None:
         """What a forward or backward program over the whole net computes, for the program cache: a new process
         then loads it instead of tracing the net (GoogLeNet at batch 1: forward 0.55 s; backward, whose trace
-        and lowering JAX's own cache does not save, 2.4 s -> 0.7 s, half of it loading). None for programs whose arguments may
-        change structure between calls (carried RNN state present or not), and for passes over part of the net
-        (layer by layer, with callbacks set: a file per layer)."""
+        and lowering JAX's own cache does not save, 2.4 s -> 0.7 s, half of it loading). None for programs whose
+        arguments may change structure between calls (carried RNN state present or not), and for passes over
+        part of the net (layer by layer, with callbacks set: a file per layer)."""
         if ((start, end) != (0, len(self._graph.layers) - 1)
                 or any(layer.state_in for layer in self._graph.layers)):
             return None
@@ -704,7 +704,11 @@ class Net:
                 final.update((blob, value) for blob, value, need in
                              zip(layer.bottoms, layer.bottom_values, layer.bottom_need_backward) if need)
         rerun = self._reruns(layers) and start != end  # one layer (callbacks set): its diffs are read next
-        now = tuple(sorted({value for blob, value in final.items() if blob in returned or not rerun}))
+        # A blob that seeds the pass and that an in-place layer then writes (backward(start=...) from a ReLU
+        # run in place) is made at once too: the next pass's seed is written into it, which would first make it.
+        seeding = {top for layer in layers for top, value in zip(layer.tops, layer.top_values) if value in seeds}
+        now = tuple(sorted({value for blob, value in final.items()
+                            if blob in returned or blob in seeding or not rerun}))
         # Caffe adds each pass's parameter gradients to the diffs: the sums are made in the program (one add
         # each, eagerly, compiled a program per shape the first time: GoogLeNet's 116 took 0.8 s).
         accumulated = [(slot.layer, slot.index, self._param_blobs[slot.key]._diff) for layer in layers
