@@ -678,3 +678,27 @@ def test_backward_passes_run_only_the_chains_that_pay_there(monkeypatch):
     assert value["a"] in env and value["g"] in env and value["b"] not in env and value["dw"] not in env
     forward, _ = NetProgram(graph, kernels).run_layers(graph.layers, params, inputs, key, kernels=kernels)
     assert not set(value.values()) & set(forward)
+
+
+def test_net_backward_folds_the_visible_chains_when_it_makes_no_inner_diff():
+    """Net.backward hands back diffs only, so a pass asked for no diff inside the net folds the visible chain
+    (d -> d_bn, whose convolution output is a blob) as a solver iteration does: its inner value is never made.
+    Asked for that value's diff, the pass runs in Caffe's layout. The diffs are the NCHW net's either way."""
+    net, reference = _chain_net(), _chain_net(channels_last=False)
+    graph, program = net.graph, net._program
+    data, inside = graph.fed["data"], graph.layer("d").top_values[0]
+    x = np.random.default_rng(9).normal(size=(2, 6, 7, 7)).astype(np.float32)
+    label = np.array([1, 3], np.float32)
+    env = {data: x, graph.fed["label"]: label}
+    seeds = {graph.layer("loss").top_values[0]: np.float32(1)}
+    folded = program.forward_backward(net.param_arrays(), env, seeds, diff_values=(data,))[0]
+    layer_by_layer = program.forward_backward(net.param_arrays(), env, seeds, diff_values=(data, inside))[0]
+    assert inside not in folded and inside in layer_by_layer
+    for n in (net, reference):
+        n.forward(data=x, label=label)
+        n.backward()
+    for name in ("d", "d_bn", "a", "fc"):
+        for i, blob in enumerate(net.params[name]):
+            assert_close(blob.diff, reference.params[name][i].diff, DIFF_RTOL, DIFF_ATOL, f"{name}[{i}]")
+    for name in ("d", "d_bn", "sum"):  # made when read, in Caffe's layout
+        assert_close(net.blobs[name].diff, reference.blobs[name].diff, DIFF_RTOL, DIFF_ATOL, name)
