@@ -35,7 +35,7 @@ def profile(net_name: str, batch: int, passes, repeats: int = 5, dtype=jnp.float
     shape = (batch,) + tuple(net.blobs[name].shape[1:])
     infer = caffejax.compile_inference(net, passes=passes, dtype=dtype)
     plan = infer.plan({name: shape})
-    options = compiler_options(plan.graph)  # each layer compiled as the whole program is
+    options = compiler_options(plan.graph, dtype=dtype)  # each layer compiled as the whole program is
     params = infer._programs[infer._signature({name: shape})].params
     graph = plan.graph
     rows = []
@@ -142,9 +142,7 @@ def main(argv=None) -> int:
                         help="the training step's layers: forward and forward + backward (ms = both)")
     parser.add_argument("--top", type=int, default=15)
     args = parser.parse_args(argv)
-    from caffejax.lower.optimize import DEFAULT_PASSES
-
-    passes = DEFAULT_PASSES if args.passes is None else (() if args.passes == "none" else tuple(args.passes.split(",")))
+    passes = None if args.passes is None else (() if args.passes == "none" else tuple(args.passes.split(",")))
     if args.train:
         rows = profile_training(args.net, args.batch)
         total = sum(r["ms"] for r in rows)
@@ -153,7 +151,8 @@ def main(argv=None) -> int:
     else:
         rows = profile(args.net, args.batch, passes, dtype=jnp.bfloat16 if args.bf16 else jnp.float32)
         total = sum(r["ms"] for r in rows)
-        print(f"{args.net} batch {args.batch}, passes {','.join(passes) or 'none'}: sum of layers {total:.1f} ms")
+        print(f"{args.net} batch {args.batch}, passes {'default' if passes is None else ','.join(passes) or 'none'}: "
+              f"sum of layers {total:.1f} ms")
     by_kernel: dict[str, list[float]] = {}
     for r in rows:
         by_kernel.setdefault(r["kernel"], []).append(r["ms"])

@@ -10,6 +10,8 @@ compared with ``passes=()`` at Caffe's forward tolerance.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -185,6 +187,7 @@ def test_convolutions_split_by_group_have_xla_grouped_convolutions_gradients(gro
 
 
 @pytest.mark.parametrize("passes", [("fold_batchnorm",), ("nhwc",), ("nhwc", "conv_gemm"), ("nhwc", "winograd"),
+                                    ("nhwc", "winograd_medium"), ("nhwc", "widen"),
                                     optimize.DEFAULT_PASSES, tuple(optimize.PASSES)])
 def test_pass_keeps_outputs(zoo, passes):
     net, x, reference = zoo
@@ -201,10 +204,11 @@ def test_every_rewrite_and_kernel_is_exercised(zoo):
     kernels = {name: kernel.name for name, kernel in plan.kernels.items()}
     assert kernels["a"] == kernels["c"] == kernels["c5"] == "conv_winograd_f2x2_3x3"
     assert kernels["b"] == kernels["e"] == "conv_1x1_gemm"
-    assert kernels["dw"] == kernels["dw2"] == kernels["gd"] == "conv_nhwc"
+    # widen wraps the direct convolutions, poolings and LRN (float32 compute under bfloat16 storage)
+    assert kernels["dw"] == kernels["dw2"] == kernels["gd"] == "conv_nhwc_widened"
     assert kernels["fc"] == kernels["fct"] == "inner_product_nhwc"
-    assert kernels["maxp"] == kernels["avep"] == kernels["gpool"] == "pool_nhwc"
-    assert kernels["lrn"] == "lrn_nhwc" and kernels["cat"] == "concat_nhwc"
+    assert kernels["maxp"] == kernels["avep"] == kernels["gpool"] == "pool_nhwc_widened"
+    assert kernels["lrn"] == "lrn_nhwc_widened" and kernels["cat"] == "concat_nhwc"
     assert kernels["p_bn"] == "per_channel_nhwc"
     assert "flat" not in kernels and "prob" not in kernels
 
@@ -228,6 +232,62 @@ def test_winograd_needs_enough_tiles(zoo, monkeypatch):
     for batch, winograd in [(1, set()), (2, set()), (3, {"a"}), (15, {"a"}), (16, {"a", "c", "c5"})]:
         plan = infer.plan({"data": (batch,) + x.shape[1:]})
         assert {name for name, kernel in plan.kernels.items() if kernel.name == "conv_winograd_f2x2_3x3"} == winograd
+
+
+def test_winograd_medium_takes_3x3_layers_up_to_28x28():
+    """winograd stops at 14x14 outputs, winograd_medium at 28x28; both keep the outputs."""
+    text = ('input: "data" input_shape { dim: 1 dim: 4 dim: 28 dim: 28 }\n'
+            + _conv("big", "data", "big", 6, 3, "pad: 1") + _conv("small", "big", "small", 6, 3, "pad: 1 stride: 2")
+            + _conv("tail", "small", "tail", 5, 3, "pad: 1"))
+    caffejax.set_random_seed(7)
+    net = caffejax.Net(text, caffejax.TEST)
+    x = np.random.default_rng(2).normal(size=(1, 4, 28, 28)).astype(np.float32)
+    reference = caffejax.compile_inference(net, passes=())({"data": x})
+    chosen = {}
+    for passes in [("nhwc", "winograd"), ("nhwc", "winograd_medium")]:
+        infer = caffejax.compile_inference(net, passes=passes)
+        _check(infer({"data": x}), reference, "+".join(passes))
+        kernels = infer.plan({"data": x.shape}).kernels
+        chosen[passes[1]] = {name for name, k in kernels.items() if k.name == "conv_winograd_f2x2_3x3"}
+    # "small" has stride 2: never Winograd
+    assert chosen == {"winograd": {"tail"}, "winograd_medium": {"big", "tail"}}
+
+
+def test_widen_computes_in_float32_and_rounds_once(zoo):
+    """A widened kernel fed bfloat16 runs its convolution (pooling, LRN) on float32 operands and rounds its top
+    to bfloat16 once: the same value as the float32 kernel on the rounded operands, rounded. Fed float32 it is
+    the kernel itself."""
+    net, x, _ = zoo
+    plan = caffejax.compile_inference(net, passes=("nhwc",)).plan({"data": x.shape})
+    widened = optimize.widen(plan).kernels
+    rng = np.random.default_rng(4)
+    for name in ["gd", "maxp", "avep", "lrn"]:
+        layer = next(layer for layer in plan.graph.layers if layer.name == name)
+        kernel = plan.kernels[name]
+        assert widened[name].name == kernel.name + "_widened"
+        params = [np.asarray(a) for a in kernel.prepare(plan.params.get(name, []))]
+        nchw = plan.graph.value_shapes[layer.bottom_values[0]]
+        bottom = rng.normal(size=(nchw[0],) + tuple(nchw[2:]) + (nchw[1],)).astype(np.float32)  # NHWC
+        ctx = optimize.LayerContext(layer=layer.proto, phase=caffejax.TEST, key=None, num_tops=1,
+                                    in_place=tuple(layer.in_place), dtype=jnp.bfloat16)
+
+        def run(k, dtype, bottom=bottom, params=params, ctx=ctx):
+            return k.forward(ctx, [jnp.asarray(bottom, dtype)], [jnp.asarray(a, dtype) for a in params])[0]
+
+        # bfloat16 goes in and comes out through conversions only; everything in between is float32
+        jaxpr = jax.make_jaxpr(lambda: run(widened[name], jnp.bfloat16))().jaxpr
+        narrow = [eqn.primitive.name for eqn in jaxpr.eqns
+                  if any(getattr(v.aval, "dtype", None) == jnp.bfloat16 for v in [*eqn.invars, *eqn.outvars])]
+        assert set(narrow) == {"convert_element_type"}, (name, narrow)
+        assert len(jaxpr.eqns) > len(narrow), name
+        got = run(widened[name], jnp.bfloat16)
+        assert got.dtype == jnp.bfloat16
+        rounded = [np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32) for a in [bottom] + params]
+        expected = kernel.forward(dataclasses.replace(ctx, dtype=jnp.float32), [jnp.asarray(rounded[0])],
+                                  [jnp.asarray(a) for a in rounded[1:]])[0].astype(jnp.bfloat16)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(expected, np.float32), err_msg=name)
+        f32 = run(widened[name], jnp.float32)
+        np.testing.assert_array_equal(np.asarray(f32), np.asarray(run(kernel, jnp.float32)), err_msg=name)
 
 
 def test_fold_keeps_values_other_layers_read():

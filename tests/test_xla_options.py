@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
@@ -91,3 +92,48 @@ def test_ynnpack_off_means_no_ynnpack_fusions(monkeypatch):
     assert "__ynn_fusion" not in compiled_text(xla_options.compiler_options(graph, backward=True))
     monkeypatch.setenv(xla_options.ENVIRONMENT, "1")
     assert "__ynn_fusion" in compiled_text(xla_options.compiler_options(graph))
+
+
+def test_bfloat16_forwards_get_single_dots_where_the_cpu_multiplies_bfloat16(monkeypatch):
+    """A bfloat16 forward on a CPU with bfloat16 matrix instructions sends each dot to YNNPACK alone (which
+    runs bfloat16 -> float32 products on them) and runs conv_gemm, winograd_medium and widen besides the
+    default passes; elsewhere, and for float32 or a backward, nothing changes."""
+    from caffejax.lower.optimize import DEFAULT_PASSES
+    from caffejax.runtime.inference import default_passes
+
+    monkeypatch.delenv(xla_options.ENVIRONMENT, raising=False)
+    net = caffejax.Net(str(LENET), caffejax.TEST)
+    net.blobs["data"].reshape(1, 1, 28, 28)
+    net.reshape()
+    small = net.graph
+    cpu = jax.default_backend() == "cpu"
+    with_backward = {xla_options.YNN_OPTION: xla_options.YNN_DOT_AND_REDUCE} if cpu else {}
+    for has in (True, False):
+        monkeypatch.setattr(xla_options, "cpu_has_bf16_matrix_instructions", lambda has=has: has)
+        matrix = has and cpu
+        assert xla_options.bf16_matrix_programs(jnp.bfloat16) == matrix
+        assert not xla_options.bf16_matrix_programs(jnp.float32)
+        assert xla_options.compiler_options(small, dtype=jnp.bfloat16) == (
+            {xla_options.YNN_OPTION: xla_options.YNN_INDIVIDUAL_DOT} if matrix else {})
+        assert xla_options.compiler_options(small, dtype=jnp.float32) == {}
+        assert xla_options.compiler_options(small, backward=True, dtype=jnp.bfloat16) == with_backward
+        assert default_passes(jnp.float32) == DEFAULT_PASSES
+        assert default_passes(jnp.bfloat16) == (
+            DEFAULT_PASSES + ("conv_gemm", "winograd_medium", "widen") if matrix else DEFAULT_PASSES)
+    monkeypatch.setenv(xla_options.ENVIRONMENT, "0")
+    assert xla_options.compiler_options(small, dtype=jnp.bfloat16) == ({xla_options.YNN_OPTION: ""} if cpu else {})
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="an XLA:CPU option")
+def test_single_bfloat16_dots_sum_in_float32():
+    """Under YNN_INDIVIDUAL_DOT a bfloat16 x bfloat16 -> float32 product (on bfloat16 matrix instructions where
+    the CPU has them) sums in float32: within float32 rounding of the float64 product of the same operands."""
+    rng = np.random.default_rng(3)
+    a = np.asarray(jnp.asarray(rng.standard_normal((96, 4096)), jnp.bfloat16))
+    b = np.asarray(jnp.asarray(rng.standard_normal((4096, 80)), jnp.bfloat16))
+    product = jax.jit(lambda a, b: lax.dot(a, b, preferred_element_type=jnp.float32),
+                      compiler_options={xla_options.YNN_OPTION: xla_options.YNN_INDIVIDUAL_DOT})
+    got = np.asarray(product(a, b), np.float64)
+    want = a.astype(np.float64) @ b.astype(np.float64)
+    scale = np.abs(a.astype(np.float64)) @ np.abs(b.astype(np.float64))
+    assert np.abs(got - want).max() / scale.max() < 1e-5

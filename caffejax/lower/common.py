@@ -32,19 +32,27 @@ def _fail(layer_param: Any, message: str, cls: type = ShapeError):
     return layer_error(cls, layer_param.name, layer_param.type, message)
 
 
+def accumulator_dtype(dtype) -> jnp.dtype:
+    """The dtype products are summed in: float32, or the values' own where wider (Caffe's float math; the
+    bfloat16 inference mode keeps bfloat16 storage and float32 sums)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
 def matmul(a: jax.Array, b: jax.Array) -> jax.Array:
-    """a @ b in full float precision (Caffe's gemm; no reduced-precision tensor-core passes)."""
-    return jnp.matmul(a, b, precision=lax.Precision.HIGHEST)
+    """a @ b in full float precision (Caffe's gemm; no reduced-precision tensor-core passes), summed in
+    :func:`accumulator_dtype` (the result has that dtype)."""
+    return jnp.matmul(a, b, precision=lax.Precision.HIGHEST, preferred_element_type=accumulator_dtype(a.dtype))
 
 
 def matmul_bt(a: jax.Array, b: jax.Array) -> jax.Array:
     """a @ b.T for a (..., K) and 2-D b (M, K) (Caffe's gemm with CblasTrans on B), as one product
-    contracting both last axes.
+    contracting both last axes, summed in :func:`accumulator_dtype` (the result has that dtype).
 
     Written as ``matmul(a, b.T)``, XLA:CPU materialises the transpose of b on every call: for AlexNet's fc6
     that is a 151 MB copy per forward, 30x the product itself.
     """
-    return lax.dot_general(a, b, (((a.ndim - 1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST)
+    return lax.dot_general(a, b, (((a.ndim - 1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                           preferred_element_type=accumulator_dtype(a.dtype))
 
 
 def _fill(filler_param: Any, shape: Shape, key: jax.Array) -> jax.Array:
@@ -645,8 +653,9 @@ def inner_product(ctx: LayerContext, bottoms, params):
     rows = x.reshape(count(x.shape, 0, axis), k)
     y = matmul(rows, weight) if p.transpose else matmul_bt(rows, weight)
     if p.bias_term:
-        y = y + params[1]
-    return [y.reshape(tuple(x.shape[:axis]) + (y.shape[1],))]
+        y = y + params[1].astype(y.dtype)
+    # Rounded to the values' dtype once, after the bias (a no-op in float32).
+    return [y.astype(x.dtype).reshape(tuple(x.shape[:axis]) + (y.shape[1],))]
 
 
 # ---- MVN, Softmax, Reduction ----------------------------------------------------------------------------------
@@ -693,7 +702,10 @@ def mvn(ctx: LayerContext, bottoms, params):
 def softmax(ctx: LayerContext, bottoms, params):
     """y = exp(x - max) / Σ exp(x - max) along axis."""
     (x,) = bottoms
-    return [jax.nn.softmax(x, axis=canonical_axis(ctx, ctx.layer.softmax_param.axis, x.ndim))]
+    # Exponentials and their sum in float32 at least (a bfloat16 sum of 1000 classes drops the small ones).
+    y = jax.nn.softmax(x.astype(accumulator_dtype(x.dtype)), axis=canonical_axis(ctx, ctx.layer.softmax_param.axis,
+                                                                                x.ndim))
+    return [y.astype(x.dtype)]
 
 
 @layer("Reduction", bottoms=(1, 1), tops=(1, 1))

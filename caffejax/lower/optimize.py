@@ -15,6 +15,9 @@ per layer (sharing resolved, BatchNorm folded) and the kernel chosen for each la
   inference (see :data:`DEFAULT_PASSES`); Net's own programs use it.
 - ``winograd``: 3x3 stride-1 convolutions on small images, over at least 64 output tiles, as Winograd F(2x2, 3x3)
   (needs ``nhwc``).
+- ``winograd_medium``: the same up to 28x28 images (bfloat16 on CPUs with bfloat16 matrix instructions).
+- ``widen``: direct convolutions, pooling and LRN computed in float32 when the values are bfloat16 (XLA:CPU's
+  bfloat16 versions of these are slower than its float32 ones).
 
 Grouped and depthwise convolutions run as Caffe's rule runs them (one convolution per group; depthwise as
 shifted multiply-adds: ``vision.grouped_convolution``), in either layout.
@@ -39,7 +42,7 @@ from jax import lax
 from caffejax.errors import CaffejaxError, ShapeError
 from caffejax.frontend.ir import Graph, Layer
 from caffejax.lower import vision
-from caffejax.lower.common import batch_norm_global_stats
+from caffejax.lower.common import accumulator_dtype, batch_norm_global_stats
 from caffejax.lower.registry import TEST, LayerContext, canonical_axis, get_rule
 from caffejax.proto import caffe_pb2
 
@@ -600,17 +603,31 @@ WINOGRAD_MAX_SIZE = 14
 WINOGRAD_MIN_TILES = 64
 
 
-def _winograd_applies(conv: ConvShape) -> bool:
+# With bfloat16 values on a CPU with bfloat16 matrix instructions, Winograd's 16 products run on those and it
+# wins on bigger images too (2 Sapphire Rapids cores, 3x3 at batch 16, Winograd against XLA's convolution):
+# 14x14x256 -> 256 8.9 against 17.8 ms, 28x28x128 -> 192 18.0 against 26.8 ms, 56x56x64 -> 64 41 against 26 ms.
+# In float32 there, 28x28 was even (23.5 against 24.4 ms). See :func:`winograd_medium`.
+WINOGRAD_MEDIUM_MAX_SIZE = 28
+
+
+def _winograd_applies(conv: ConvShape, max_size: int = WINOGRAD_MAX_SIZE) -> bool:
     g = conv.geometry
     tiles = conv.batch * math.prod(_winograd_tiles(conv))
     return (g.kernel == (3, 3) and g.stride == (1, 1) and g.dilation == (1, 1) and conv.group == 1
-            and max(conv.out) <= WINOGRAD_MAX_SIZE and tiles >= WINOGRAD_MIN_TILES)
+            and max(conv.out) <= max_size and tiles >= WINOGRAD_MIN_TILES)
 
 
 def winograd(plan: Plan) -> Plan:
     """3x3 stride-1 convolutions on small images, over enough tiles, as Winograd F(2x2, 3x3): 2.25x fewer
     multiplications."""
     return _replace_conv_kernels(plan, lambda conv: _winograd_conv_kernel(conv) if _winograd_applies(conv) else None)
+
+
+def winograd_medium(plan: Plan) -> Plan:
+    """``winograd`` on images up to :data:`WINOGRAD_MEDIUM_MAX_SIZE` as well (a bfloat16 default where the CPU
+    multiplies bfloat16 matrices)."""
+    return _replace_conv_kernels(plan, lambda conv: (_winograd_conv_kernel(conv)
+                                                     if _winograd_applies(conv, WINOGRAD_MEDIUM_MAX_SIZE) else None))
 
 
 # ---- layout kernels for Caffe's own programs (Net.forward, training) ----------------------------------------
@@ -713,12 +730,45 @@ def batch_norm_chains(graph: Graph, kernels: Mapping[str, Kernel]) -> dict[str, 
     return out
 
 
+# ---- float32 compute for narrow storage ---------------------------------------------------------------------
+
+# Kernels that ``widen`` runs in float32 when the values are stored narrower (bfloat16). XLA:CPU's bfloat16
+# convolutions, pooling windows and LRN sums are slower than its float32 ones (2 Sapphire Rapids cores: a 3x3
+# convolution on 16x56x56x64 42 ms against 23 ms; GoogLeNet's 14 poolings 52 against 33 ms); products as dots
+# are not (conv_gemm, winograd, inner products run on the CPU's bfloat16 matrix instructions).
+WIDENED_KERNELS = frozenset({"conv_nhwc", "pool_nhwc", "lrn_nhwc"})
+
+
+def _widened(kernel: Kernel) -> Kernel:
+    """``kernel`` computing in float32 at least: bottoms and arrays widened (exactly), tops rounded back to the
+    bottoms' dtype once. A float32 program runs the kernel unchanged."""
+    def forward(ctx, bottoms, params):
+        dtype = bottoms[0].dtype
+        wide = accumulator_dtype(dtype)
+        if wide == dtype:
+            return kernel.forward(ctx, bottoms, params)
+        tops = kernel.forward(dataclasses.replace(ctx, dtype=wide), [b.astype(wide) for b in bottoms],
+                              [a.astype(wide) for a in params])
+        return [t.astype(dtype) for t in tops]
+
+    return dataclasses.replace(kernel, name=f"{kernel.name}_widened", forward=forward)
+
+
+def widen(plan: Plan) -> Plan:
+    """Direct convolutions, pooling and LRN computed in float32 when values are stored in bfloat16."""
+    kernels = {name: _widened(kernel) if kernel.name in WIDENED_KERNELS else kernel
+               for name, kernel in plan.kernels.items()}
+    return dataclasses.replace(plan, kernels=kernels)
+
+
 PASSES: dict[str, Callable[[Plan], Plan]] = {
     "fold_batchnorm": fold_batchnorm,
     "nhwc": nhwc,
     "conv_gemm": conv_gemm,
     "conv_taps": conv_taps,
     "winograd": winograd,
+    "winograd_medium": winograd_medium,
+    "widen": widen,
 }
 # conv_gemm is not a default for inference. Its products go to YNNPACK with the element-wise work around them
 # (the forward programs' compiler option); left as convolutions, XLA rewrites 1x1 convolutions into plain dots
@@ -726,7 +776,9 @@ PASSES: dict[str, Callable[[Plan], Plan]] = {
 # on: SqueezeNet v1.1 0.80-0.81 at batch 1 and 0.93 at batch 16, MobileNet v2 0.83-0.87 / 0.91, ResNet-50
 # 0.85 / 0.92, GoogLeNet 0.90 / 0.89. Training programs keep it (layout_kernels): MobileNet v2's step was 9%
 # slower without it, SqueezeNet's the same.
-DEFAULT_PASSES: tuple[str, ...] = tuple(name for name in PASSES if name != "conv_gemm")
+# winograd_medium and widen pay only with bfloat16 values (caffejax.runtime.inference.default_passes).
+DEFAULT_PASSES: tuple[str, ...] = tuple(name for name in PASSES if name not in ("conv_gemm", "winograd_medium",
+                                                                               "widen"))
 
 
 def check_passes(passes: Sequence[str]) -> None:

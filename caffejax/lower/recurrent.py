@@ -170,14 +170,15 @@ def _recurrent_inputs(ctx: LayerContext, bottoms, params, num_hidden: int):
 def _input_transform(x, w_x, b, x_static, w_static):
     """W_x·x_t + b for all t at once, and W_static·x_static (added at every step), as the unrolled net's
     x_transform and x_static_transform InnerProducts."""
-    x_term = matmul_bt(x, w_x) + b
-    static_term = matmul_bt(x_static, w_static) if x_static is not None else None
+    # matmul_bt sums in float32 at least; the recurrence keeps the values' dtype (a no-op in float32).
+    x_term = matmul_bt(x, w_x).astype(x.dtype) + b
+    static_term = matmul_bt(x_static, w_static).astype(x.dtype) if x_static is not None else None
     return x_term, static_term
 
 
 def _step_input(h_prev, cont_t, w_h, x_t, static_term):
     """W_h·(cont_t·h_{t-1}) + W_x·x_t + b [+ W_static·x_static], summed in the unrolled net's Eltwise order."""
-    total = matmul_bt(cont_t[:, None] * h_prev, w_h) + x_t
+    total = matmul_bt(cont_t[:, None] * h_prev, w_h).astype(h_prev.dtype) + x_t
     return total if static_term is None else total + static_term
 
 
@@ -240,7 +241,7 @@ def rnn(ctx: LayerContext, bottoms, params):
 
     h_last, hs = lax.scan(step, h0, (x_term, cont))
     _carry(ctx, h_last)
-    tops = [jnp.tanh(matmul_bt(hs, w_o) + b_o)]
+    tops = [jnp.tanh(matmul_bt(hs, w_o).astype(hs.dtype) + b_o)]
     if ctx.layer.recurrent_param.expose_hidden:
         tops.append(lax.stop_gradient(h_last)[None])
     return tops

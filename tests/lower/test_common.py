@@ -375,6 +375,26 @@ def test_inner_product_rejects_mismatched_weights():
                    [np.ones((2, 3))], [np.ones((2, 4))], match="incompatible")
 
 
+def test_inner_product_and_softmax_on_bfloat16_sum_in_float32_and_round_once():
+    """bfloat16 values (compile_inference's bf16 mode): the product and bias summed in float32 and the top
+    rounded once, as the float32 rule on the same values; Softmax's exponentials summed in float32 too."""
+    rng = np.random.default_rng(5)
+    x, w, b = (np.asarray(jnp.asarray(rng.standard_normal(shape), jnp.bfloat16))
+               for shape in [(4, 2048), (6, 2048), (6,)])
+    ip = 'type: "InnerProduct" inner_product_param { num_output: 6 }'
+    (y,) = layer_forward(ip, [x], [w, b])
+    (wide,) = layer_forward(ip, [x.astype(np.float32)], [w.astype(np.float32), b.astype(np.float32)])
+    assert y.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(wide.astype(jnp.bfloat16), np.float32))
+    # 1000 classes, one far ahead: in bfloat16 arithmetic the others' exponentials would vanish from the sum
+    logits = np.array(jnp.asarray(rng.standard_normal((2, 1000)), jnp.bfloat16))
+    logits[:, 0] = 6
+    (p,) = layer_forward('type: "Softmax"', [logits])
+    (p32,) = layer_forward('type: "Softmax"', [logits.astype(np.float32)])
+    assert p.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(p, np.float32), np.asarray(p32.astype(jnp.bfloat16), np.float32))
+
+
 # ---- MVN, Reduction -----------------------------------------------------------------------------------------------
 
 def test_mvn_gradient_is_caffes_and_finite_for_constant_input():
