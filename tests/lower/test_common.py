@@ -375,6 +375,41 @@ def test_inner_product_rejects_mismatched_weights():
                    [np.ones((2, 3))], [np.ones((2, 4))], match="incompatible")
 
 
+@pytest.mark.parametrize("transpose", [False, True])
+def test_inner_product_gradients_at_one_row_are_the_products(transpose):
+    """One row (batch 1): the rule's own backward gives the gradients of x W^T + b (x W with transpose),
+    summed in float32 as at more rows."""
+    rng = np.random.default_rng(6)
+    x, dy = rng.standard_normal((1, 2, 3, 4)), rng.standard_normal((1, 5))
+    w, b = rng.standard_normal((24, 5) if transpose else (5, 24)), rng.standard_normal(5)
+    ip = f'type: "InnerProduct" inner_product_param {{ num_output: 5 transpose: {str(transpose).lower()} }}'
+    (y,), (dx,), (dw, db) = layer_vjp(ip, [x.astype(np.float32)], [dy], [w.astype(np.float32), b.astype(np.float32)])
+    rows = x.reshape(1, 24)
+    np.testing.assert_allclose(y, rows @ (w if transpose else w.T) + b, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dx, (dy @ (w.T if transpose else w)).reshape(x.shape), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dw, rows.T @ dy if transpose else dy.T @ rows, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(db, dy[0], rtol=1e-5, atol=1e-5)
+
+
+def test_inner_product_weight_gradient_at_one_row_is_one_product_of_finished_vectors():
+    """Behind Dropout at batch 1, the weight gradient stays a dot in the compiled program: XLA's rewrite of a
+    product over one row as a broadcast multiply had fused the Dropout mask's Threefry rounds into every
+    element of the N x K gradient (AlexNet's training step at batch 1: 437-506 -> 256-263 ms)."""
+    drop = layer_context('type: "Dropout" dropout_param { dropout_ratio: 0.5 }', TRAIN, key=jax.random.key(0))
+    ip = layer_context('type: "InnerProduct" inner_product_param { num_output: 64 }')
+
+    def loss(x, w, b):
+        (h,) = get_rule("Dropout").forward(drop, [x], [])
+        (y,) = get_rule("InnerProduct").forward(ip, [h], [w, b])
+        return jnp.sum(y * y)
+
+    args = (jnp.ones((1, 128)), jnp.ones((64, 128)), jnp.ones(64))
+    hlo = jax.jit(jax.grad(loss, argnums=1)).lower(*args).compile().as_text()
+    weight_gradient_dots = [line for line in hlo.splitlines()
+                            if " dot(" in line and line.strip().split(" = ")[1].startswith("f32[64,128]")]
+    assert weight_gradient_dots, "the weight gradient was not computed as a product"
+
+
 def test_inner_product_and_softmax_on_bfloat16_sum_in_float32_and_round_once():
     """bfloat16 values (compile_inference's bf16 mode): the product and bias summed in float32 and the top
     rounded once, as the float32 rule on the same values; Softmax's exponentials summed in float32 too."""
