@@ -643,22 +643,23 @@ def _inner_product_init(layer_param, shapes, key):
 # the product a product of two finished arrays (XLA:CPU turns optimization barriers into ordering only; they
 # do not stop the fusion). Training steps at batch 1 (bench's train step, alternating processes, 2 AVX2
 # cores): AlexNet 437-506 -> 256-263 ms, GoogLeNet 185-229 -> 163-203 ms.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _one_row_product(row: jax.Array, weight: jax.Array, transpose: bool) -> jax.Array:
-    """row (1 x K) times weight (K x N if ``transpose``, else N x K, multiplied as its transpose)."""
-    return matmul(row, weight) if transpose else matmul_bt(row, weight)
+def _rows_times_weight(rows: jax.Array, weight: jax.Array, transpose: bool) -> jax.Array:
+    """rows (M x K) times weight (K x N if ``transpose``, else N x K, multiplied as its transpose)."""
+    return matmul(rows, weight) if transpose else matmul_bt(rows, weight)
+
+
+_one_row_product = jax.custom_vjp(_rows_times_weight, nondiff_argnums=(2,))
 
 
 def _one_row_product_fwd(row, weight, transpose):
-    return _one_row_product(row, weight, transpose), (row, weight)
+    return _rows_times_weight(row, weight, transpose), (row, weight)
 
 
 def _one_row_product_bwd(transpose, residuals, dy):
     row, weight = residuals
     d_row = matmul_bt(dy, weight) if transpose else matmul(dy, weight)
-    padded = [jnp.concatenate([a, jnp.zeros_like(a)]) for a in ((row, dy) if transpose else (dy, row))]
-    d_weight = lax.dot_general(*padded, (((0,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,
-                               preferred_element_type=accumulator_dtype(row.dtype))
+    first, second = (jnp.concatenate([a, jnp.zeros_like(a)]) for a in ((row, dy) if transpose else (dy, row)))
+    d_weight = matmul(first.T, second)
     return d_row.astype(row.dtype), d_weight.astype(weight.dtype)
 
 
@@ -679,10 +680,7 @@ def inner_product(ctx: LayerContext, bottoms, params):
         raise ctx.error(f"input size incompatible with inner product parameters: bottom {tuple(x.shape)} has "
                         f"K = {k} from axis {axis}, weights {tuple(weight.shape)} expect {w_k}")
     rows = x.reshape(count(x.shape, 0, axis), k)
-    if rows.shape[0] == 1:
-        y = _one_row_product(rows, weight, p.transpose)
-    else:
-        y = matmul(rows, weight) if p.transpose else matmul_bt(rows, weight)
+    y = (_one_row_product if rows.shape[0] == 1 else _rows_times_weight)(rows, weight, p.transpose)
     if p.bias_term:
         y = y + params[1].astype(y.dtype)
     # Rounded to the values' dtype once, after the bias (a no-op in float32).
