@@ -402,15 +402,15 @@ def test_compiled_inference_with_big_buffers_gets_its_numpy_inputs_on_the_device
     of their own, and so runs on the calling thread; a small one (LeNet) takes them as they are. Jax arrays
     pass as they are either way, and the outputs are the same."""
     import caffejax.runtime.inference as inference_module
-    import caffejax.runtime.net as net_module
 
     calls = []
+    to_device = inference_module._inputs_to_device
 
     def recording(tree):
         calls.append([isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(tree)])
-        return net_module.to_device(tree)
+        return to_device(tree)
 
-    monkeypatch.setattr(inference_module, "to_device", recording)
+    monkeypatch.setattr(inference_module, "_inputs_to_device", recording)
     x = digits(2, seed=3)
     net = caffejax.Net(str(LENET), str(LENET_WEIGHTS), caffejax.TEST)
     expected = np.asarray(caffejax.compile_inference(net)({"data": x})["prob"])

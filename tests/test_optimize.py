@@ -341,6 +341,49 @@ def test_one_program_per_input_shape_and_weights_snapshot(zoo):
         net.params["a"][0].data[...] = saved
 
 
+def test_prepared_weights_are_host_memory_the_device_adopts(zoo):
+    """On the CPU each prepared weight is a read-only, 64-byte aligned host array that the device array uses
+    as it is (no second copy of the weights at the first call), whatever layout or dtype its kernel wanted."""
+    net, x, _ = zoo
+    if jax.default_backend() != "cpu":
+        pytest.skip("host memory is adopted only by the CPU device")
+    for dtype in (np.float32, jnp.bfloat16):
+        plan = optimize.optimize(optimize.make_plan(net.graph_at({"data": x.shape}), net.param_arrays()))
+        prepared = optimize.prepare_params(plan, dtype)
+        assert {k.name for k in plan.kernels.values()} >= {"conv_nhwc", "conv_winograd_f2x2_3x3"}
+        for name, arrays in prepared.items():
+            for array in arrays:
+                assert array.dtype == dtype, name
+                host = np.asarray(array)
+                assert host.ctypes.data == array.unsafe_buffer_pointer(), name
+                assert host.ctypes.data % 64 == 0 and not host.flags.writeable, name
+
+
+def test_aligned_copies_keep_values_and_dtype():
+    a = np.arange(24, dtype=np.float64).reshape(2, 3, 4).transpose(2, 0, 1)
+    for dtype in (None, np.float32, jnp.bfloat16):
+        copy = optimize.aligned_copy(a, dtype)
+        assert copy.ctypes.data % 64 == 0 and copy.flags.c_contiguous and copy.shape == a.shape
+        assert copy.dtype == (a.dtype if dtype is None else dtype)
+        np.testing.assert_array_equal(copy.astype(np.float64), a)
+    assert optimize.aligned_empty((0, 5), np.float32).shape == (0, 5)
+
+
+def test_an_input_refilled_after_the_call_does_not_reach_the_program(zoo, monkeypatch):
+    """Programs whose inputs go to the device first copy them: a caller refilling its input array for the
+    next batch while the program still runs does not change this call's outputs."""
+    from caffejax.runtime import inference
+    net, x, reference = zoo
+    monkeypatch.setattr(inference, "_maps_afresh_on_a_worker", lambda compiled: True)
+    infer = caffejax.compile_inference(net, passes=())
+    assert infer._program(infer._signature({"data": x.shape})).inputs_to_device_first
+    batch = optimize.aligned_copy(x)  # aligned: what the device could take without a copy
+    assert inference._inputs_to_device({"data": batch})["data"].unsafe_buffer_pointer() != batch.ctypes.data
+    outputs = infer({"data": batch})
+    batch[...] = 0
+    _check(outputs, reference, "input refilled after the call")
+
+
 def test_bad_passes_and_inputs_raise(zoo):
     net, x, _ = zoo
     with pytest.raises(caffejax.CaffejaxError, match="unknown optimisation pass"):

@@ -80,22 +80,22 @@ def _gather_rows(table: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.where(valid, picked, jnp.array(jnp.nan, table.dtype))
 
 
-def _legacy_axis(ctx: LayerContext, param: Any, legacy: str, ndim: int) -> int:
+def _legacy_axis(layer_param: Any, param: Any, legacy: str, ndim: int) -> int:
     """Concat/Slice's axis: ``axis`` (negative allowed) or the deprecated uint32 ``*_dim``, not both."""
     if param.HasField("axis") and param.HasField(legacy):
-        raise ctx.error(f"either axis or {legacy} should be specified; not both")
+        raise _fail(layer_param, f"either axis or {legacy} should be specified; not both")
     if param.HasField(legacy):
         dim = getattr(param, legacy)
         if dim >= ndim:
-            raise ctx.error(f"{legacy} {dim} out of range for a {ndim}-D blob")
+            raise _fail(layer_param, f"{legacy} {dim} out of range for a {ndim}-D blob")
         return dim
-    return canonical_axis(ctx, param.axis, ndim)
+    return canonical_axis(layer_param, param.axis, ndim)
 
 
 def _param_span(layer_param: Any, axis: int, num_axes: int, bottom_shape: Shape) -> Shape:
     """bottom.shape[axis : axis + num_axes] (num_axes -1: to the end): a learned Scale/Bias blob's shape."""
     ndim = len(bottom_shape)
-    axis = canonical_axis(layer_param.name, axis, ndim)
+    axis = canonical_axis(layer_param, axis, ndim)
     if num_axes < -1:
         raise _fail(layer_param, f"num_axes must be non-negative, or -1 to extend to the end; got {num_axes}")
     if num_axes >= 0 and ndim < axis + num_axes:
@@ -105,13 +105,21 @@ def _param_span(layer_param: Any, axis: int, num_axes: int, bottom_shape: Shape)
     return tuple(bottom_shape[axis:end])
 
 
+def _operand_axis(layer_param: Any, shape: Shape, operand_shape: Shape, axis: int) -> int:
+    """Scale/Bias Reshape: the axis from which the operand covers shape[axis : axis + its ndim]; a scalar
+    forces axis 0."""
+    ndim = len(operand_shape)
+    axis = 0 if ndim == 0 else canonical_axis(layer_param, axis, len(shape))
+    span = tuple(shape[axis:axis + ndim])
+    if len(shape) < axis + ndim or span != tuple(operand_shape):
+        raise _fail(layer_param, f"operand of shape {tuple(operand_shape)} does not match bottom[0] {tuple(shape)} "
+                                 f"from axis {axis} (its dims there: {span})")
+    return axis
+
+
 def _broadcast_operand(ctx: LayerContext, x: jax.Array, operand: jax.Array, axis: int) -> jax.Array:
-    """Scale/Bias Reshape: the operand covers x.shape[axis : axis + operand.ndim]; a scalar forces axis 0."""
-    axis = 0 if operand.ndim == 0 else canonical_axis(ctx, axis, x.ndim)
-    span = x.shape[axis:axis + operand.ndim]
-    if x.ndim < axis + operand.ndim or tuple(span) != tuple(operand.shape):
-        raise ctx.error(f"operand of shape {tuple(operand.shape)} does not match bottom[0] {tuple(x.shape)} "
-                        f"from axis {axis} (its dims there: {tuple(span)})")
+    """The operand reshaped to broadcast over x (see _operand_axis)."""
+    axis = _operand_axis(ctx.layer, x.shape, operand.shape, axis)
     return operand.reshape((1,) * axis + tuple(operand.shape) + (1,) * (x.ndim - axis - operand.ndim))
 
 
@@ -212,8 +220,19 @@ def _batch_norm_init(layer_param, shapes, key):
     return [np.zeros(shape, np.float32) for shape in shapes]
 
 
+def _batch_norm_top_shapes(layer_param, bottom_shapes, param_shapes, num_tops):
+    """The bottom's shape; it needs a channel axis, and the blobs must fit its channels."""
+    shape = tuple(bottom_shapes[0])
+    if len(shape) < 2:
+        raise _fail(layer_param, f"bottom must have a channel axis (shape(1)); got shape {shape}")
+    channels = shape[1]
+    if [tuple(s) for s in param_shapes] != [(channels,), (channels,), (1,)]:
+        raise _fail(layer_param, f"blobs {[tuple(s) for s in param_shapes]} do not fit {channels} channels")
+    return [shape]
+
+
 @layer("BatchNorm", param_shapes=_batch_norm_param_shapes, init_params=_batch_norm_init,
-       bottoms=(1, 1), tops=(1, 1), frozen_params=True)
+       bottoms=(1, 1), tops=(1, 1), frozen_params=True, top_shapes=_batch_norm_top_shapes)
 def batch_norm(ctx: LayerContext, bottoms, params):
     """y = (x - mean) / sqrt(var + eps) per channel (axis 1), no affine part.
 
@@ -223,11 +242,8 @@ def batch_norm(ctx: LayerContext, bottoms, params):
     """
     (x,) = bottoms
     p = ctx.layer.batch_norm_param
-    if x.ndim < 2:
-        raise ctx.error(f"bottom must have a channel axis (shape(1)); got shape {tuple(x.shape)}")
+    _batch_norm_top_shapes(ctx.layer, [x.shape], [b.shape for b in params], 1)
     channels = x.shape[1]
-    if any(b.shape != s for b, s in zip(params, [(channels,), (channels,), (1,)])):
-        raise ctx.error(f"blobs {[tuple(b.shape) for b in params]} do not fit {channels} channels")
     use_global_stats = p.use_global_stats if p.HasField("use_global_stats") else ctx.phase == TEST
     per_channel = (1, channels) + (1,) * (x.ndim - 2)
     axes = (0,) + tuple(range(2, x.ndim))
@@ -397,7 +413,14 @@ def _bias_init(layer_param, shapes, key):
     return [_fill(layer_param.bias_param.filler, s, key) for s in shapes]  # filler default: constant 0
 
 
-@layer("Bias", param_shapes=_bias_param_shapes, init_params=_bias_init, bottoms=(1, 2), tops=(1, 1))
+def _bias_top_shapes(layer_param, bottom_shapes, param_shapes, num_tops):
+    operand = bottom_shapes[1] if len(bottom_shapes) > 1 else param_shapes[0]
+    _operand_axis(layer_param, bottom_shapes[0], operand, layer_param.bias_param.axis)
+    return [tuple(bottom_shapes[0])]
+
+
+@layer("Bias", param_shapes=_bias_param_shapes, init_params=_bias_init, bottoms=(1, 2), tops=(1, 1),
+       top_shapes=_bias_top_shapes)
 def bias(ctx: LayerContext, bottoms, params):
     """top = x + b broadcast over x.shape[axis : axis + b.ndim]; b is bottom[1] or the learned blob."""
     x = bottoms[0]
@@ -425,34 +448,59 @@ def _scale_init(layer_param, shapes, key):
     return [_fill(f, s, k) for f, s, k in zip(fillers, shapes, _keys(key, len(shapes)))]
 
 
-@layer("Scale", param_shapes=_scale_param_shapes, init_params=_scale_init, bottoms=(1, 2), tops=(1, 1))
+def _scale_operands(scale_param: Any, bottoms: Sequence, params: Sequence) -> list:
+    """[s, b (bias_term)] of a Scale layer, arrays or their shapes: s is bottom[1] or the first learned blob."""
+    if len(bottoms) > 1:
+        s, rest = bottoms[1], list(params)
+    else:
+        s, rest = params[0], list(params[1:])
+    return [s, rest[0]] if scale_param.bias_term else [s]
+
+
+def _scale_top_shapes(layer_param, bottom_shapes, param_shapes, num_tops):
+    p = layer_param.scale_param
+    for operand in _scale_operands(p, bottom_shapes, param_shapes):
+        _operand_axis(layer_param, bottom_shapes[0], operand, p.axis)
+    return [tuple(bottom_shapes[0])]
+
+
+@layer("Scale", param_shapes=_scale_param_shapes, init_params=_scale_init, bottoms=(1, 2), tops=(1, 1),
+       top_shapes=_scale_top_shapes)
 def scale(ctx: LayerContext, bottoms, params):
     """top = x * s (+ b with bias_term), s and b broadcast over x.shape[axis : axis + ndim]; s is bottom[1]
     or the learned blob. A scalar operand applies from axis 0."""
     x = bottoms[0]
     p = ctx.layer.scale_param
-    if len(bottoms) > 1:
-        s, rest = bottoms[1], list(params)
-    else:
-        s, rest = params[0], list(params[1:])
+    s, *bias_ = _scale_operands(p, bottoms, params)
     y = x * _broadcast_operand(ctx, x, s, p.axis)
-    if p.bias_term:
-        y = y + _broadcast_operand(ctx, x, rest[0], p.axis)
+    if bias_:
+        y = y + _broadcast_operand(ctx, x, bias_[0], p.axis)
     return [y]
 
 
 # ---- Concat, Slice, Split, Silence, Tile ----------------------------------------------------------------------
 
-@layer("Concat", bottoms=(1, None), tops=(1, 1))
+def _concat_axis(layer_param: Any, bottom_shapes: Sequence[Shape]) -> int:
+    """The axis Concat joins along; every other dim of the bottoms must agree."""
+    first = tuple(bottom_shapes[0])
+    axis = _legacy_axis(layer_param, layer_param.concat_param, "concat_dim", len(first))
+    for i, shape in enumerate(bottom_shapes[1:], 1):
+        if len(shape) != len(first) or any(shape[j] != first[j] for j in range(len(shape)) if j != axis):
+            raise _fail(layer_param, f"all inputs must have the same shape except at concat axis {axis}: "
+                                     f"bottom[0] {first}, bottom[{i}] {tuple(shape)}")
+    return axis
+
+
+def _concat_top_shapes(layer_param, bottom_shapes, param_shapes, num_tops):
+    axis = _concat_axis(layer_param, bottom_shapes)
+    first = tuple(bottom_shapes[0])
+    return [first[:axis] + (sum(s[axis] for s in bottom_shapes),) + first[axis + 1:]]
+
+
+@layer("Concat", bottoms=(1, None), tops=(1, 1), top_shapes=_concat_top_shapes)
 def concat(ctx: LayerContext, bottoms, params):
     """top = the bottoms joined along axis (or legacy concat_dim); all other dims must agree."""
-    first = bottoms[0]
-    axis = _legacy_axis(ctx, ctx.layer.concat_param, "concat_dim", first.ndim)
-    for i, b in enumerate(bottoms[1:], 1):
-        if b.ndim != first.ndim or any(b.shape[j] != first.shape[j] for j in range(b.ndim) if j != axis):
-            raise ctx.error(f"all inputs must have the same shape except at concat axis {axis}: bottom[0] "
-                            f"{tuple(first.shape)}, bottom[{i}] {tuple(b.shape)}")
-    return [jnp.concatenate(bottoms, axis=axis)]
+    return [jnp.concatenate(bottoms, axis=_concat_axis(ctx.layer, [b.shape for b in bottoms]))]
 
 
 @layer("Slice", bottoms=(1, 1), tops=(1, None))
@@ -461,7 +509,7 @@ def slice_(ctx: LayerContext, bottoms, params):
     or into equal parts when no slice_point is given."""
     (x,) = bottoms
     p = ctx.layer.slice_param
-    axis = _legacy_axis(ctx, p, "slice_dim", x.ndim)
+    axis = _legacy_axis(ctx.layer, p, "slice_dim", x.ndim)
     size, tops = x.shape[axis], ctx.num_tops
     points = list(p.slice_point)
     if points:
@@ -538,86 +586,102 @@ def _eltwise_max(bottoms: Sequence[jax.Array]) -> jax.Array:
     return top
 
 
-@layer("Eltwise", bottoms=(2, None), tops=(1, 1))
+def _eltwise_top_shapes(layer_param, bottom_shapes, param_shapes, num_tops):
+    """bottom[0]'s shape, which every bottom must have; coefficients only for SUM, one per bottom."""
+    p = layer_param.eltwise_param
+    coeffs = list(p.coeff)
+    if coeffs and len(coeffs) != len(bottom_shapes):
+        raise _fail(layer_param, f"takes one coefficient per bottom blob: {len(coeffs)} coeffs, "
+                                 f"{len(bottom_shapes)} bottoms")
+    if p.operation == caffe_pb2.EltwiseParameter.PROD and coeffs:
+        raise _fail(layer_param, "only takes coefficients for summation (operation SUM)")
+    first = tuple(bottom_shapes[0])
+    for i, shape in enumerate(bottom_shapes[1:], 1):
+        if tuple(shape) != first:
+            raise _fail(layer_param, f"bottom[0] {first} and bottom[{i}] {tuple(shape)} differ")
+    if p.operation not in (caffe_pb2.EltwiseParameter.PROD, caffe_pb2.EltwiseParameter.SUM,
+                           caffe_pb2.EltwiseParameter.MAX):
+        raise _fail(layer_param, f"unknown elementwise operation {p.operation}")
+    return [first]
+
+
+@layer("Eltwise", bottoms=(2, None), tops=(1, 1), top_shapes=_eltwise_top_shapes)
 def eltwise(ctx: LayerContext, bottoms, params):
     """PROD: Π x_i; SUM: Σ coeff_i·x_i (coeff one per bottom, default 1); MAX: element-wise max.
     PROD's gradient is the product of the other bottoms (stable_prod_grad) or top / x_i."""
+    _eltwise_top_shapes(ctx.layer, [b.shape for b in bottoms], [], 1)
     p = ctx.layer.eltwise_param
-    op = p.operation
-    coeffs = list(p.coeff)
-    if coeffs and len(coeffs) != len(bottoms):
-        raise ctx.error(f"takes one coefficient per bottom blob: {len(coeffs)} coeffs, {len(bottoms)} bottoms")
-    if op == caffe_pb2.EltwiseParameter.PROD and coeffs:
-        raise ctx.error("only takes coefficients for summation (operation SUM)")
-    for i, b in enumerate(bottoms[1:], 1):
-        if b.shape != bottoms[0].shape:
-            raise ctx.error(f"bottom[0] {tuple(bottoms[0].shape)} and bottom[{i}] {tuple(b.shape)} differ")
-    if op == caffe_pb2.EltwiseParameter.PROD:
+    if p.operation == caffe_pb2.EltwiseParameter.PROD:
         if p.stable_prod_grad:
             return [functools.reduce(jnp.multiply, bottoms)]
         return [_product_by_quotient(tuple(bottoms))]
-    if op == caffe_pb2.EltwiseParameter.SUM:
-        coeffs = coeffs or [1.0] * len(bottoms)
+    if p.operation == caffe_pb2.EltwiseParameter.SUM:
+        coeffs = list(p.coeff) or [1.0] * len(bottoms)
         return [functools.reduce(jnp.add, [b if c == 1 else c * b for c, b in zip(coeffs, bottoms)])]
-    if op == caffe_pb2.EltwiseParameter.MAX:
-        return [_eltwise_max(bottoms)]
-    raise ctx.error(f"unknown elementwise operation {op}")
+    return [_eltwise_max(bottoms)]
 
 
 # ---- Flatten, Reshape -----------------------------------------------------------------------------------------
 
-@layer("Flatten", bottoms=(1, 1), tops=(1, 1), in_place=False)
+def _flatten_top_shapes(layer_param, bottom_shapes, param_shapes, num_tops):
+    """Axes [axis, end_axis] of the bottom's shape collapsed into one."""
+    shape = tuple(bottom_shapes[0])
+    p = layer_param.flatten_param
+    start = canonical_axis(layer_param, p.axis, len(shape))
+    end = canonical_axis(layer_param, p.end_axis, len(shape))
+    if end + 1 < start:
+        raise _fail(layer_param, f"end_axis {p.end_axis} comes before axis {p.axis} for a {len(shape)}-D blob")
+    return [shape[:start] + (count(shape, start, end + 1),) + shape[end + 1:]]
+
+
+@layer("Flatten", bottoms=(1, 1), tops=(1, 1), in_place=False, top_shapes=_flatten_top_shapes)
 def flatten(ctx: LayerContext, bottoms, params):
     """Axes [axis, end_axis] collapsed into one (defaults 1 and -1)."""
     (x,) = bottoms
-    p = ctx.layer.flatten_param
-    start = canonical_axis(ctx, p.axis, x.ndim)
-    end = canonical_axis(ctx, p.end_axis, x.ndim)
-    if end + 1 < start:
-        raise ctx.error(f"end_axis {p.end_axis} comes before axis {p.axis} for a {x.ndim}-D blob")
-    shape = tuple(x.shape[:start]) + (count(x.shape, start, end + 1),) + tuple(x.shape[end + 1:])
-    return [x.reshape(shape)]
+    return [x.reshape(_flatten_top_shapes(ctx.layer, [x.shape], [], 1)[0])]
 
 
-def _reshape_top_shape(ctx: LayerContext, bottom_shape: Shape) -> Shape:
+def _reshape_top_shapes(layer_param, bottom_shapes, param_shapes, num_tops):
     """reshape_layer.cpp: dims [axis, axis + num_axes) replaced by shape; 0 copies, one -1 is inferred."""
-    p = ctx.layer.reshape_param
+    bottom_shape = tuple(bottom_shapes[0])
+    p = layer_param.reshape_param
     ndim = len(bottom_shape)
     dims = list(p.shape.dim)
     if dims.count(-1) > 1:
-        raise ctx.error(f"new shape {dims} contains multiple -1 dims; at most one may be inferred")
+        raise _fail(layer_param, f"new shape {dims} contains multiple -1 dims; at most one may be inferred")
     # A negative axis counts from the end with ndim + axis + 1 (so -1 means "after the last axis").
     start = p.axis if p.axis >= 0 else ndim + p.axis + 1
     if not 0 <= start <= ndim:
-        raise ctx.error(f"axis {p.axis} out of range for a {ndim}-D bottom")
+        raise _fail(layer_param, f"axis {p.axis} out of range for a {ndim}-D bottom")
     if p.num_axes < -1:
-        raise ctx.error(f"num_axes must be >= 0, or -1 for all; got {p.num_axes}")
+        raise _fail(layer_param, f"num_axes must be >= 0, or -1 for all; got {p.num_axes}")
     end = ndim if p.num_axes == -1 else start + p.num_axes
     if end > ndim:
-        raise ctx.error(f"end axis = axis + num_axes = {end} is out of range for a {ndim}-D bottom")
+        raise _fail(layer_param, f"end axis = axis + num_axes = {end} is out of range for a {ndim}-D bottom")
     top = list(bottom_shape[:start]) + dims + list(bottom_shape[end:])
     for i, d in enumerate(dims):
         if d == 0:
             if start + i >= ndim:
-                raise ctx.error(f"new shape {dims} contains a 0, but there is no bottom axis {start + i} to copy")
+                raise _fail(layer_param, f"new shape {dims} contains a 0, but there is no bottom axis {start + i} "
+                                         f"to copy")
             top[start + i] = bottom_shape[start + i]
     total = count(bottom_shape)
     if -1 in dims:
         known = count([d for j, d in enumerate(top) if j != start + dims.index(-1)])
         if known == 0 or total % known:
-            raise ctx.error(f"bottom count ({total}) must be divisible by the product of the specified "
-                            f"dimensions ({known}) of {dims}")
+            raise _fail(layer_param, f"bottom count ({total}) must be divisible by the product of the "
+                                     f"specified dimensions ({known}) of {dims}")
         top[start + dims.index(-1)] = total // known
     if any(d < 0 for d in top) or count(top) != total:
-        raise ctx.error(f"output count must match input count: {tuple(bottom_shape)} -> {tuple(top)}")
-    return tuple(top)
+        raise _fail(layer_param, f"output count must match input count: {tuple(bottom_shape)} -> {tuple(top)}")
+    return [tuple(top)]
 
 
-@layer("Reshape", bottoms=(1, 1), tops=(1, 1), in_place=False)
+@layer("Reshape", bottoms=(1, 1), tops=(1, 1), in_place=False, top_shapes=_reshape_top_shapes)
 def reshape(ctx: LayerContext, bottoms, params):
-    """The bottom's data under a new shape (see _reshape_top_shape)."""
+    """The bottom's data under a new shape (see _reshape_top_shapes)."""
     (x,) = bottoms
-    return [x.reshape(_reshape_top_shape(ctx, tuple(x.shape)))]
+    return [x.reshape(_reshape_top_shapes(ctx.layer, [x.shape], [], 1)[0])]
 
 
 # ---- InnerProduct ---------------------------------------------------------------------------------------------
@@ -626,7 +690,7 @@ def _inner_product_param_shapes(layer_param, bottom_shapes):
     """W: N x K (K x N if transpose), K = count(axis:); b: N."""
     p = layer_param.inner_product_param
     shape = bottom_shapes[0]
-    k = count(shape, canonical_axis(layer_param.name, p.axis, len(shape)))
+    k = count(shape, canonical_axis(layer_param, p.axis, len(shape)))
     n = p.num_output
     return [(k, n) if p.transpose else (n, k)] + ([(n,)] if p.bias_term else [])
 
@@ -666,25 +730,39 @@ def _one_row_product_bwd(transpose, residuals, dy):
 _one_row_product.defvjp(_one_row_product_fwd, _one_row_product_bwd)
 
 
+def _inner_product_top_shapes(layer_param, bottom_shapes, param_shapes, num_tops):
+    """shape[:axis] + [N]; the N x K weights (K x N with transpose) must take K = count(axis:), the bias N."""
+    shape = tuple(bottom_shapes[0])
+    p = layer_param.inner_product_param
+    axis = canonical_axis(layer_param, p.axis, len(shape))
+    weight = tuple(param_shapes[0])
+    if len(weight) != 2:
+        raise _fail(layer_param, f"weights must be a matrix, got shape {weight}")
+    k = count(shape, axis)
+    w_k, n = (weight[0], weight[1]) if p.transpose else (weight[1], weight[0])
+    if k != w_k:
+        raise _fail(layer_param, f"input size incompatible with inner product parameters: bottom {shape} has "
+                                 f"K = {k} from axis {axis}, weights {weight} expect {w_k}")
+    if p.bias_term and tuple(param_shapes[1]) != (n,):
+        raise _fail(layer_param, f"bias of shape {tuple(param_shapes[1])} does not fit {n} outputs")
+    return [shape[:axis] + (n,)]
+
+
 @layer("InnerProduct", param_shapes=_inner_product_param_shapes, init_params=_inner_product_init,
-       bottoms=(1, 1), tops=(1, 1))
+       bottoms=(1, 1), tops=(1, 1), top_shapes=_inner_product_top_shapes)
 def inner_product(ctx: LayerContext, bottoms, params):
     """y = x Wᵀ + b (x W with transpose) over x viewed as count(:axis) x count(axis:); top shape[:axis]+[N]."""
     (x,) = bottoms
     p = ctx.layer.inner_product_param
-    axis = canonical_axis(ctx, p.axis, x.ndim)
+    (top_shape,) = _inner_product_top_shapes(ctx.layer, [x.shape], [b.shape for b in params], 1)
+    axis = len(top_shape) - 1
     weight = params[0]
-    k = count(x.shape, axis)
-    w_k = weight.shape[0] if p.transpose else weight.shape[1]
-    if k != w_k:
-        raise ctx.error(f"input size incompatible with inner product parameters: bottom {tuple(x.shape)} has "
-                        f"K = {k} from axis {axis}, weights {tuple(weight.shape)} expect {w_k}")
-    rows = x.reshape(count(x.shape, 0, axis), k)
+    rows = x.reshape(count(x.shape, 0, axis), count(x.shape, axis))
     y = (_one_row_product if rows.shape[0] == 1 else _rows_times_weight)(rows, weight, p.transpose)
     if p.bias_term:
         y = y + params[1].astype(y.dtype)
     # Rounded to the values' dtype once, after the bias (a no-op in float32).
-    return [y.astype(x.dtype).reshape(tuple(x.shape[:axis]) + (y.shape[1],))]
+    return [y.astype(x.dtype).reshape(top_shape)]
 
 
 # ---- MVN, Softmax, Reduction ----------------------------------------------------------------------------------
@@ -727,7 +805,12 @@ def mvn(ctx: LayerContext, bottoms, params):
     return [y.reshape(x.shape)]
 
 
-@layer("Softmax", bottoms=(1, 1), tops=(1, 1))
+def _softmax_top_shapes(layer_param, bottom_shapes, param_shapes, num_tops):
+    canonical_axis(layer_param, layer_param.softmax_param.axis, len(bottom_shapes[0]))
+    return [tuple(bottom_shapes[0])]
+
+
+@layer("Softmax", bottoms=(1, 1), tops=(1, 1), top_shapes=_softmax_top_shapes)
 def softmax(ctx: LayerContext, bottoms, params):
     """y = exp(x - max) / Σ exp(x - max) along axis."""
     (x,) = bottoms

@@ -229,7 +229,8 @@ def fold_batchnorm(plan: Plan) -> Plan:
                     else np.zeros(a.shape))
             transposed = producer.type == "InnerProduct" and producer.proto.inner_product_param.transpose
             w_scale = a.astype(np.float32).reshape((1, -1) if transposed else (-1,) + (1,) * (weight.ndim - 1))
-            proto, params[producer.name] = _with_bias(producer, weight * w_scale, a * bias + c)
+            folded = np.multiply(weight, w_scale, out=aligned_empty(weight.shape, np.float32))
+            proto, params[producer.name] = _with_bias(producer, folded, a * bias + c)
             replaced[producer.name] = dataclasses.replace(
                 producer, proto=proto, tops=[last.tops[0]], top_values=[last.top_values[0]])
         else:
@@ -356,7 +357,8 @@ def _winograd_filters(params: ParamArrays) -> ParamArrays:
     # 0, +-1/4, +-1/2, 1: exact) with the 9 taps of every filter, 16 x (O*C).
     # The taps go to (C, O) order first: moving 9-tap rows is cheap, transposing the 16 results is not.
     taps = np.ascontiguousarray(w.reshape(o, c, 9).transpose(1, 0, 2)).reshape(c * o, 9)
-    u = np.kron(_WINOGRAD_G, _WINOGRAD_G).astype(np.float32) @ taps.T
+    u = np.matmul(np.kron(_WINOGRAD_G, _WINOGRAD_G).astype(np.float32), taps.T,
+                  out=aligned_empty((16, c * o), np.float32))
     return [u.reshape(16, c, o)] + list(params[1:])
 
 
@@ -804,9 +806,40 @@ def prepare_params(plan: Plan, dtype) -> dict[str, list[jax.Array]]:
     for name, arrays in plan.params.items():
         kernel = plan.kernels.get(name)
         prepared = kernel.prepare(arrays) if kernel is not None else arrays
-        # device_put, not jnp.asarray: that one compiles a conversion per new shape (~25 ms each, cold).
-        out[name] = [jax.device_put(a if a.dtype == dtype else a.astype(dtype)) for a in map(np.asarray, prepared)]
+        out[name] = [_adopted_by_device(a, dtype) for a in map(np.asarray, prepared)]
     return out
+
+
+# XLA:CPU takes a host array whose data starts on this boundary as its own buffer, without copying it.
+_DEVICE_ALIGNMENT = 64
+
+
+def aligned_empty(shape: Sequence[int], dtype) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data starts on a 64-byte boundary (NumPy's own start on 16)."""
+    dtype = np.dtype(dtype)
+    size = math.prod(shape) * dtype.itemsize
+    raw = np.empty(size + _DEVICE_ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % _DEVICE_ALIGNMENT
+    return raw[start:start + size].view(dtype).reshape(tuple(shape))
+
+
+def aligned_copy(a: Any, dtype=None) -> np.ndarray:
+    """A copy of ``a`` (in ``dtype``, default its own) in :func:`aligned_empty` memory."""
+    a = np.asarray(a)
+    copy = aligned_empty(a.shape, a.dtype if dtype is None else dtype)
+    copy[...] = a
+    return copy
+
+
+def _adopted_by_device(a: np.ndarray, dtype) -> jax.Array:
+    """``a`` in ``dtype`` as a device array that, on the CPU, is ``a``'s own memory (or, where ``a`` is not in
+    that dtype, contiguous and aligned, one copy's): jax.device_put copies an unaligned host array, at about
+    1 GB/s on the 2-core VM. The host array is made read-only: its memory is the program's weight from now on.
+    (Not jnp.asarray: that compiles a conversion per new shape, ~25 ms each, cold.)"""
+    if a.dtype != dtype or not a.flags.c_contiguous or a.ctypes.data % _DEVICE_ALIGNMENT:
+        a = aligned_copy(a, dtype)
+    a.flags.writeable = False
+    return jax.device_put(a)
 
 
 def value_layouts(graph: Graph, kernels: Mapping[str, Kernel]) -> dict[str, str]:

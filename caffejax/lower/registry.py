@@ -248,14 +248,17 @@ def _load_families() -> None:
 
 # ---- small helpers every family uses (Caffe's Blob::CanonicalAxisIndex and Blob::count) -------------------
 
-def canonical_axis(ctx_or_name: LayerContext | str, axis: int, ndim: int) -> int:
-    """Caffe's CanonicalAxisIndex: a negative axis counts from the end; out of range is an error."""
+def canonical_axis(where: LayerContext | Any | str, axis: int, ndim: int) -> int:
+    """Caffe's CanonicalAxisIndex: a negative axis counts from the end; out of range is an error.
+
+    ``where`` names the layer in that error: its LayerContext or LayerParameter (a forward and the shape rule
+    beside it then raise the same message), or only its name."""
     if not -ndim <= axis < ndim:
         message = f"axis {axis} out of range for a {ndim}-D blob"
-        if isinstance(ctx_or_name, LayerContext):
-            raise ctx_or_name.error(message)
-        error = ShapeError(f"layer '{ctx_or_name}': {message}")
-        error.layer = ctx_or_name
+        if not isinstance(where, str):
+            raise layer_error(ShapeError, where.name, where.type, message)
+        error = ShapeError(f"layer '{where}': {message}")
+        error.layer = where
         raise error
     return axis + ndim if axis < 0 else axis
 

@@ -1114,7 +1114,29 @@ def _lrn_cross_channel_bwd(channel_axis, pre_pad, k, alpha_over_n, beta, residua
 _lrn_cross_channel.defvjp(_lrn_cross_channel_fwd, _lrn_cross_channel_bwd)
 
 
-@layer("LRN", bottoms=(1, 1), tops=(1, 1))
+def _lrn_setup(layer_param, shape: Shape) -> PoolGeometry | None:
+    """Checks an LRN's configuration against its 4-D bottom; WITHIN_CHANNEL's averaging window, or None."""
+    p = layer_param.lrn_param
+    n = p.local_size
+    if n % 2 != 1:
+        raise _fail(layer_param, f"LRN only supports odd values for local_size, got {n}")
+    if len(shape) != 4:
+        raise _fail(layer_param, f"input must have 4 axes (num, channels, height, width), got {tuple(shape)}")
+    if p.norm_region == LRN_ACROSS_CHANNELS:
+        return None
+    if p.norm_region == LRN_WITHIN_CHANNEL:
+        pre_pad = (n - 1) // 2
+        return _pool_geometry(layer_param, POOL_AVE, (n, n), (1, 1), (pre_pad, pre_pad), tuple(shape[2:]),
+                              ROUND_CEIL)
+    raise _fail(layer_param, f"unknown norm_region {p.norm_region}")
+
+
+def _lrn_top_shapes(layer_param, bottom_shapes, param_shapes, num_tops):
+    _lrn_setup(layer_param, bottom_shapes[0])
+    return [tuple(bottom_shapes[0])]
+
+
+@layer("LRN", bottoms=(1, 1), tops=(1, 1), top_shapes=_lrn_top_shapes)
 def lrn(ctx: LayerContext, bottoms, params):
     """ACROSS_CHANNELS: x (k + alpha/n sum_{n channels} x^2)^-beta (zero padded over channels).
 
@@ -1122,19 +1144,10 @@ def lrn(ctx: LayerContext, bottoms, params):
     """
     (x,) = bottoms
     p = ctx.layer.lrn_param
-    n = p.local_size
-    if n % 2 != 1:
-        raise ctx.error(f"LRN only supports odd values for local_size, got {n}")
-    if x.ndim != 4:
-        raise ctx.error(f"input must have 4 axes (num, channels, height, width), got {x.shape}")
-    if p.norm_region == LRN_ACROSS_CHANNELS:
+    window = _lrn_setup(ctx.layer, x.shape)
+    if window is None:
         return [lrn_across_channels(x, p)]
-    if p.norm_region == LRN_WITHIN_CHANNEL:
-        pre_pad = (n - 1) // 2
-        g = _pool_geometry(ctx.layer, POOL_AVE, (n, n), (1, 1), (pre_pad, pre_pad), tuple(x.shape[2:]),
-                           ROUND_CEIL)
-        return [x * _inverse_power(1 + jnp.asarray(p.alpha, x.dtype) * ave_pool(x * x, g), float(p.beta))]
-    raise ctx.error(f"unknown norm_region {p.norm_region}")
+    return [x * _inverse_power(1 + jnp.asarray(p.alpha, x.dtype) * ave_pool(x * x, window), float(p.beta))]
 
 
 # ---- Crop: crop_layer.cpp ---------------------------------------------------------------------------------

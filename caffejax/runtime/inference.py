@@ -26,9 +26,8 @@ import numpy as np
 
 from caffejax.errors import CaffejaxError, ShapeError
 from caffejax.frontend.ir import Graph
-from caffejax.lower.optimize import (DEFAULT_PASSES, Plan, check_passes, make_plan, optimize, prepare_params,
-                                     run_plan)
-from caffejax.runtime.net import to_device
+from caffejax.lower.optimize import (DEFAULT_PASSES, Plan, aligned_copy, check_passes, make_plan, optimize,
+                                     prepare_params, run_plan)
 from caffejax.runtime.program_cache import compile_program, describe_graph
 from caffejax.runtime.xla_options import bf16_matrix_programs, compiler_options
 
@@ -56,7 +55,9 @@ class InferenceFunction:
         self.passes = default_passes(self.dtype) if passes is None else tuple(passes)
         check_passes(self.passes)
         self._net = net
-        self._weights = {owner: [np.array(a) for a in arrays] for owner, arrays in net.param_arrays().items()}
+        # The weights as they are now (later changes to the net's blobs do not reach the programs), in memory
+        # the device can take as its own (prepare_params).
+        self._weights = {owner: [aligned_copy(a) for a in arrays] for owner, arrays in net.param_arrays().items()}
         self._programs: dict[Shapes, _Program] = {}
         self.inputs = list(net.inputs)
         self._input_names, self._sorted_inputs = frozenset(self.inputs), sorted(self.inputs)
@@ -84,7 +85,7 @@ class InferenceFunction:
         program = self._programs.get(signature) or self._program(self._signature(dict(signature)))
         fed = {value: _as_input(inputs[blob], self.dtype, program.device) for blob, value in program.feeds}
         if program.inputs_to_device_first:
-            fed = to_device(fed)
+            fed = _inputs_to_device(fed)
         with self._net._python_layers:  # a Python layer's failure as its typed error
             return program.run(program.params, fed)
 
@@ -171,9 +172,18 @@ def _as_input(x, dtype, device):
 _WORKER_HEAP_BYTES = 64 << 20
 
 
+def _inputs_to_device(fed: dict[str, Any]) -> dict[str, jax.Array]:
+    """The host inputs as device arrays of their own: each copied once into memory the device adopts as it is
+    (optimize.aligned_copy); device arrays pass as they are. Not net.to_device: its identity program would be
+    compiled at the first call of every input shape, 50-85 ms of a warm start on 2 AVX2 cores. Not a bare
+    jax.device_put: on the CPU it adopts a caller's array that happens to be aligned, even with
+    may_alias=False, and the caller may refill that array for its next batch while this program runs."""
+    return {value: x if isinstance(x, jax.Array) else jax.device_put(aligned_copy(x)) for value, x in fed.items()}
+
+
 def _maps_afresh_on_a_worker(compiled) -> bool:
     """Whether a compiled CPU program's scratch space or outputs are blocks a worker thread maps afresh, and so
-    page-faults in again, on every call. Such a program gets its host inputs on the device first (net.to_device)
+    page-faults in again, on every call. Such a program gets its host inputs on the device first (_inputs_to_device)
     and then runs on the calling thread, whose malloc keeps freed memory (caffejax.runtime.memory). Measured on 2
     AVX2 cores, alternating processes, NumPy inputs at batch 16: MobileNet v2 (150 MB of scratch) 36-38 thousand
     faults and 215-234 ms a call -> at most 1.4 thousand and 157-178 ms (in one round of five the old code did
