@@ -18,18 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from caffejax.errors import SchemaError, ShapeError, layer_error
-from caffejax.lower.registry import TEST, LayerContext, canonical_axis, count, layer
+from caffejax.errors import SchemaError
+from caffejax.lower.registry import TEST, LayerContext, canonical_axis, count, layer, rejected
 from caffejax.proto import caffe_pb2
 
 Shape = tuple[int, ...]
 
 
 # ---- helpers shared by several rules --------------------------------------------------------------------------
-
-def _fail(layer_param: Any, message: str, cls: type = ShapeError):
-    """The error for a configuration Caffe rejects, where no LayerContext is at hand (param_shapes)."""
-    return layer_error(cls, layer_param.name, layer_param.type, message)
 
 
 def accumulator_dtype(dtype) -> jnp.dtype:
@@ -83,11 +79,11 @@ def _gather_rows(table: jax.Array, index: jax.Array) -> jax.Array:
 def _legacy_axis(layer_param: Any, param: Any, legacy: str, ndim: int) -> int:
     """Concat/Slice's axis: ``axis`` (negative allowed) or the deprecated uint32 ``*_dim``, not both."""
     if param.HasField("axis") and param.HasField(legacy):
-        raise _fail(layer_param, f"either axis or {legacy} should be specified; not both")
+        raise rejected(layer_param, f"either axis or {legacy} should be specified; not both")
     if param.HasField(legacy):
         dim = getattr(param, legacy)
         if dim >= ndim:
-            raise _fail(layer_param, f"{legacy} {dim} out of range for a {ndim}-D blob")
+            raise rejected(layer_param, f"{legacy} {dim} out of range for a {ndim}-D blob")
         return dim
     return canonical_axis(layer_param, param.axis, ndim)
 
@@ -97,10 +93,10 @@ def _param_span(layer_param: Any, axis: int, num_axes: int, bottom_shape: Shape)
     ndim = len(bottom_shape)
     axis = canonical_axis(layer_param, axis, ndim)
     if num_axes < -1:
-        raise _fail(layer_param, f"num_axes must be non-negative, or -1 to extend to the end; got {num_axes}")
+        raise rejected(layer_param, f"num_axes must be non-negative, or -1 to extend to the end; got {num_axes}")
     if num_axes >= 0 and ndim < axis + num_axes:
-        raise _fail(layer_param, f"the blob's shape extends past bottom[0]'s shape {bottom_shape} when "
-                                 f"applied from axis {axis} over {num_axes} axes")
+        raise rejected(layer_param, f"the blob's shape extends past bottom[0]'s shape {bottom_shape} when "
+                                    f"applied from axis {axis} over {num_axes} axes")
     end = ndim if num_axes == -1 else axis + num_axes
     return tuple(bottom_shape[axis:end])
 
@@ -112,8 +108,8 @@ def _operand_axis(layer_param: Any, shape: Shape, operand_shape: Shape, axis: in
     axis = 0 if ndim == 0 else canonical_axis(layer_param, axis, len(shape))
     span = tuple(shape[axis:axis + ndim])
     if len(shape) < axis + ndim or span != tuple(operand_shape):
-        raise _fail(layer_param, f"operand of shape {tuple(operand_shape)} does not match bottom[0] {tuple(shape)} "
-                                 f"from axis {axis} (its dims there: {span})")
+        raise rejected(layer_param, f"operand of shape {tuple(operand_shape)} does not match bottom[0] "
+                                    f"{tuple(shape)} from axis {axis} (its dims there: {span})")
     return axis
 
 
@@ -209,8 +205,8 @@ def _batch_norm_param_shapes(layer_param, bottom_shapes):
     params = layer_param.param
     # LayerSetUp CHECKs explicitly configured lr_mults are 0 (UpgradeNetBatchNorm zeroes exactly-3 specs).
     if len(params) != 3 and any(spec.lr_mult != 0 for spec in list(params)[:3]):
-        raise _fail(layer_param, "cannot configure batch normalization statistics as layer parameters "
-                                 "(their lr_mult must be 0)", SchemaError)
+        raise rejected(layer_param, "cannot configure batch normalization statistics as layer parameters "
+                                    "(their lr_mult must be 0)", SchemaError)
     shape = bottom_shapes[0]
     channels = 1 if len(shape) == 1 else shape[1]
     return [(channels,), (channels,), (1,)]
@@ -224,10 +220,10 @@ def _batch_norm_top_shapes(layer_param, bottom_shapes, param_shapes, num_tops):
     """The bottom's shape; it needs a channel axis, and the blobs must fit its channels."""
     shape = tuple(bottom_shapes[0])
     if len(shape) < 2:
-        raise _fail(layer_param, f"bottom must have a channel axis (shape(1)); got shape {shape}")
+        raise rejected(layer_param, f"bottom must have a channel axis (shape(1)); got shape {shape}")
     channels = shape[1]
     if [tuple(s) for s in param_shapes] != [(channels,), (channels,), (1,)]:
-        raise _fail(layer_param, f"blobs {[tuple(s) for s in param_shapes]} do not fit {channels} channels")
+        raise rejected(layer_param, f"blobs {[tuple(s) for s in param_shapes]} do not fit {channels} channels")
     return [shape]
 
 
@@ -377,9 +373,9 @@ def filter_(ctx: LayerContext, bottoms, params):
 def _embed_param_shapes(layer_param, bottom_shapes):
     p = layer_param.embed_param
     if p.num_output <= 0:
-        raise _fail(layer_param, "EmbedLayer num_output must be positive")
+        raise rejected(layer_param, "EmbedLayer num_output must be positive")
     if p.input_dim <= 0:
-        raise _fail(layer_param, "EmbedLayer input_dim must be positive")
+        raise rejected(layer_param, "EmbedLayer input_dim must be positive")
     return [(p.input_dim, p.num_output)] + ([(p.num_output,)] if p.bias_term else [])
 
 
@@ -486,8 +482,8 @@ def _concat_axis(layer_param: Any, bottom_shapes: Sequence[Shape]) -> int:
     axis = _legacy_axis(layer_param, layer_param.concat_param, "concat_dim", len(first))
     for i, shape in enumerate(bottom_shapes[1:], 1):
         if len(shape) != len(first) or any(shape[j] != first[j] for j in range(len(shape)) if j != axis):
-            raise _fail(layer_param, f"all inputs must have the same shape except at concat axis {axis}: "
-                                     f"bottom[0] {first}, bottom[{i}] {tuple(shape)}")
+            raise rejected(layer_param, f"all inputs must have the same shape except at concat axis {axis}: "
+                                        f"bottom[0] {first}, bottom[{i}] {tuple(shape)}")
     return axis
 
 
@@ -591,17 +587,17 @@ def _eltwise_top_shapes(layer_param, bottom_shapes, param_shapes, num_tops):
     p = layer_param.eltwise_param
     coeffs = list(p.coeff)
     if coeffs and len(coeffs) != len(bottom_shapes):
-        raise _fail(layer_param, f"takes one coefficient per bottom blob: {len(coeffs)} coeffs, "
-                                 f"{len(bottom_shapes)} bottoms")
+        raise rejected(layer_param, f"takes one coefficient per bottom blob: {len(coeffs)} coeffs, "
+                                    f"{len(bottom_shapes)} bottoms")
     if p.operation == caffe_pb2.EltwiseParameter.PROD and coeffs:
-        raise _fail(layer_param, "only takes coefficients for summation (operation SUM)")
+        raise rejected(layer_param, "only takes coefficients for summation (operation SUM)")
     first = tuple(bottom_shapes[0])
     for i, shape in enumerate(bottom_shapes[1:], 1):
         if tuple(shape) != first:
-            raise _fail(layer_param, f"bottom[0] {first} and bottom[{i}] {tuple(shape)} differ")
+            raise rejected(layer_param, f"bottom[0] {first} and bottom[{i}] {tuple(shape)} differ")
     if p.operation not in (caffe_pb2.EltwiseParameter.PROD, caffe_pb2.EltwiseParameter.SUM,
                            caffe_pb2.EltwiseParameter.MAX):
-        raise _fail(layer_param, f"unknown elementwise operation {p.operation}")
+        raise rejected(layer_param, f"unknown elementwise operation {p.operation}")
     return [first]
 
 
@@ -630,7 +626,7 @@ def _flatten_top_shapes(layer_param, bottom_shapes, param_shapes, num_tops):
     start = canonical_axis(layer_param, p.axis, len(shape))
     end = canonical_axis(layer_param, p.end_axis, len(shape))
     if end + 1 < start:
-        raise _fail(layer_param, f"end_axis {p.end_axis} comes before axis {p.axis} for a {len(shape)}-D blob")
+        raise rejected(layer_param, f"end_axis {p.end_axis} comes before axis {p.axis} for a {len(shape)}-D blob")
     return [shape[:start] + (count(shape, start, end + 1),) + shape[end + 1:]]
 
 
@@ -648,32 +644,32 @@ def _reshape_top_shapes(layer_param, bottom_shapes, param_shapes, num_tops):
     ndim = len(bottom_shape)
     dims = list(p.shape.dim)
     if dims.count(-1) > 1:
-        raise _fail(layer_param, f"new shape {dims} contains multiple -1 dims; at most one may be inferred")
+        raise rejected(layer_param, f"new shape {dims} contains multiple -1 dims; at most one may be inferred")
     # A negative axis counts from the end with ndim + axis + 1 (so -1 means "after the last axis").
     start = p.axis if p.axis >= 0 else ndim + p.axis + 1
     if not 0 <= start <= ndim:
-        raise _fail(layer_param, f"axis {p.axis} out of range for a {ndim}-D bottom")
+        raise rejected(layer_param, f"axis {p.axis} out of range for a {ndim}-D bottom")
     if p.num_axes < -1:
-        raise _fail(layer_param, f"num_axes must be >= 0, or -1 for all; got {p.num_axes}")
+        raise rejected(layer_param, f"num_axes must be >= 0, or -1 for all; got {p.num_axes}")
     end = ndim if p.num_axes == -1 else start + p.num_axes
     if end > ndim:
-        raise _fail(layer_param, f"end axis = axis + num_axes = {end} is out of range for a {ndim}-D bottom")
+        raise rejected(layer_param, f"end axis = axis + num_axes = {end} is out of range for a {ndim}-D bottom")
     top = list(bottom_shape[:start]) + dims + list(bottom_shape[end:])
     for i, d in enumerate(dims):
         if d == 0:
             if start + i >= ndim:
-                raise _fail(layer_param, f"new shape {dims} contains a 0, but there is no bottom axis {start + i} "
-                                         f"to copy")
+                raise rejected(layer_param, f"new shape {dims} contains a 0, but there is no bottom axis "
+                                            f"{start + i} to copy")
             top[start + i] = bottom_shape[start + i]
     total = count(bottom_shape)
     if -1 in dims:
         known = count([d for j, d in enumerate(top) if j != start + dims.index(-1)])
         if known == 0 or total % known:
-            raise _fail(layer_param, f"bottom count ({total}) must be divisible by the product of the "
-                                     f"specified dimensions ({known}) of {dims}")
+            raise rejected(layer_param, f"bottom count ({total}) must be divisible by the product of the "
+                                        f"specified dimensions ({known}) of {dims}")
         top[start + dims.index(-1)] = total // known
     if any(d < 0 for d in top) or count(top) != total:
-        raise _fail(layer_param, f"output count must match input count: {tuple(bottom_shape)} -> {tuple(top)}")
+        raise rejected(layer_param, f"output count must match input count: {tuple(bottom_shape)} -> {tuple(top)}")
     return [tuple(top)]
 
 
@@ -737,14 +733,14 @@ def _inner_product_top_shapes(layer_param, bottom_shapes, param_shapes, num_tops
     axis = canonical_axis(layer_param, p.axis, len(shape))
     weight = tuple(param_shapes[0])
     if len(weight) != 2:
-        raise _fail(layer_param, f"weights must be a matrix, got shape {weight}")
+        raise rejected(layer_param, f"weights must be a matrix, got shape {weight}")
     k = count(shape, axis)
     w_k, n = (weight[0], weight[1]) if p.transpose else (weight[1], weight[0])
     if k != w_k:
-        raise _fail(layer_param, f"input size incompatible with inner product parameters: bottom {shape} has "
-                                 f"K = {k} from axis {axis}, weights {weight} expect {w_k}")
+        raise rejected(layer_param, f"input size incompatible with inner product parameters: bottom {shape} has "
+                                    f"K = {k} from axis {axis}, weights {weight} expect {w_k}")
     if p.bias_term and tuple(param_shapes[1]) != (n,):
-        raise _fail(layer_param, f"bias of shape {tuple(param_shapes[1])} does not fit {n} outputs")
+        raise rejected(layer_param, f"bias of shape {tuple(param_shapes[1])} does not fit {n} outputs")
     return [shape[:axis] + (n,)]
 
 

@@ -14,8 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from caffejax.errors import ShapeError, layer_error
-from caffejax.lower.registry import TRAIN, layer
+from caffejax.lower.registry import TRAIN, layer, rejected
 
 
 def neuron(type_name: str, **kwargs):
@@ -189,8 +188,7 @@ def threshold(ctx, bottoms, params):
 def _dropout_ratio(layer_param) -> float:
     ratio = layer_param.dropout_param.dropout_ratio
     if not 0 <= ratio < 1:
-        raise layer_error(ShapeError, layer_param.name, layer_param.type,
-                          f"dropout_ratio must be in [0, 1), got {ratio}")
+        raise rejected(layer_param, f"dropout_ratio must be in [0, 1), got {ratio}")
     return ratio
 
 
@@ -257,8 +255,7 @@ def _prelu_param_shapes(layer_param, bottom_shapes):
     """One slope blob: shape () if channel_shared, else [C] with C = bottom.shape[1] (prelu_layer.cpp)."""
     shape = tuple(bottom_shapes[0])
     if len(shape) < 2:
-        raise layer_error(ShapeError, layer_param.name, layer_param.type,
-                          f"bottom must have at least 2 axes, got shape {shape}")
+        raise rejected(layer_param, f"bottom must have at least 2 axes, got shape {shape}")
     return [()] if layer_param.prelu_param.channel_shared else [(shape[1],)]
 
 

@@ -19,9 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from caffejax.errors import ShapeError, layer_error
 from caffejax.lower.common import matmul_bt
-from caffejax.lower.registry import LayerContext, count, layer
+from caffejax.lower.registry import LayerContext, count, layer, rejected
 
 
 # ---- LSTMUnit ---------------------------------------------------------------------------------------------------
@@ -84,7 +83,7 @@ def lstm_unit_layer(ctx: LayerContext, bottoms, params):
 def _num_output(layer_param) -> int:
     num_output = layer_param.recurrent_param.num_output
     if num_output <= 0:
-        raise layer_error(ShapeError, layer_param.name, layer_param.type, "num_output must be positive")
+        raise rejected(layer_param, "num_output must be positive")
     return num_output
 
 
@@ -104,14 +103,12 @@ def _recurrent_param_shapes(layer_param, bottom_shapes, gates: int, num_hidden: 
     h = _num_output(layer_param)
     x_shape = bottom_shapes[0]
     if len(x_shape) < 3:  # the unrolled net's x_transform is an InnerProduct from axis 2
-        raise layer_error(ShapeError, layer_param.name, layer_param.type,
-                          f"bottom[0] must be (#timesteps, #streams, features...) with at least 3 axes, "
-                          f"got {tuple(x_shape)}")
+        raise rejected(layer_param, f"bottom[0] must be (#timesteps, #streams, features...) with at least 3 axes, "
+                                    f"got {tuple(x_shape)}")
     shapes = [(gates * h, count(x_shape, 2)), (gates * h,)]
     if _has_static_input(layer_param, len(bottom_shapes), num_hidden):
         if len(bottom_shapes[2]) < 2:  # x_static's transform is an InnerProduct from axis 1
-            raise layer_error(ShapeError, layer_param.name, layer_param.type,
-                              f"x_static must be (#streams, features...), got {tuple(bottom_shapes[2])}")
+            raise rejected(layer_param, f"x_static must be (#streams, features...), got {tuple(bottom_shapes[2])}")
         shapes.append((gates * h, count(bottom_shapes[2], 1)))
     shapes.append((gates * h, h))
     if output_layer:

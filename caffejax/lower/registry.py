@@ -83,7 +83,13 @@ class LayerContext:
 
     def error(self, message: str, cls: type[CaffejaxError] = ShapeError) -> CaffejaxError:
         """An error naming this layer; lowering code raises it for inputs Caffe would CHECK-fail on."""
-        return layer_error(cls, self.name, self.type, message)
+        return rejected(self.layer, message, cls)
+
+
+def rejected(layer_param: Any, message: str, cls: type[CaffejaxError] = ShapeError) -> CaffejaxError:
+    """The error for a configuration Caffe rejects, naming the layer by its LayerParameter: for shape rules and
+    ``param_shapes``, where no LayerContext is at hand. The same message as the forward's ``ctx.error``."""
+    return layer_error(cls, layer_param.name, layer_param.type, message)
 
 
 ForwardFn = Callable[[LayerContext, Sequence[jax.Array], Sequence[jax.Array]], Sequence[jax.Array]]
@@ -256,7 +262,7 @@ def canonical_axis(where: LayerContext | Any | str, axis: int, ndim: int) -> int
     if not -ndim <= axis < ndim:
         message = f"axis {axis} out of range for a {ndim}-D blob"
         if not isinstance(where, str):
-            raise layer_error(ShapeError, where.name, where.type, message)
+            raise rejected(where.layer if isinstance(where, LayerContext) else where, message)
         error = ShapeError(f"layer '{where}': {message}")
         error.layer = where
         raise error

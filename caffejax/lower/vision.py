@@ -27,8 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from caffejax.errors import ShapeError, layer_error
-from caffejax.lower.registry import TRAIN, LayerContext, canonical_axis, count, layer
+from caffejax.lower.registry import TRAIN, LayerContext, canonical_axis, count, layer, rejected
 
 Shape = tuple[int, ...]
 
@@ -39,9 +38,6 @@ LRN_ACROSS_CHANNELS, LRN_WITHIN_CHANNEL = 0, 1
 
 _FLT_MAX = float(np.finfo(np.float32).max)  # Caffe's -FLT_MAX starts every MAX window, in float and double
 
-
-def _fail(layer_param: Any, message: str) -> ShapeError:
-    return layer_error(ShapeError, layer_param.name, layer_param.type, message)
 
 
 # ---- shared window machinery ------------------------------------------------------------------------------
@@ -112,8 +108,8 @@ def _per_axis(layer_param, what: str, values: Sequence[int], n: int, default: in
     if len(values) == 0 and default is not None:
         return (default,) * n
     if len(values) not in (1, n):
-        raise _fail(layer_param, f"{what} must be specified once, or once per spatial dimension "
-                                 f"({what} specified {len(values)} times; {n} spatial dims)")
+        raise rejected(layer_param, f"{what} must be specified once, or once per spatial dimension "
+                                    f"({what} specified {len(values)} times; {n} spatial dims)")
     return tuple(int(values[0 if len(values) == 1 else i]) for i in range(n))
 
 
@@ -122,10 +118,10 @@ def _per_axis_hw(layer_param, p, what: str, n: int, default: int | None) -> Shap
     field = "kernel_size" if what == "kernel" else what
     if p.HasField(f"{what}_h") or p.HasField(f"{what}_w"):
         if n != 2:
-            raise _fail(layer_param, f"{what}_h & {what}_w can only be used for 2D convolution "
-                                     f"(the bottom has {n} spatial dims)")
+            raise rejected(layer_param, f"{what}_h & {what}_w can only be used for 2D convolution "
+                                        f"(the bottom has {n} spatial dims)")
         if len(getattr(p, field)):
-            raise _fail(layer_param, f"either {field} or {what}_h/w should be specified; not both")
+            raise rejected(layer_param, f"either {field} or {what}_h/w should be specified; not both")
         return (getattr(p, f"{what}_h"), getattr(p, f"{what}_w"))
     return _per_axis(layer_param, field, getattr(p, field), n, default)
 
@@ -139,12 +135,12 @@ def conv_geometry(layer_param, bottom_shape: Shape) -> ConvGeometry:
     pad = _per_axis_hw(layer_param, p, "pad", n, 0)
     dilation = _per_axis(layer_param, "dilation", p.dilation, n, 1)
     if any(k <= 0 for k in kernel):
-        raise _fail(layer_param, f"filter dimensions must be nonzero, got kernel {kernel}")
+        raise rejected(layer_param, f"filter dimensions must be nonzero, got kernel {kernel}")
     if any(s <= 0 for s in stride):
-        raise _fail(layer_param, f"stride dimensions must be nonzero, got stride {stride}")
+        raise rejected(layer_param, f"stride dimensions must be nonzero, got stride {stride}")
     if any(d <= 0 for d in dilation):
         # Caffe does not check this, but a zero dilation collapses the kernel onto one pixel: not supported.
-        raise _fail(layer_param, f"dilation must be positive, got {dilation}")
+        raise rejected(layer_param, f"dilation must be positive, got {dilation}")
     return ConvGeometry(channel_axis, kernel, stride, pad, dilation)
 
 
@@ -155,8 +151,8 @@ def conv_out_shape(layer_param, g: ConvGeometry, spatial: Shape) -> Shape:
         numerator = size + 2 * p - e
         o = int(numerator / s) + 1
         if o <= 0:
-            raise _fail(layer_param, f"kernel extent {g.extent} does not fit the input {spatial} padded by "
-                                     f"{g.pad} (output size {o})")
+            raise rejected(layer_param, f"kernel extent {g.extent} does not fit the input {spatial} padded by "
+                                        f"{g.pad} (output size {o})")
         out.append(o)
     return tuple(out)
 
@@ -174,7 +170,7 @@ def _deconv_out_shape(layer_param, g: ConvGeometry, spatial: Shape) -> Shape:
     """deconv_layer.cpp: out = s (in - 1) + extent - 2p."""
     out = tuple(s * (size - 1) + e - 2 * p for size, e, s, p in zip(spatial, g.extent, g.stride, g.pad))
     if any(o <= 0 for o in out):
-        raise _fail(layer_param, f"deconvolution output size {out} from input {spatial} is empty")
+        raise rejected(layer_param, f"deconvolution output size {out} from input {spatial} is empty")
     return out
 
 
@@ -183,11 +179,11 @@ def conv_channels(layer_param, bottom_shape: Shape, g: ConvGeometry) -> tuple[in
     p = layer_param.convolution_param
     channels, num_output, group = bottom_shape[g.channel_axis], p.num_output, p.group
     if num_output <= 0:
-        raise _fail(layer_param, f"num_output must be > 0, got {num_output}")
+        raise rejected(layer_param, f"num_output must be > 0, got {num_output}")
     if group <= 0 or channels % group:
-        raise _fail(layer_param, f"the bottom's {channels} channels are not divisible by group {group}")
+        raise rejected(layer_param, f"the bottom's {channels} channels are not divisible by group {group}")
     if num_output % group:
-        raise _fail(layer_param, f"num_output {num_output} should be a multiple of group {group}")
+        raise rejected(layer_param, f"num_output {num_output} should be a multiple of group {group}")
     return channels, num_output, group
 
 
@@ -221,17 +217,18 @@ def _conv_setup(layer_param, bottom_shapes: Sequence[Shape], param_shapes: Seque
     """(geometry, channels, num_output, group, spatial, out) of a (De)Convolution with BaseConvolutionLayer's
     CHECKs: one top per bottom, all bottoms alike, learnable blobs of the shapes LayerSetUp allocates."""
     if len(bottom_shapes) != num_tops:
-        raise _fail(layer_param, f"needs one top per bottom, got {len(bottom_shapes)} bottoms and {num_tops} tops")
+        raise rejected(layer_param, f"needs one top per bottom, got {len(bottom_shapes)} bottoms and {num_tops} "
+                                    f"tops")
     shape = tuple(bottom_shapes[0])
     for i, b in enumerate(bottom_shapes[1:], 1):
         if tuple(b) != shape:
-            raise _fail(layer_param, f"shape mismatch - bottom[0]: {shape} vs. bottom[{i}]: {tuple(b)}")
+            raise rejected(layer_param, f"shape mismatch - bottom[0]: {shape} vs. bottom[{i}]: {tuple(b)}")
     g = conv_geometry(layer_param, shape)
     channels, num_output, group = conv_channels(layer_param, shape, g)
     expected = _conv_param_shapes(layer_param, [shape], reverse)
     if [tuple(p) for p in param_shapes] != [tuple(p) for p in expected]:
-        raise _fail(layer_param, f"expected learnable blobs of shapes {list(expected)}, got "
-                                 f"{[tuple(p) for p in param_shapes]}")
+        raise rejected(layer_param, f"expected learnable blobs of shapes {list(expected)}, got "
+                                    f"{[tuple(p) for p in param_shapes]}")
     spatial = shape[g.channel_axis + 1:]
     out = _deconv_out_shape(layer_param, g, spatial) if reverse else conv_out_shape(layer_param, g, spatial)
     return g, channels, num_output, group, spatial, out
@@ -692,19 +689,19 @@ def _pool_geometry(layer_param, method: int, kernel, stride, pad, size, round_mo
                    global_pooling: bool = False) -> PoolGeometry:
     """PoolingLayer's LayerSetUp CHECKs and Reshape's output size (ceil/floor, then the pad clip)."""
     if global_pooling and (any(pad) or any(s != 1 for s in stride)):
-        raise _fail(layer_param, f"with global_pooling: true only pad = 0 and stride = 1 (pad {pad}, "
-                                 f"stride {stride})")
+        raise rejected(layer_param, f"with global_pooling: true only pad = 0 and stride = 1 (pad {pad}, "
+                                    f"stride {stride})")
     if any(k <= 0 for k in kernel):
-        raise _fail(layer_param, f"filter dimensions cannot be zero, got kernel {kernel}")
+        raise rejected(layer_param, f"filter dimensions cannot be zero, got kernel {kernel}")
     if any(s <= 0 for s in stride):
-        raise _fail(layer_param, f"stride must be positive, got {stride}")
+        raise rejected(layer_param, f"stride must be positive, got {stride}")
     if any(pad):
         if method not in (POOL_AVE, POOL_MAX):
-            raise _fail(layer_param, f"padding (pad {pad}) is implemented only for average and max pooling")
+            raise rejected(layer_param, f"padding (pad {pad}) is implemented only for average and max pooling")
         if any(p >= k for p, k in zip(pad, kernel)):
-            raise _fail(layer_param, f"pad {pad} must be smaller than kernel {kernel}")
+            raise rejected(layer_param, f"pad {pad} must be smaller than kernel {kernel}")
     if round_mode not in (ROUND_CEIL, ROUND_FLOOR):
-        raise _fail(layer_param, f"unknown rounding mode {round_mode}")
+        raise rejected(layer_param, f"unknown rounding mode {round_mode}")
     out = []
     for n, k, s, p in zip(size, kernel, stride, pad):
         span = n + 2 * p - k
@@ -713,10 +710,10 @@ def _pool_geometry(layer_param, method: int, kernel, stride, pad, size, round_mo
         if any(pad) and (o - 1) * s >= n + p:
             o -= 1
         if any(pad) and (o - 1) * s >= n + p:
-            raise _fail(layer_param, f"the last pooling window starts in the padding (input {size}, kernel "
-                                     f"{kernel}, stride {stride}, pad {pad})")
+            raise rejected(layer_param, f"the last pooling window starts in the padding (input {size}, kernel "
+                                        f"{kernel}, stride {stride}, pad {pad})")
         if o <= 0:
-            raise _fail(layer_param, f"kernel {kernel} with pad {pad} does not fit the input {size}")
+            raise rejected(layer_param, f"kernel {kernel} with pad {pad} does not fit the input {size}")
         out.append(o)
     return PoolGeometry(method, tuple(kernel), tuple(stride), tuple(pad), tuple(size), tuple(out))
 
@@ -724,21 +721,21 @@ def _pool_geometry(layer_param, method: int, kernel, stride, pad, size, round_mo
 def pooling_geometry(layer_param, shape: Shape) -> PoolGeometry:
     p = layer_param.pooling_param
     if len(shape) != 4:
-        raise _fail(layer_param, f"input must have 4 axes (num, channels, height, width), got {shape}")
+        raise rejected(layer_param, f"input must have 4 axes (num, channels, height, width), got {shape}")
     if p.global_pooling:
         if p.HasField("kernel_size") or p.HasField("kernel_h") or p.HasField("kernel_w"):
-            raise _fail(layer_param, "with global_pooling: true the filter size cannot be specified")
+            raise rejected(layer_param, "with global_pooling: true the filter size cannot be specified")
         kernel = shape[2:]
     else:
         if p.HasField("kernel_size") == (p.HasField("kernel_h") and p.HasField("kernel_w")):
-            raise _fail(layer_param, "filter size is kernel_size OR kernel_h and kernel_w; not both")
+            raise rejected(layer_param, "filter size is kernel_size OR kernel_h and kernel_w; not both")
         kernel = (p.kernel_size,) * 2 if p.HasField("kernel_size") else (p.kernel_h, p.kernel_w)
     if not ((not p.HasField("pad") and p.HasField("pad_h") and p.HasField("pad_w"))
             or (not p.HasField("pad_h") and not p.HasField("pad_w"))):
-        raise _fail(layer_param, "pad is pad OR pad_h and pad_w are required")
+        raise rejected(layer_param, "pad is pad OR pad_h and pad_w are required")
     if not ((not p.HasField("stride") and p.HasField("stride_h") and p.HasField("stride_w"))
             or (not p.HasField("stride_h") and not p.HasField("stride_w"))):
-        raise _fail(layer_param, "stride is stride OR stride_h and stride_w are required")
+        raise rejected(layer_param, "stride is stride OR stride_h and stride_w are required")
     pad = (p.pad_h, p.pad_w) if p.HasField("pad_h") else (p.pad,) * 2
     stride = (p.stride_h, p.stride_w) if p.HasField("stride_h") else (p.stride,) * 2
     return _pool_geometry(layer_param, p.pool, kernel, stride, pad, shape[2:], p.round_mode,
@@ -1000,7 +997,7 @@ def _pool(ctx: LayerContext, x: jax.Array, g: PoolGeometry, key_index: int = 0,
 def _pooling_setup(layer_param, shape: Shape, num_tops: int) -> PoolGeometry:
     g = pooling_geometry(layer_param, tuple(shape))
     if num_tops > 1 and g.method != POOL_MAX:
-        raise _fail(layer_param, f"only MAX pooling has a second (mask) top; got {num_tops} tops")
+        raise rejected(layer_param, f"only MAX pooling has a second (mask) top; got {num_tops} tops")
     return g
 
 
@@ -1119,16 +1116,16 @@ def _lrn_setup(layer_param, shape: Shape) -> PoolGeometry | None:
     p = layer_param.lrn_param
     n = p.local_size
     if n % 2 != 1:
-        raise _fail(layer_param, f"LRN only supports odd values for local_size, got {n}")
+        raise rejected(layer_param, f"LRN only supports odd values for local_size, got {n}")
     if len(shape) != 4:
-        raise _fail(layer_param, f"input must have 4 axes (num, channels, height, width), got {tuple(shape)}")
+        raise rejected(layer_param, f"input must have 4 axes (num, channels, height, width), got {tuple(shape)}")
     if p.norm_region == LRN_ACROSS_CHANNELS:
         return None
     if p.norm_region == LRN_WITHIN_CHANNEL:
         pre_pad = (n - 1) // 2
         return _pool_geometry(layer_param, POOL_AVE, (n, n), (1, 1), (pre_pad, pre_pad), tuple(shape[2:]),
                               ROUND_CEIL)
-    raise _fail(layer_param, f"unknown norm_region {p.norm_region}")
+    raise rejected(layer_param, f"unknown norm_region {p.norm_region}")
 
 
 def _lrn_top_shapes(layer_param, bottom_shapes, param_shapes, num_tops):
