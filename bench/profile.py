@@ -1,13 +1,19 @@
-"""Where the time goes: every layer of a net's inference plan timed alone, jitted on its real inputs.
+"""Where the time goes: every layer of a net's inference plan timed alone, jitted on its real inputs, or the
+whole compiled program traced.
 
     python -m bench.profile resnet50 --batch 16                 # the default passes
     python -m bench.profile resnet50 --batch 16 --passes none   # Caffe's rules as Net.forward runs them
     python -m bench.profile googlenet --passes fold_batchnorm,nhwc --top 20
     python -m bench.profile mobilenet_v2 --batch 16 --train  # the training step: forward and backward
+    python -m bench.profile lenet --batch 16 --whole         # the whole program, its operations by layer
+    python -m bench.profile mobilenet_v2 --batch 16 --train --whole
 
 Each layer runs its chosen kernel (or Caffe's rule) on random inputs of its real shapes and layouts, so
 the sum is an upper bound of the whole program (XLA fuses across layers there). Prints the slowest layers,
-the time per kernel kind, and each convolution's GFLOP/s.
+the time per kernel kind, and each convolution's GFLOP/s. ``--whole`` instead traces the program the bench
+times (``compile_inference``'s, or the training step's without donated weights) and charges each XLA
+operation to the layers it computes (:mod:`caffejax.runtime.program_profile`): fused layers show up
+together, XLA's own re-layouts apart.
 """
 
 from __future__ import annotations
@@ -81,6 +87,38 @@ def profile_training(net_name: str, batch: int, repeats: int = 5) -> list[dict]:
     return rows
 
 
+def profile_whole(net_name: str, batch: int, passes, train: bool, runs: int = 10, dtype=jnp.float32):
+    """The whole program traced (:func:`caffejax.runtime.program_profile.profile_program`): the inference
+    program of ``compile_inference``, or with ``train`` the training step of ``bench.run.train_step``."""
+    import pathlib
+    import tempfile
+
+    import caffejax
+    from bench.run import training_step_program
+    from caffejax.runtime.program_profile import profile_program
+
+    spec = NETS[net_name]
+    net = caffejax.Net(str(spec.prototxt), caffejax.TEST, **({"weights": str(spec.weights)} if spec.weights else {}))
+    if spec.weights is None:
+        randomize_weights(net)
+    if train:
+        with tempfile.TemporaryDirectory() as tmp:
+            weights = pathlib.Path(tmp) / f"{net_name}.caffemodel"
+            net.save(str(weights))
+            step, options, (params, inputs, key), graph = training_step_program(spec, weights, batch)
+        args = (params, inputs, key, np.uint32(1))
+        compiled = jax.jit(step, compiler_options=options).lower(*args).compile()  # no donation: run again
+        return profile_program(compiled, args, [layer.name for layer in graph.layers], runs)
+    name = net.inputs[0]
+    shape = (batch,) + tuple(net.blobs[name].shape[1:])
+    infer = caffejax.compile_inference(net, passes=passes, dtype=dtype)
+    x = np.random.default_rng(0).random(shape, dtype=np.float32)
+    infer({name: x})
+    program = infer._programs[infer._signature({name: shape})]
+    args = (program.params, {value: jax.device_put(x) for _, value in program.feeds})
+    return profile_program(program.run, args, [layer.name for layer in program.plan.graph.layers], runs)
+
+
 def _needed(flags) -> tuple[int, ...]:
     return tuple(i for i, need in enumerate(flags) if need)
 
@@ -140,9 +178,20 @@ def main(argv=None) -> int:
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--train", action="store_true",
                         help="the training step's layers: forward and forward + backward (ms = both)")
+    parser.add_argument("--whole", action="store_true",
+                        help="trace the whole program and charge its XLA operations to the layers they compute")
     parser.add_argument("--top", type=int, default=15)
     args = parser.parse_args(argv)
     passes = None if args.passes is None else (() if args.passes == "none" else tuple(args.passes.split(",")))
+    if args.whole:
+        from caffejax.runtime.program_profile import format_rows
+
+        profile = profile_whole(args.net, args.batch, passes, args.train,
+                                dtype=jnp.bfloat16 if args.bf16 else jnp.float32)
+        print(f"{args.net} batch {args.batch}, {'training step' if args.train else 'inference'}: whole program "
+              f"traced, {profile.seconds * 1e3:.1f} ms a run ({profile.runs} runs); slowest {args.top}:")
+        print("\n".join(format_rows(profile, args.top)))
+        return 0
     if args.train:
         rows = profile_training(args.net, args.batch)
         total = sum(r["ms"] for r in rows)

@@ -238,6 +238,26 @@ def opencv_forward(spec: BenchNet, weights: pathlib.Path, x: np.ndarray) -> dict
 def train_step(spec: BenchNet, weights: pathlib.Path, batch: int, repeats: int, lr: float = 1e-4) -> dict:
     """Forward + backward + SGD update as one jitted program (params donated), on the deploy net with a
     SoftmaxWithLoss appended (TRAIN phase: Dropout active; BatchNorm as the prototxt says)."""
+    step, options, (params, inputs, seed_key), graph = training_step_program(spec, weights, batch, lr)
+    jitted = jax.jit(step, donate_argnums=0, compiler_options=options)
+    state = {"params": params, "step": 0}
+
+    def one():
+        state["step"] += 1
+        state["params"], loss = jitted(state["params"], inputs, seed_key, np.uint32(state["step"]))
+        return loss
+
+    _, compile_s = once(one)
+    result = timed(one, repeats, min_seconds=MIN_SECONDS)
+    result["compile_s"] = compile_s
+    result["gflop"] = training_flops(graph) / 1e9
+    result["gflops"] = result["gflop"] / result["median_ms"] * 1e3
+    return result
+
+
+def training_step_program(spec: BenchNet, weights: pathlib.Path, batch: int, lr: float = 1e-4):
+    """:func:`train_step`'s program before jit: ``(step, compiler options, (params, inputs, seed key), graph)``,
+    ``step(params, inputs, seed_key, count) -> (new params, loss)``."""
     from caffejax.lower.optimize import layout_kernels
     from caffejax.lower.program import NetProgram
     from caffejax.runtime.xla_options import compiler_options
@@ -266,22 +286,9 @@ def train_step(spec: BenchNet, weights: pathlib.Path, batch: int, repeats: int, 
                 new[owner][i] = value
         return new, loss
 
-    jitted = jax.jit(step, donate_argnums=0, compiler_options=compiler_options(net.graph, backward=True))
-    state = {"params": net.param_arrays(), "step": 0}
     inputs = {v: jnp.asarray(a) for v, a in fed.items()}
-    seed_key = jax.random.key(0)
-
-    def one():
-        state["step"] += 1
-        state["params"], loss = jitted(state["params"], inputs, seed_key, np.uint32(state["step"]))
-        return loss
-
-    _, compile_s = once(one)
-    result = timed(one, repeats, min_seconds=MIN_SECONDS)
-    result["compile_s"] = compile_s
-    result["gflop"] = training_flops(net.graph) / 1e9
-    result["gflops"] = result["gflop"] / result["median_ms"] * 1e3
-    return result
+    return (step, compiler_options(net.graph, backward=True), (net.param_arrays(), inputs, jax.random.key(0)),
+            net.graph)
 
 
 def solver_step(spec: BenchNet, weights: pathlib.Path, batch: int, repeats: int, lr: float = 1e-4) -> dict:

@@ -282,6 +282,10 @@ def test_time_reports_layers_and_whole_net(capsys):
     assert "each layer compiled on its own" in err
     assert re.search(r"Average Forward pass \(whole net, one compiled program\): [\d.e-]+ ms\.", err)
     assert re.search(r"Average Forward-Backward \(whole net, one compiled program\): [\d.e-]+ ms\.", err)
+    # The whole programs traced, their operations charged to layers (fused ones joined by '+').
+    for title in ("Forward pass", "Forward-Backward"):
+        assert re.search(rf"Whole net's {title}, traced \(1 run, [\d.e-]+ ms each\)", err), title
+    assert re.search(r"[\d.]+ ms +[\d.]+%  forward +(\S+\+)?conv2(\+\S+)?  \(\d+ ops?\)", err)
 
 
 def test_time_forward_backward_of_a_deploy_net_runs_its_forward():

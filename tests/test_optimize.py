@@ -218,8 +218,16 @@ def test_default_passes_leave_1x1_convolutions_to_xla(zoo):
     XLA turns into a dot itself (see optimize.DEFAULT_PASSES)."""
     net, x, _ = zoo
     assert "conv_gemm" in optimize.PASSES and "conv_gemm" not in optimize.DEFAULT_PASSES
-    kernels = caffejax.compile_inference(net).plan({"data": x.shape}).kernels
+    infer = caffejax.compile_inference(net)
+    kernels = infer.plan({"data": x.shape}).kernels
     assert kernels["b"].name == kernels["e"].name == "conv_nhwc"
+    # The strided one ("b", 1x1 stride 2) too: its pixels taken out first, XLA makes a dot of it instead of
+    # running a strided convolution.
+    infer({"data": x})
+    hlo = infer._programs[infer._signature({"data": x.shape})].run.as_text()
+    layer_b = [line for line in hlo.splitlines() if 'op_name="jit(run)/b/' in line]
+    assert layer_b and not any(" convolution(" in line for line in layer_b)
+    assert any(" dot(" in line for line in layer_b)
 
 
 def test_winograd_needs_enough_tiles(zoo, monkeypatch):

@@ -314,11 +314,37 @@ def time(args) -> int:
         log.info("%10s\tbackward: %s", layer.name, f"{_g(bwd * 1e3)} ms." if bwd is not None else "none needed")
     log.info("Average Forward pass (whole net, one compiled program): %s ms.", _g(whole_forward * 1e3))
     log.info("Average Forward-Backward (whole net, one compiled program): %s ms.", _g(whole_forward_backward * 1e3))
+    _log_program_profiles(graph, {"Forward pass": forward, "Forward-Backward": forward_backward},
+                          (params, fed, key), iterations)
     if not any(net.blob_loss_weights.values()):
         log.info("The net has no loss, so its backward pass is empty.")
     log.info("Total Time: %s ms.", _g(whole_forward_backward * iterations * 1e3))
     log.info("*** Benchmark ends ***")
     return 0
+
+
+# Runs of each whole-net program traced at most (a trace of a big net's run holds thousands of events).
+TRACED_RUNS = 10
+
+
+def _log_program_profiles(graph, programs, args, iterations: int) -> None:
+    """Each whole-net program traced: its XLA operations' time charged to the layers they compute
+    (:mod:`caffejax.runtime.program_profile`), where fusion puts layers together and backward passes run."""
+    from caffejax.runtime.program_profile import ProfileUnavailable, format_rows, profile_program
+
+    names = [layer.name for layer in graph.layers]
+    for title, program in programs.items():
+        try:
+            profile = profile_program(program.lower(*args).compile(), args, names,
+                                      runs=min(iterations, TRACED_RUNS))
+        except ProfileUnavailable as e:
+            log.warning("No profile of the whole net's %s: %s", title, e)
+            continue
+        log.info("Whole net's %s, traced (%d run%s, %s ms each), by the layers each XLA operation computes "
+                 "(layers joined by '+' are fused into one operation):", title, profile.runs,
+                 "s" if profile.runs != 1 else "", _g(profile.seconds * 1e3))
+        for line in format_rows(profile):
+            log.info("%s", line)
 
 
 def whole_net_programs(net):
