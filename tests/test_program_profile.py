@@ -63,11 +63,17 @@ def test_an_operation_xla_made_without_metadata_works_for_its_operands_layers():
              Instruction("y", "fusion", "jit(f)/jvp(conv2)/mul", ("x",)),
              Instruction("dy", "fusion", "jit(f)/transpose(jvp(relu2))/mul", ("y",)),
              Instruction("dw", "convolution", "", ("y", "dy")),   # a filter gradient XLA rewrote
-             Instruction("copy", "copy", "", ("x",))]               # a copy of the input: no layer
-    sources = op_sources("main", {"main": entry}, ["data", "conv2", "relu2"])
+             Instruction("copy", "copy", "", ("x",)),               # a copy of the input: no layer
+             Instruction("w", "parameter", "params['ip1'][0]", ()),
+             Instruction("wt", "bitcast", "params['ip1'][0]", ("w",)),
+             Instruction("product", "dot", "", ("y", "wt")),          # ip1's product, rewritten
+             Instruction("update", "fusion", "jit(f)/sub", ("w", "dw"))]  # the weights' update: no layer
+    sources = op_sources("main", {"main": entry}, ["data", "conv2", "relu2", "ip1"])
     assert sources["y"].layers == ("conv2",) and sources["y"].part == FORWARD
     assert sources["dw"].layers == ("conv2", "relu2") and sources["dw"].part == BACKWARD
     assert sources["copy"].layers == () and sources["copy"].part == ""
+    assert sources["product"].layers == ("ip1",) and sources["product"].part == FORWARD
+    assert sources["update"].layers == () and sources["update"].part == FORWARD
 
 
 def test_share_splits_overlaps_and_counts_idle_time():

@@ -40,6 +40,8 @@ _INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%([^\s=]+) = ")
 _OPCODE = re.compile(r" ([a-z][a-z0-9_-]*)\(")
 _REFERENCE = re.compile(r"%([^\s,(){}=]+)")
 _OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
+# The op_name of a program argument in a layer's entry of the params dict: params['conv1'][0].
+_WEIGHTS = re.compile(r"^params\['((?:[^'\\]|\\.)*)'\]")
 # Operations XLA:CPU runs on its thread pool and returns from at once (Eigen's convolutions and dots).
 _ASYNC_OPCODES = frozenset({"convolution", "dot"})
 
@@ -167,7 +169,8 @@ def op_sources(entry: str, computations: Mapping[str, Sequence[Instruction]],
                     names += op_names(inner, seen)
         return names
 
-    sources = {}
+    sources: dict[str, OpSource] = {}
+    owners: dict[str, str] = {}  # a layer's weights (arguments params['conv1'][0], and views of them) -> the layer
     for instruction in computations[entry]:
         layers: set[str] = set()
         backward = forward = False
@@ -180,14 +183,18 @@ def op_sources(entry: str, computations: Mapping[str, Sequence[Instruction]],
                 forward = True
         part = BOTH if forward and backward else BACKWARD if backward else FORWARD if forward else ""
         if not part:
-            # XLA made it without metadata (a filter gradient's convolution rewritten, a copy for a layout):
-            # it works for the layers that made its operands, in the backward pass if any of them is in it.
-            # The entry computation lists operands before their readers.
+            # XLA made it without metadata (a product or a filter gradient's convolution rewritten, a copy for
+            # a layout): it works for the layer whose weights it reads, else for the layers that made its
+            # operands; in the backward pass if any operand is. The entry computation lists operands first.
             made = [sources[ref] for ref in instruction.references if ref in sources]
-            layers = {layer for source in made for layer in source.layers}
+            layers = {owners[ref] for ref in instruction.references if ref in owners} or \
+                {layer for source in made for layer in source.layers}
             parts = {source.part for source in made}
-            part = (BACKWARD if parts & {BACKWARD, BOTH} else FORWARD if FORWARD in parts else "") if layers else ""
+            part = (BACKWARD if parts & {BACKWARD, BOTH} else FORWARD) if layers else ""
         sources[instruction.name] = OpSource(instruction.name, tuple(sorted(layers, key=order.__getitem__)), part)
+        weights = _WEIGHTS.match(instruction.op_name)
+        if weights and weights.group(1) in order:
+            owners[instruction.name] = weights.group(1)
     return sources
 
 
