@@ -43,6 +43,17 @@ NETS = {net.name: net for net in [
 ]}
 
 
+def deploy_net(spec: BenchNet):
+    """The net's deploy prototxt in the TEST phase, with its trained weights where bundled, else
+    :func:`randomize_weights`."""
+    import caffejax
+
+    net = caffejax.Net(str(spec.prototxt), caffejax.TEST, **({"weights": str(spec.weights)} if spec.weights else {}))
+    if spec.weights is None:
+        randomize_weights(net)
+    return net
+
+
 def randomize_weights(net, seed: int = 0) -> None:
     """Random weights of realistic scale, whatever the prototxt's fillers (several deploy nets have none,
     which would leave zeros): He-normal filters, small biases, BatchNorm statistics near (0, 1) stored with

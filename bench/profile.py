@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.measure import timed
-from bench.nets import NETS, randomize_weights
+from bench.nets import NETS, deploy_net, randomize_weights
 
 
 def profile(net_name: str, batch: int, passes, repeats: int = 5, dtype=jnp.float32) -> list[dict]:
@@ -34,9 +34,7 @@ def profile(net_name: str, batch: int, passes, repeats: int = 5, dtype=jnp.float
     from caffejax.runtime.xla_options import compiler_options, layer_matmul_flops
 
     spec = NETS[net_name]
-    net = caffejax.Net(str(spec.prototxt), caffejax.TEST, **({"weights": str(spec.weights)} if spec.weights else {}))
-    if spec.weights is None:
-        randomize_weights(net)
+    net = deploy_net(spec)
     name = net.inputs[0]
     shape = (batch,) + tuple(net.blobs[name].shape[1:])
     infer = caffejax.compile_inference(net, passes=passes, dtype=dtype)
@@ -98,9 +96,7 @@ def profile_whole(net_name: str, batch: int, passes, train: bool, runs: int = 10
     from caffejax.runtime.program_profile import profile_program
 
     spec = NETS[net_name]
-    net = caffejax.Net(str(spec.prototxt), caffejax.TEST, **({"weights": str(spec.weights)} if spec.weights else {}))
-    if spec.weights is None:
-        randomize_weights(net)
+    net = deploy_net(spec)
     if train:
         with tempfile.TemporaryDirectory() as tmp:
             weights = pathlib.Path(tmp) / f"{net_name}.caffemodel"
@@ -186,11 +182,11 @@ def main(argv=None) -> int:
     if args.whole:
         from caffejax.runtime.program_profile import format_rows
 
-        profile = profile_whole(args.net, args.batch, passes, args.train,
-                                dtype=jnp.bfloat16 if args.bf16 else jnp.float32)
+        traced = profile_whole(args.net, args.batch, passes, args.train,
+                               dtype=jnp.bfloat16 if args.bf16 else jnp.float32)
         print(f"{args.net} batch {args.batch}, {'training step' if args.train else 'inference'}: whole program "
-              f"traced, {profile.seconds * 1e3:.1f} ms a run ({profile.runs} runs); slowest {args.top}:")
-        print("\n".join(format_rows(profile, args.top)))
+              f"traced, {traced.seconds * 1e3:.1f} ms a run ({traced.runs} runs); slowest {args.top}:")
+        print("\n".join(format_rows(traced, args.top)))
         return 0
     if args.train:
         rows = profile_training(args.net, args.batch)

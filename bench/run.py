@@ -34,7 +34,7 @@ import numpy as np
 import caffejax  # before the first JAX computation, as in a user's program: its import chooses CPU dispatch
 from bench.measure import (gemm_gflops, model_flops, once, reference_gemm, timed, timed_alternating,
                            training_flops)
-from bench.nets import NETS, ROOT, BenchNet, randomize_weights, training_net_param
+from bench.nets import NETS, ROOT, BenchNet, deploy_net, training_net_param
 from caffejax.runtime import memory
 
 RESULTS = ROOT / "bench" / "results"
@@ -110,10 +110,7 @@ def _cpu_flags() -> list[str]:
 
 def bench_net(spec: BenchNet, batches, repeats: int, args) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"bench-{spec.name}-") as tmp:
-        net = caffejax.Net(str(spec.prototxt), caffejax.TEST,
-                           **({"weights": str(spec.weights)} if spec.weights else {}))
-        if spec.weights is None:
-            randomize_weights(net)
+        net = deploy_net(spec)
         weights = pathlib.Path(tmp) / f"{spec.name}.caffemodel"
         net.save(str(weights))
         result = {"weights": "trained" if spec.weights else "random", "load": measure_load(spec, net, weights),

@@ -1,4 +1,5 @@
-"""The benchmark's timing helper: the forwards a ratio compares are timed in alternating blocks."""
+"""The benchmark's timing helper (the forwards a ratio compares are timed in alternating blocks), and the
+profile command."""
 
 from __future__ import annotations
 
@@ -73,3 +74,14 @@ def test_the_reference_gemm_is_the_backends():
     here = measure.gemm_gflops(n=64, repeats=1)
     assert here["backend"] == measure.jax.default_backend() and here["n"] == 64
     assert here["reference"] == ("numpy_openblas" if here["backend"] == "cpu" else "xla")
+
+
+@pytest.mark.parametrize("mode", [[], ["--whole"]])
+def test_profile_command_runs_both_ways(mode, capsys):
+    """``python -m bench.profile``: each layer timed alone, or the whole program traced (LeNet, batch 1)."""
+    from bench import profile
+
+    assert profile.main(["lenet", "--batch", "1", "--top", "2"] + mode) == 0
+    out = capsys.readouterr().out
+    assert ("whole program traced" in out) == bool(mode)
+    assert "conv2" in out
