@@ -15,6 +15,10 @@ MODELS = FIXTURES / "models"
 BUNDLED = HERE.parent / "caffejax" / "models"
 SHARED = pathlib.Path(os.environ.get("CAFFEJAX_SHARED", HERE.parent.parent / "shared"))
 
+if "PYTEST_XDIST_WORKER" in os.environ:
+    # One process per core (README's -n auto): on a GPU each would otherwise claim 75% of its memory up front.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 # Tolerances of ../shared/reference/README.md (mixed: rtol, and atol scaled to the blob's magnitude).
 FORWARD_RTOL, FORWARD_ATOL = 1e-4, 1e-5
 DIFF_RTOL, DIFF_ATOL = 1e-3, 1e-4

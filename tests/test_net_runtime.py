@@ -324,8 +324,12 @@ def test_a_backward_asked_for_no_inner_diff_runs_the_channels_last_kernels():
     nhwc, nchw = "(0, 3, 1, 2)", "(0, 1, 2, 3)"  # the forward convolutions' input layouts
     assert nhwc in layouts(()) and layouts(()) == layouts((data,)) and nchw not in layouts(())
     assert nchw in layouts((data, inner)) and nhwc not in layouts((data, inner))
-    _, _, fast_grads, fast = program.forward_backward(net.param_arrays(), inputs, seeds, diff_values=(data,))
-    _, _, caffe_grads, caffe = program.forward_backward(net.param_arrays(), inputs, seeds, diff_values=(data, inner))
+    def forward_backward(diff_values):  # jitted: run eagerly, each pass takes 5-10 s
+        return jax.jit(lambda p: program.forward_backward(p, inputs, seeds, diff_values=diff_values))(
+            net.param_arrays())
+
+    _, _, fast_grads, fast = forward_backward((data,))
+    _, _, caffe_grads, caffe = forward_backward((data, inner))
     np.testing.assert_allclose(fast[data], caffe[data], rtol=1e-5, atol=1e-8)
     np.testing.assert_allclose(fast_grads["conv1"][0], caffe_grads["conv1"][0], rtol=1e-5, atol=1e-7)
 

@@ -187,8 +187,11 @@ def test_max_pool_channels_last_gradient_is_the_nchw_one(kernel, stride, pad, ro
     x = rng.integers(-2, 3, size=(2, 3) + size).astype(np.float32)
     g = vision.pooling_geometry(_pool_layer("MAX", kernel, stride, pad, round_mode), x.shape)
     dy = rng.normal(size=(2, 3) + g.out).astype(np.float32)
-    nchw = jax.vjp(lambda x: vision.max_pool(x, g, 2)[0], x)[1](dy)[0]
-    nhwc = jax.vjp(lambda x: vision.max_pool(x, g, 1)[0], x.transpose(0, 2, 3, 1))[1](dy.transpose(0, 2, 3, 1))[0]
+    def pullback(first_axis):  # jitted: run eagerly, each small operation of the backward compiles alone
+        return jax.jit(lambda x, dy: jax.vjp(lambda x: vision.max_pool(x, g, first_axis)[0], x)[1](dy)[0])
+
+    nchw = pullback(2)(x, dy)
+    nhwc = pullback(1)(x.transpose(0, 2, 3, 1), dy.transpose(0, 2, 3, 1))
     np.testing.assert_array_equal(np.asarray(nhwc).transpose(0, 3, 1, 2), np.asarray(nchw))
 
 
@@ -414,11 +417,14 @@ def test_deconvolution_by_col2im_has_the_convolution_forms_values_and_gradients(
 
 def _assert_same_forward_and_gradients_in_float64(ours, xla, x, w, dy):
     """ours(x, w) equals xla(x, w), and so do dx and dw pulled back from dy, to 1e-12 in float64."""
+    def value_and_pullback(fn):  # jitted: run eagerly, each of a form's many small operations compiles alone
+        return jax.jit(lambda x, w, dy: (lambda y, pull: (y, pull(dy)))(*jax.vjp(fn, x, w)))(x, w, dy)
+
     with jax.enable_x64(True):
-        want_y, want_vjp = jax.vjp(xla, x, w)
-        got_y, got_vjp = jax.vjp(ours, x, w)
+        want_y, want_grads = value_and_pullback(xla)
+        got_y, got_grads = value_and_pullback(ours)
         np.testing.assert_allclose(got_y, want_y, rtol=1e-12, atol=1e-12)
-        for got, want, name in zip(got_vjp(dy), want_vjp(dy), ("dx", "dw")):
+        for got, want, name in zip(got_grads, want_grads, ("dx", "dw")):
             np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=name)
 
 
