@@ -154,7 +154,7 @@ def test_hessian_vector_product_through_written_out_backwards(monkeypatch):
         params = net.param_arrays()
         fn = caffejax.value_and_grad(net)
 
-        @jax.jit  # eagerly, forward-over-reverse dispatches each of its thousands of operations alone (a minute)
+        @jax.jit  # run eagerly, forward-over-reverse dispatches each of its operations alone: about a minute
         def grad_of(p):
             return fn(p, inputs)[1]
 
