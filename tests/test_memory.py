@@ -57,3 +57,46 @@ def test_environment_switch(monkeypatch):
     for off in ("0", "false", "off", "no"):
         monkeypatch.setenv(memory.ENVIRONMENT, off)
         assert memory.apply_environment() is False
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_garbage_collection_paused_turns_the_collector_off_and_back_to_how_it_was(enabled):
+    import gc
+
+    was = gc.isenabled()
+    try:
+        (gc.enable if enabled else gc.disable)()
+        with memory.garbage_collection_paused():
+            assert not gc.isenabled()
+        assert gc.isenabled() is enabled
+        with pytest.raises(RuntimeError), memory.garbage_collection_paused():
+            raise RuntimeError("a failed build")
+        assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
+def test_an_inference_program_is_built_with_the_collector_paused(monkeypatch):
+    import gc
+
+    import numpy as np
+
+    import caffejax
+    from caffejax.runtime import inference
+    from conftest import BUNDLED
+
+    seen = []
+    prepare = inference.prepare_params
+
+    def spy(plan, dtype):
+        seen.append(gc.isenabled())
+        return prepare(plan, dtype)
+
+    monkeypatch.setattr(inference, "prepare_params", spy)
+    net = caffejax.Net(str(BUNDLED / "lenet/lenet.prototxt"), str(BUNDLED / "lenet/lenet_iter_10000.caffemodel"),
+                       caffejax.TEST)
+    assert gc.isenabled()
+    infer = caffejax.compile_inference(net)
+    out = infer({"data": np.zeros((2, 1, 28, 28), np.float32)})["prob"]
+    infer({"data": np.zeros((2, 1, 28, 28), np.float32)})  # the same program: no second build
+    assert out.shape == (2, 10) and seen == [False] and gc.isenabled()

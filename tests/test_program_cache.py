@@ -51,6 +51,26 @@ def test_a_new_function_loads_the_program_and_reads_its_own_weights(cache, caplo
     assert not np.allclose(np.asarray(edited), np.asarray(first))
 
 
+def test_a_program_is_read_back_with_the_garbage_collector_paused(cache, monkeypatch):
+    import gc
+
+    from jax.experimental import serialize_executable
+
+    seen = []
+    load = serialize_executable.deserialize_and_load
+
+    def spy(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(serialize_executable, "deserialize_and_load", spy)
+    x = _digits(64)  # the prototxt's batch
+    first = caffejax.Net(str(LENET), str(WEIGHTS), caffejax.TEST).forward(data=x)["prob"].copy()
+    again = caffejax.Net(str(LENET), str(WEIGHTS), caffejax.TEST).forward(data=x)["prob"]  # Net's own program
+    np.testing.assert_array_equal(again, first)
+    assert seen == [False] and gc.isenabled()
+
+
 def test_other_shapes_passes_and_dtypes_are_other_programs(cache):
     import jax.numpy as jnp
 

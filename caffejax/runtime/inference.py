@@ -28,6 +28,7 @@ from caffejax.errors import CaffejaxError, ShapeError
 from caffejax.frontend.ir import Graph
 from caffejax.lower.optimize import (DEFAULT_PASSES, Plan, aligned_copy, check_passes, make_plan, optimize,
                                      prepare_params, run_plan)
+from caffejax.runtime.memory import garbage_collection_paused
 from caffejax.runtime.program_cache import compile_program, describe_graph
 from caffejax.runtime.xla_options import bf16_matrix_programs, compiler_options
 
@@ -94,21 +95,24 @@ class InferenceFunction:
 
     def _program(self, signature: Shapes) -> _Program:
         program = self._programs.get(signature)
-        if program is None and self._mesh is not None:
-            program = self._programs[signature] = self._sharded_program(signature)
         if program is None:
-            plan = optimize(make_plan(self._graph(dict(signature)), self._weights), self.passes)
-            params = prepare_params(plan, self.dtype)
-            feeds = list(plan.graph.fed.items())
-            fed = {value: jax.ShapeDtypeStruct(plan.graph.value_shapes[value], self.dtype) for _, value in feeds}
-            run = compile_program(_outputs_as_float32(plan), (params, fed),
-                                  options=compiler_options(plan.graph, dtype=self.dtype),
-                                  description=_describe(plan, self.passes))
-            device = next(iter(jax.device_put(np.zeros((), self.dtype)).sharding.device_set))  # as params'
-            program = self._programs[signature] = _Program(
-                plan, params, run, feeds, device,
-                inputs_to_device_first=device.platform == "cpu" and _maps_afresh_on_a_worker(run))
+            with garbage_collection_paused():
+                program = self._programs[signature] = self._build_program(signature)
         return program
+
+    def _build_program(self, signature: Shapes) -> _Program:
+        if self._mesh is not None:
+            return self._sharded_program(signature)
+        plan = optimize(make_plan(self._graph(dict(signature)), self._weights), self.passes)
+        params = prepare_params(plan, self.dtype)
+        feeds = list(plan.graph.fed.items())
+        fed = {value: jax.ShapeDtypeStruct(plan.graph.value_shapes[value], self.dtype) for _, value in feeds}
+        run = compile_program(_outputs_as_float32(plan), (params, fed),
+                              options=compiler_options(plan.graph, dtype=self.dtype),
+                              description=_describe(plan, self.passes))
+        device = next(iter(jax.device_put(np.zeros((), self.dtype)).sharding.device_set))  # as params'
+        return _Program(plan, params, run, feeds, device,
+                        inputs_to_device_first=device.platform == "cpu" and _maps_afresh_on_a_worker(run))
 
     def _sharded_program(self, signature: Shapes) -> _Program:
         """The plan one device runs on its rows of the batch, in one jitted shard_map over the mesh: inputs

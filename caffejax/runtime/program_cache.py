@@ -34,6 +34,7 @@ import numpy as np
 
 from caffejax.fileio import atomic_write
 from caffejax.lower.registry import get_rule
+from caffejax.runtime.memory import garbage_collection_paused
 from caffejax.runtime.mode import environment_switch
 
 ENVIRONMENT = "CAFFEJAX_PROGRAM_CACHE"
@@ -130,10 +131,11 @@ def compile_program(function: Callable, args: tuple, *, options: Mapping[str, st
     path = directory / f"{program_key(description, args, options)}.program"
     if path.exists():
         try:
-            payload, in_tree, out_tree = pickle.loads(path.read_bytes())
-            # One device: by default the loader would spread the executable over every device of the backend.
-            loaded = serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
-                                                               execution_devices=[jax.devices()[0]])
+            with garbage_collection_paused():  # read back, the executable is many objects that all live on
+                payload, in_tree, out_tree = pickle.loads(path.read_bytes())
+                # One device: by default the loader would spread the executable over every device of the backend.
+                loaded = serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
+                                                                   execution_devices=[jax.devices()[0]])
             log.debug("caffejax: program %s loaded from the cache", path.name)
             return loaded
         except Exception as error:  # another jaxlib or a damaged file: compile again, replace it
