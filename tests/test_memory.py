@@ -3,6 +3,7 @@ out (process-wide, so in a child)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import platform
 import subprocess
@@ -61,8 +62,6 @@ def test_environment_switch(monkeypatch):
 
 @pytest.mark.parametrize("enabled", [True, False])
 def test_garbage_collection_paused_turns_the_collector_off_and_back_to_how_it_was(enabled):
-    import gc
-
     was = gc.isenabled()
     try:
         (gc.enable if enabled else gc.disable)()
@@ -77,8 +76,6 @@ def test_garbage_collection_paused_turns_the_collector_off_and_back_to_how_it_wa
 
 
 def test_an_inference_program_is_built_with_the_collector_paused(monkeypatch):
-    import gc
-
     import numpy as np
 
     import caffejax
