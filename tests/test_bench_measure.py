@@ -3,8 +3,13 @@ profile command."""
 
 from __future__ import annotations
 
+import os
+import pathlib
+import subprocess
+import sys
 import types
 
+import numpy as np
 import pytest
 
 from bench import measure
@@ -74,6 +79,26 @@ def test_the_reference_gemm_is_the_backends():
     here = measure.gemm_gflops(n=64, repeats=1)
     assert here["backend"] == measure.jax.default_backend() and here["n"] == 64
     assert here["reference"] == ("numpy_openblas" if here["backend"] == "cpu" else "xla")
+
+
+def test_peak_rss_is_the_high_water_mark_in_proc_status(tmp_path):
+    status = tmp_path / "status"
+    status.write_text("Name:\tpython\nVmPeak:\t 9000000 kB\nVmHWM:\t  204800 kB\nVmRSS:\t  102400 kB\n")
+    assert measure.peak_rss_mb(str(status)) == 200.0
+    missing = measure.peak_rss_mb(str(tmp_path / "absent"))  # no /proc: getrusage's figure
+    assert missing == measure.resource.getrusage(measure.resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads Linux's /proc")
+def test_a_started_process_reports_its_own_peak_not_its_parents():
+    """The cold- and warm-start processes are started by the bench: their peak must not be the bench's."""
+    held = np.ones(512 << 20, np.uint8)  # 512 MB touched in this process
+    root = pathlib.Path(measure.__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", "from bench.measure import peak_rss_mb; print(peak_rss_mb())"],
+                          capture_output=True, text=True, check=True, cwd=root,
+                          env=dict(os.environ, PYTHONPATH=str(root)))
+    assert held.sum() == 512 << 20
+    assert float(done.stdout.split()[-1]) < 400  # getrusage's ru_maxrss said 512 or more: the parent's peak
 
 
 @pytest.mark.parametrize("mode", [[], ["--whole"]])
