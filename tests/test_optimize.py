@@ -261,6 +261,68 @@ def test_winograd_medium_takes_3x3_layers_up_to_28x28():
     assert chosen == {"winograd": {"tail"}, "winograd_medium": {"big", "tail"}}
 
 
+IM2COL_NET = ('input: "data" input_shape { dim: 2 dim: 6 dim: 11 dim: 11 }\n'
+              # 3x3 pad 1, 48 filters: im2col
+              + _conv("wide", "data", "wide", 48, 3, "pad: 1")
+              # two groups of 24 channels -> 48 filters each, 5x5, stride 2, uneven padding overhang
+              + _conv("grouped", "wide", "grouped", 96, 5, "pad: 2 stride: 2 group: 2")
+              # dilation 2, no padding
+              + _conv("dilated", "grouped", "dilated", 48, 3, "dilation: 2")
+              # too few filters (47) and an odd channel count (47) stay direct convolutions
+              + _conv("few", "wide", "few", 47, 3, "pad: 1") + _conv("odd", "few", "odd", 48, 3, "pad: 1")
+              # depthwise and 1x1 are not im2col's
+              + _conv("dw", "wide", "dw", 48, 3, "pad: 1 group: 48") + _conv("pw", "wide", "pw", 64, 1))
+
+
+def test_conv_im2col_keeps_outputs_and_takes_wide_even_layers(monkeypatch):
+    """im2col + one product per group gives the convolution's outputs (float32 at Caffe's forward tolerance,
+    bfloat16 within its rounding of the widened convolution's), for padding, stride, groups and dilation; it
+    takes layers with enough filters per group and an even channel count per group, before Winograd."""
+    caffejax.set_random_seed(11)
+    net = caffejax.Net(IM2COL_NET, caffejax.TEST)
+    x = np.random.default_rng(4).normal(size=(2, 6, 11, 11)).astype(np.float32)
+    reference = caffejax.compile_inference(net, passes=())({"data": x})
+    passes = ("nhwc", "conv_im2col", "winograd")
+    infer = caffejax.compile_inference(net, passes=passes)
+    _check(infer({"data": x}), reference, "+".join(passes))
+    kernels = {name: k.name for name, k in infer.plan({"data": x.shape}).kernels.items() if name in net.layer_dict}
+    assert {name for name, k in kernels.items() if k == "conv_im2col"} == {"wide", "grouped", "dilated"}
+    assert kernels["few"] == "conv_winograd_f2x2_3x3" and kernels["odd"] == "conv_winograd_f2x2_3x3"
+    assert kernels["dw"] == "conv_nhwc" and kernels["pw"] == "conv_nhwc"
+    # bfloat16: against the widened direct convolutions, layer by layer the same products summed in float32
+    widened = caffejax.compile_inference(net, passes=("nhwc", "widen"), dtype=jnp.bfloat16)({"data": x})
+    got = caffejax.compile_inference(net, passes=("nhwc", "conv_im2col", "widen"), dtype=jnp.bfloat16)({"data": x})
+    for blob in reference:
+        ref = np.asarray(reference[blob])
+        np.testing.assert_allclose(np.asarray(got[blob]), np.asarray(widened[blob]), rtol=0,
+                                   atol=0.02 * float(np.abs(ref).max()), err_msg=blob)
+    # the window matrix limit: "grouped" has 2 x 6x6 x 24 x 5x5 = 43200 values a group, "wide" 13068
+    monkeypatch.setattr(optimize, "IM2COL_MAX_WINDOW_VALUES", 43199)
+    kernels = caffejax.compile_inference(net, passes=passes).plan({"data": x.shape}).kernels
+    assert kernels["wide"].name == "conv_im2col" and kernels["grouped"].name == "conv_nhwc"
+
+
+def test_window_rows_are_caffes_im2col_in_channels_last_order():
+    """Row (n, oh, ow) holds the window's values offset by offset (row-major), each offset's channels in
+    order; bfloat16 pairs (even channels) give the same bits as the unpaired gather."""
+    from caffejax.lower import vision
+
+    g = vision.ConvGeometry(1, (2, 3), (2, 1), (1, 0), (1, 2))
+    x = np.arange(2 * 5 * 7 * 4, dtype=np.float32).reshape(2, 5, 7, 4)
+    out = (3, 3)                                    # (5 + 2 - 2) // 2 + 1, (7 - 5) // 1 + 1
+    padding = ((1, 0), (0, 0))
+    rows = np.asarray(optimize.window_rows(jnp.asarray(x), g, padding, out))
+    assert rows.shape == (2 * 3 * 3, 6 * 4)
+    xp = np.pad(x, ((0, 0), (1, 0), (0, 0), (0, 0)))
+    want = np.stack([np.concatenate([xp[n, oh * 2 + i, ow + 2 * j] for i in range(2) for j in range(3)])
+                     for n in range(2) for oh in range(3) for ow in range(3)])
+    np.testing.assert_array_equal(rows, want)
+    paired = optimize.window_rows(jnp.asarray(x, jnp.bfloat16), g, padding, out)
+    assert paired.dtype == jnp.bfloat16
+    want_bf16 = np.asarray(jnp.asarray(want, jnp.bfloat16), np.float32)
+    np.testing.assert_array_equal(np.asarray(paired, np.float32), want_bf16)
+
+
 def test_widen_computes_in_float32_and_rounds_once(zoo):
     """A widened kernel fed bfloat16 runs its convolution (pooling, LRN) on float32 operands and rounds its top
     to bfloat16 once: the same value as the float32 kernel on the rounded operands, rounded. Fed float32 it is

@@ -128,6 +128,19 @@ def test_relu_gradient_at_zero_is_negative_slope():
     np.testing.assert_array_equal(np.asarray(gx), [0.0, 0.0, 1.0])
 
 
+def test_relu_keeps_nan_and_bfloat16_values():
+    """Caffe's max(x, 0) + slope·min(x, 0) propagates NaN; a plain ReLU (slope 0) keeps bfloat16 values as they
+    are, without a product (a bfloat16 product is float32 math rounded back, see neuron.leaky)."""
+    x = np.array([np.nan, -3.0, -0.0, 0.0, 2.5], np.float32)
+    (y,) = layer_forward('type: "ReLU"', [x])
+    np.testing.assert_array_equal(np.asarray(y), [np.nan, 0.0, 0.0, 0.0, 2.5])
+    (y,) = layer_forward('type: "ReLU" relu_param { negative_slope: 0.5 }', [x])
+    np.testing.assert_array_equal(np.asarray(y), [np.nan, -1.5, 0.0, 0.0, 2.5])
+    xb = jnp.asarray(x, jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(lambda v: layer_forward('type: "ReLU"', [v])[0])(xb)
+    assert not any(eqn.primitive.name == "mul" for eqn in jaxpr.jaxpr.eqns)
+
+
 def test_prelu_gradients_at_zero():
     x = np.array([[-1.0, 0.0, 2.0], [0.0, -3.0, 1.0]], np.float32)[:, :, None]  # (N=2, C=3, 1)
     slope = np.array([0.25, 0.5, 0.75], np.float32)
