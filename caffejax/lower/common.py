@@ -493,36 +493,10 @@ def _concat_top_shapes(layer_param, bottom_shapes, param_shapes, num_tops):
     return [first[:axis] + (sum(s[axis] for s in bottom_shapes),) + first[axis + 1:]]
 
 
-def concatenate(arrays: Sequence[jax.Array], axis: int) -> jax.Array:
-    """jnp.concatenate, moving 16-bit values (bfloat16) as 32-bit pairs of neighbours along the last axis where
-    every array's last axis has an even size. XLA:CPU moves 16-bit elements slowly: joining two 16x55x55x64
-    bfloat16 ReLU outputs (SqueezeNet's fire2/concat) took 5.2 ms, paired 1.7 ms, in float32 3.0 ms (2 Sapphire
-    Rapids cores). The same values either way; the derivative is the plain concatenation's."""
-    arrays = tuple(arrays)
-    dtype = arrays[0].dtype
-    if (dtype.itemsize != 2 or arrays[0].ndim == 0 or any(a.dtype != dtype for a in arrays)
-            or any(a.shape[-1] % 2 for a in arrays)):
-        return jnp.concatenate(arrays, axis)
-    return _paired_concatenate(arrays, axis % arrays[0].ndim)
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
-def _paired_concatenate(arrays: tuple[jax.Array, ...], axis: int) -> jax.Array:
-    pairs = [lax.bitcast_convert_type(a.reshape(a.shape[:-1] + (a.shape[-1] // 2, 2)), jnp.uint32) for a in arrays]
-    joined = lax.bitcast_convert_type(jnp.concatenate(pairs, axis), arrays[0].dtype)
-    return joined.reshape(joined.shape[:-2] + (-1,))
-
-
-@_paired_concatenate.defjvp
-def _paired_concatenate_jvp(axis, primals, tangents):
-    (arrays,), (dots,) = primals, tangents
-    return _paired_concatenate(arrays, axis), jnp.concatenate(dots, axis)
-
-
 @layer("Concat", bottoms=(1, None), tops=(1, 1), top_shapes=_concat_top_shapes)
 def concat(ctx: LayerContext, bottoms, params):
     """top = the bottoms joined along axis (or legacy concat_dim); all other dims must agree."""
-    return [concatenate(bottoms, axis=_concat_axis(ctx.layer, [b.shape for b in bottoms]))]
+    return [jnp.concatenate(bottoms, axis=_concat_axis(ctx.layer, [b.shape for b in bottoms]))]
 
 
 @layer("Slice", bottoms=(1, 1), tops=(1, None))
