@@ -202,8 +202,10 @@ def test_every_rewrite_and_kernel_is_exercised(zoo):
     assert "BatchNorm" not in types                       # all four folded away
     assert types.count("Scale") == 1                      # the one after the pooling, BN + Scale as one
     kernels = {name: kernel.name for name, kernel in plan.kernels.items()}
-    assert kernels["a"] == kernels["c"] == kernels["c5"] == "conv_winograd_f2x2_3x3"
-    assert kernels["b"] == kernels["e"] == "conv_1x1_gemm"
+    assert kernels["a"] == kernels["c"] == "conv_winograd_f2x2_3x3"
+    assert kernels["b"] == "conv_1x1_gemm"
+    # defer_rounding: c5 -> ReLU -> global MAX pooling and e -> global AVE pooling keep float32 sums
+    assert kernels["c5"] == "conv_winograd_f2x2_3x3_unrounded" and kernels["e"] == "conv_1x1_gemm_unrounded"
     # widen wraps the direct convolutions, poolings and LRN (float32 compute under bfloat16 storage)
     assert kernels["dw"] == kernels["dw2"] == kernels["gd"] == "conv_nhwc_widened"
     assert kernels["fc"] == kernels["fct"] == "inner_product_nhwc"
@@ -359,7 +361,8 @@ def test_paired_concatenate_leaves_odd_and_wide_arrays_to_jnp():
 
 def test_widen_computes_in_float32_and_rounds_once(zoo):
     """A widened kernel fed bfloat16 runs its convolution (pooling, LRN) on float32 operands and rounds its top
-    to bfloat16 once: the same value as the float32 kernel on the rounded operands, rounded. Fed float32 it is
+    to bfloat16 once: the same value as the float32 kernel on the rounded operands, rounded. Fed float32 in a
+    bfloat16 program (an unrounded product, defer_rounding), it rounds only its top. In a float32 program it is
     the kernel itself."""
     net, x, _ = zoo
     plan = caffejax.compile_inference(net, passes=("nhwc",)).plan({"data": x.shape})
@@ -390,8 +393,34 @@ def test_widen_computes_in_float32_and_rounds_once(zoo):
         expected = kernel.forward(dataclasses.replace(ctx, dtype=jnp.float32), [jnp.asarray(rounded[0])],
                                   [jnp.asarray(a) for a in rounded[1:]])[0].astype(jnp.bfloat16)
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(expected, np.float32), err_msg=name)
-        f32 = run(widened[name], jnp.float32)
-        np.testing.assert_array_equal(np.asarray(f32), np.asarray(run(kernel, jnp.float32)), err_msg=name)
+        unrounded = widened[name].forward(ctx, [jnp.asarray(bottom)], [jnp.asarray(a, jnp.bfloat16) for a in params])[0]
+        assert unrounded.dtype == jnp.bfloat16
+        expected = kernel.forward(dataclasses.replace(ctx, dtype=jnp.float32), [jnp.asarray(bottom)],
+                                  [jnp.asarray(a) for a in rounded[1:]])[0].astype(jnp.bfloat16)
+        np.testing.assert_array_equal(np.asarray(unrounded, np.float32), np.asarray(expected, np.float32), err_msg=name)
+        f32_ctx = dataclasses.replace(ctx, dtype=jnp.float32)
+        f32 = run(widened[name], jnp.float32, ctx=f32_ctx)
+        np.testing.assert_array_equal(np.asarray(f32), np.asarray(run(kernel, jnp.float32, ctx=f32_ctx)), err_msg=name)
+
+
+def test_defer_rounding_keeps_float32_sums_only_on_the_way_into_widened_kernels(zoo):
+    """In a bfloat16 program, a product read only by widened convolutions and poolings (through element-wise
+    layers) leaves its sum unrounded: the zoo's c5 (-> ReLU -> global MAX) and e (-> global AVE). Products read
+    by another product (b), a Concat (a) or an LRN keep rounding. The outputs stay the bfloat16 program's."""
+    net, x, reference = zoo
+    passes = ("nhwc", "conv_gemm", "winograd", "widen")
+    rounded = caffejax.compile_inference(net, passes=passes, dtype=jnp.bfloat16)
+    deferred = caffejax.compile_inference(net, passes=passes + ("defer_rounding",), dtype=jnp.bfloat16)
+    kernels = {name: k.name for name, k in deferred.plan({"data": x.shape}).kernels.items()}
+    assert {name for name, k in kernels.items() if k.endswith("_unrounded")} == {"c5", "e"}
+    assert kernels["b"] == "conv_1x1_gemm" and kernels["a"] == "conv_winograd_f2x2_3x3"
+    ref = np.asarray(reference["prob"])
+    for infer in (rounded, deferred):
+        np.testing.assert_allclose(np.asarray(infer({"data": x})["prob"]), ref, atol=0.05 * float(np.abs(ref).max()))
+    # float32: nothing to defer, the same program's values
+    f32 = caffejax.compile_inference(net, passes=passes + ("defer_rounding",))({"data": x})
+    np.testing.assert_array_equal(np.asarray(f32["prob"]),
+                                  np.asarray(caffejax.compile_inference(net, passes=passes)({"data": x})["prob"]))
 
 
 def test_fold_keeps_values_other_layers_read():

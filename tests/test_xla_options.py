@@ -96,8 +96,8 @@ def test_ynnpack_off_means_no_ynnpack_fusions(monkeypatch):
 
 def test_bfloat16_forwards_get_single_dots_where_the_cpu_multiplies_bfloat16(monkeypatch):
     """A bfloat16 forward on a CPU with bfloat16 matrix instructions sends each dot to YNNPACK alone (which
-    runs bfloat16 -> float32 products on them) and runs conv_gemm, conv_im2col, winograd_medium and widen besides the
-    default passes; elsewhere, and for float32 or a backward, nothing changes."""
+    runs bfloat16 -> float32 products on them) and runs conv_gemm, conv_im2col, winograd_medium, widen and
+    defer_rounding besides the default passes; elsewhere, and for float32 or a backward, nothing changes."""
     from caffejax.lower.optimize import DEFAULT_PASSES
     from caffejax.runtime.inference import default_passes
 
@@ -119,7 +119,8 @@ def test_bfloat16_forwards_get_single_dots_where_the_cpu_multiplies_bfloat16(mon
         assert xla_options.compiler_options(small, backward=True, dtype=jnp.bfloat16) == with_backward
         assert default_passes(jnp.float32) == DEFAULT_PASSES
         assert default_passes(jnp.bfloat16) == (
-            DEFAULT_PASSES + ("conv_gemm", "conv_im2col", "winograd_medium", "widen") if matrix else DEFAULT_PASSES)
+            DEFAULT_PASSES + ("conv_gemm", "conv_im2col", "winograd_medium", "widen", "defer_rounding")
+            if matrix else DEFAULT_PASSES)
     monkeypatch.setenv(xla_options.ENVIRONMENT, "0")
     assert xla_options.compiler_options(small, dtype=jnp.bfloat16) == ({xla_options.YNN_OPTION: ""} if cpu else {})
 

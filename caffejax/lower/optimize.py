@@ -21,6 +21,8 @@ per layer (sharing resolved, BatchNorm folded) and the kernel chosen for each la
   run on those; it takes its layers before the ``winograd`` passes).
 - ``widen``: direct convolutions, pooling and LRN computed in float32 when the values are bfloat16 (XLA:CPU's
   bfloat16 versions of these are slower than its float32 ones).
+- ``defer_rounding``: a product whose output only widened convolutions and poolings read (through element-wise
+  layers) keeps its float32 sum; the widened kernel rounds once.
 
 Grouped and depthwise convolutions run as Caffe's rule runs them (one convolution per group; depthwise as
 shifted multiply-adds: ``vision.grouped_convolution``), in either layout.
@@ -344,7 +346,7 @@ def _matrix(params: ParamArrays) -> ParamArrays:
     return [w.reshape(w.shape[0], w.shape[1])] + list(params[1:])
 
 
-def _pointwise_conv_kernel(conv: ConvShape) -> Kernel:
+def _pointwise_conv_kernel(conv: ConvShape, rounded: bool = True) -> Kernel:
     stride = conv.geometry.stride
 
     def forward(ctx, bottoms, params):
@@ -353,7 +355,7 @@ def _pointwise_conv_kernel(conv: ConvShape) -> Kernel:
             x = x[:, ::stride[0], ::stride[1], :]
         pixels = x.reshape(-1, x.shape[-1])
         y = lax.dot_general(pixels, params[0].astype(x.dtype), (((1,), (1,)), ((), ())), **_accumulating(x))
-        return [_add_bias(y, params, x.dtype).reshape(x.shape[:3] + (conv.num_output,))]
+        return [_add_bias(y, params, x.dtype if rounded else y.dtype).reshape(x.shape[:3] + (conv.num_output,))]
 
     return Kernel("conv_1x1_gemm", forward, NHWC, _matrix)
 
@@ -393,7 +395,7 @@ def _winograd_tiles(conv: ConvShape) -> tuple[int, int]:
     return -(-conv.out[0] // 2), -(-conv.out[1] // 2)
 
 
-def _winograd_conv_kernel(conv: ConvShape) -> Kernel:
+def _winograd_conv_kernel(conv: ConvShape, rounded: bool = True) -> Kernel:
     (pad_h, _), (pad_w, _) = conv.padding
     oh, ow = conv.out
     th, tw = _winograd_tiles(conv)
@@ -413,7 +415,7 @@ def _winograd_conv_kernel(conv: ConvShape) -> Kernel:
         y = jnp.stack([jnp.stack([_combine([cols[a][s] for a in range(4)], _WINOGRAD_AT[r]) for s in range(2)],
                                  axis=3) for r in range(2)], axis=2)  # n, th, 2, tw, 2, O
         y = y.reshape(n, 2 * th, 2 * tw, conv.num_output)[:, :oh, :ow, :]
-        return [_add_bias(y, params, x.dtype)]
+        return [_add_bias(y, params, x.dtype if rounded else y.dtype)]
 
     return Kernel("conv_winograd_f2x2_3x3", forward, NHWC, _winograd_filters)
 
@@ -721,7 +723,7 @@ def window_rows(x: jax.Array, g: vision.ConvGeometry, padding, out: tuple[int, .
     return paired_concatenate(taps, axis=-1).reshape(-1, math.prod(g.kernel) * x.shape[-1])
 
 
-def _im2col_conv_kernel(conv: ConvShape) -> Kernel:
+def _im2col_conv_kernel(conv: ConvShape, rounded: bool = True) -> Kernel:
     cg = conv.channels // conv.group
 
     def forward(ctx, bottoms, params):
@@ -731,7 +733,8 @@ def _im2col_conv_kernel(conv: ConvShape) -> Kernel:
                               w[k], (((1,), (0,)), ((), ())), **_accumulating(x))
               for k in range(conv.group)]
         y = ys[0] if conv.group == 1 else jnp.concatenate(ys, axis=-1)
-        return [_add_bias(y, params, x.dtype).reshape((x.shape[0],) + conv.out + (conv.num_output,))]
+        y = _add_bias(y, params, x.dtype if rounded else y.dtype)
+        return [y.reshape((x.shape[0],) + conv.out + (conv.num_output,))]
 
     return Kernel("conv_im2col", forward, NHWC, functools.partial(_grouped_matrices, conv.group))
 
@@ -852,10 +855,11 @@ WIDENED_KERNELS = frozenset({"conv_nhwc", "pool_nhwc", "lrn_nhwc"})
 
 
 def _widened(kernel: Kernel) -> Kernel:
-    """``kernel`` computing in float32 at least: bottoms and arrays widened (exactly), tops rounded back to the
-    bottoms' dtype once. A float32 program runs the kernel unchanged."""
+    """``kernel`` computing in float32 at least: bottoms and arrays widened (exactly), tops rounded once to the
+    program's storage dtype (``ctx.dtype``; bottoms may come unrounded, see :func:`defer_rounding`). A float32
+    program runs the kernel unchanged."""
     def forward(ctx, bottoms, params):
-        dtype = bottoms[0].dtype
+        dtype = ctx.dtype
         wide = accumulator_dtype(dtype)
         if wide == dtype:
             return kernel.forward(ctx, bottoms, params)
@@ -873,6 +877,53 @@ def widen(plan: Plan) -> Plan:
     return dataclasses.replace(plan, kernels=kernels)
 
 
+# ---- rounding deferred into widened kernels -----------------------------------------------------------------
+
+# A product's float32 sum, rounded to bfloat16 for storage, is widened again right away where element-wise
+# layers alone lead it into a widened kernel (MobileNet's expand -> ReLU -> depthwise, SqueezeNet's conv10 ->
+# ReLU -> global pooling). Left unrounded, XLA fuses the bias, the element-wise layers and the widening into one
+# pass over the product's output instead of writing bfloat16 and reading it back; the widened kernel rounds
+# once, for storage. bfloat16 forwards at batch 16 (alternating blocks, 2 Sapphire Rapids cores): MobileNet v2
+# 0.91-0.95 of the time, SqueezeNet v1.1 0.95, ResNet-50, AlexNet and LeNet even. Into LRN (GoogLeNet's conv2 ->
+# ReLU -> norm2, whose window fusion recomputes the unrounded chain per channel) GoogLeNet took 1.04 of the time,
+# so LRN is left out.
+_ROUNDING_PRODUCTS = {"conv_1x1_gemm": _pointwise_conv_kernel, "conv_im2col": _im2col_conv_kernel,
+                      "conv_winograd_f2x2_3x3": _winograd_conv_kernel}
+_DEFERRED_INTO = frozenset({"conv_nhwc_widened", "pool_nhwc_widened"})
+
+
+def _only_into_widened(value: str, kernels: Mapping[str, Kernel], users, outputs) -> bool:
+    """Whether ``value`` reaches nothing but widened kernels, through one-input element-wise layers only."""
+    readers = users.get(value, [])
+    if not readers or value in outputs:
+        return False
+    for layer in readers:
+        kernel = kernels.get(layer.name)
+        if kernel is not None and kernel.name in _DEFERRED_INTO:
+            continue
+        if (layer.type in ELEMENTWISE_TYPES and (kernel is None or kernel.name == "elementwise")
+                and layer.type != "Silence" and len(layer.bottom_values) == 1
+                and all(_only_into_widened(v, kernels, users, outputs) for v in layer.top_values)):
+            continue
+        return False
+    return True
+
+
+def defer_rounding(plan: Plan) -> Plan:
+    """Products (1x1 GEMM, im2col, Winograd) whose output only widened convolutions and poolings read, through
+    one-input element-wise layers, keep it in float32 (kernel ``<name>_unrounded``): the widened kernel rounds
+    it. Runs after ``widen``; a no-op in float32 programs."""
+    users, outputs = _consumers(plan.graph), _output_values(plan.graph)
+    kernels = dict(plan.kernels)
+    for layer in plan.graph.layers:
+        kernel = kernels.get(layer.name)
+        if (kernel is not None and kernel.name in _ROUNDING_PRODUCTS and len(layer.top_values) == 1
+                and _only_into_widened(layer.top_values[0], kernels, users, outputs)):
+            unrounded = _ROUNDING_PRODUCTS[kernel.name](_conv_shape(layer, plan.graph), rounded=False)
+            kernels[layer.name] = dataclasses.replace(unrounded, name=f"{kernel.name}_unrounded")
+    return dataclasses.replace(plan, kernels=kernels)
+
+
 PASSES: dict[str, Callable[[Plan], Plan]] = {
     "fold_batchnorm": fold_batchnorm,
     "nhwc": nhwc,
@@ -882,6 +933,7 @@ PASSES: dict[str, Callable[[Plan], Plan]] = {
     "winograd": winograd,
     "winograd_medium": winograd_medium,
     "widen": widen,
+    "defer_rounding": defer_rounding,
 }
 # conv_gemm is not a default for inference. Its products go to YNNPACK with the element-wise work around them
 # (the forward programs' compiler option); left as convolutions, XLA rewrites 1x1 convolutions into plain dots
@@ -889,9 +941,10 @@ PASSES: dict[str, Callable[[Plan], Plan]] = {
 # on: SqueezeNet v1.1 0.80-0.81 at batch 1 and 0.93 at batch 16, MobileNet v2 0.83-0.87 / 0.91, ResNet-50
 # 0.85 / 0.92, GoogLeNet 0.90 / 0.89. Training programs keep it (layout_kernels): MobileNet v2's step was 9%
 # slower without it, SqueezeNet's the same.
-# conv_im2col, winograd_medium and widen pay only with bfloat16 values (caffejax.runtime.inference.default_passes).
-DEFAULT_PASSES: tuple[str, ...] = tuple(name for name in PASSES if name not in ("conv_gemm", "winograd_medium",
-                                                                               "conv_im2col", "widen"))
+# conv_im2col, winograd_medium, widen and defer_rounding pay only with bfloat16 values
+# (caffejax.runtime.inference.default_passes).
+DEFAULT_PASSES: tuple[str, ...] = tuple(name for name in PASSES if name not in (
+    "conv_gemm", "winograd_medium", "conv_im2col", "widen", "defer_rounding"))
 
 
 def check_passes(passes: Sequence[str]) -> None:
