@@ -208,11 +208,12 @@ def _outputs_as_float32(plan: Plan) -> Callable[..., dict[str, jax.Array]]:
 def default_passes(dtype) -> tuple[str, ...]:
     """The passes ``compile_inference`` runs unless told: :data:`~caffejax.lower.optimize.DEFAULT_PASSES`, and
     for bfloat16 on a CPU with bfloat16 matrix instructions ``conv_gemm`` and ``conv_im2col`` too (and
-    ``winograd_medium``, ``widen``, ``defer_rounding``). There a 1x1 convolution as a bfloat16 product runs on those instructions
-    (:data:`~caffejax.runtime.xla_options.YNN_INDIVIDUAL_DOT`), while XLA's own bfloat16 convolutions do not:
-    16x56x56x256 -> 64 took 2.4 ms against 81 ms (2 Sapphire Rapids cores), and ResNet-50's bfloat16 forward
-    at batch 16 went from 571 to 371 ms (float32: 563 ms). Other convolutions as im2col products: AlexNet's
-    bfloat16 forward at batch 16 82.9 -> 61.3 ms, GoogLeNet's 138.5 -> 118.5 ms (float32: about 95 and 170)."""
+    ``winograd_medium``, ``widen``, ``defer_rounding``). There a 1x1 convolution as a bfloat16 product runs on
+    those instructions (:data:`~caffejax.runtime.xla_options.YNN_INDIVIDUAL_DOT`), while XLA's own bfloat16
+    convolutions do not: 16x56x56x256 -> 64 took 2.4 ms against 81 ms (2 Sapphire Rapids cores), and
+    ResNet-50's bfloat16 forward at batch 16 went from 571 to 371 ms (float32: 563 ms). Other convolutions as
+    im2col products: AlexNet's bfloat16 forward at batch 16 82.9 -> 61.3 ms, GoogLeNet's 138.5 -> 118.5 ms
+    (float32: about 95 and 170)."""
     if not bf16_matrix_programs(dtype):
         return DEFAULT_PASSES
     return DEFAULT_PASSES + ("conv_gemm", "conv_im2col", "winograd_medium", "widen", "defer_rounding")
