@@ -281,9 +281,10 @@ def test_backward_makes_the_other_blobs_diffs_when_read():
         np.testing.assert_allclose(net.blobs[name].diff, written.blobs[name].diff, rtol=1e-6, atol=1e-9,
                                    err_msg=name)
     assert net.compile_count == 3  # all made by one program, the first read
-    # Only the input's diff asked for, the pass runs the channels-last kernels; every diff, Caffe's layout.
-    np.testing.assert_allclose(written.blobs["data"].diff, diff_of_data, rtol=1e-5, atol=1e-8)
-    np.testing.assert_allclose(written.params["conv1"][0].diff, diff_of_w, rtol=1e-5, atol=1e-8)
+    # Only the input's diff asked for, the pass runs the channels-last kernels; every diff, Caffe's layout. The
+    # two programs sum in different orders: they agree to a few units in the last place of the largest diff.
+    for got, want in [(written.blobs["data"].diff, diff_of_data), (written.params["conv1"][0].diff, diff_of_w)]:
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
     # ReLU runs in place: its blob holds the diff of ReLU's bottom, zero wherever ReLU's output is.
     ip1, relu_out = net.blobs["ip1"].diff, net.blobs["ip1"].data
     assert np.any(relu_out == 0) and not np.any(ip1[relu_out == 0]) and np.any(ip1[relu_out > 0])

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+
+import caffejax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -449,6 +452,76 @@ def test_one_bfloat16_row_times_the_weight_stays_a_bfloat16_product(transpose):
         hlo = forward.lower(x, w, b).compile().as_text()
         weight = "f32[256,48]" if transpose else "f32[48,256]"
         assert not [line for line in hlo.splitlines() if " = " in line and line.split(" = ")[1].startswith(weight)]
+
+
+def _inner_product_forward(num_output, transpose=False):
+    ip = layer_context('type: "InnerProduct" inner_product_param '
+                       f'{{ num_output: {num_output} transpose: {str(transpose).lower()} }}')
+    return lambda x, w, b: get_rule("InnerProduct").forward(ip, [x], [w, b])[0]
+
+
+def _dot_outputs(function, *args) -> list[str]:
+    """The shapes of the dot products in the compiled program (e.g. ``f32[500,16]``)."""
+    hlo = jax.jit(function).lower(*args).compile().as_text()
+    return [line.split(" = ")[1].split("{")[0] for line in hlo.splitlines()
+            if " dot(" in line and " = " in line]
+
+
+def test_few_rows_times_a_big_weight_keep_the_weight_on_the_left():
+    """16 rows times a 500 x 800 weight: Caffe's x W^T + b, its gradients the plain product's (bias, rows and
+    weight), and forward-over-reverse works; on the CPU the program multiplies W x^T (the weight is not the
+    factor YNNPACK packs), while a transposed weight, bfloat16 values, more than FEW_ROWS rows and a small
+    weight keep x W^T."""
+    from caffejax.lower import common
+
+    rng = np.random.default_rng(9)
+    x, w, b = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in [(16, 800), (500, 800), (500,)])
+    forward = _inner_product_forward(500)
+    y = forward(x, w, b)
+    np.testing.assert_allclose(y, np.asarray(x, np.float64) @ np.asarray(w, np.float64).T + np.asarray(b),
+                               rtol=1e-5, atol=1e-4)
+    dy = jnp.asarray(rng.standard_normal((16, 500)), jnp.float32)
+    grads = jax.vjp(forward, x, w, b)[1](dy)
+    plain = jax.vjp(lambda x, w, b: common.matmul_bt(x, w) + b, x, w, b)[1](dy)
+    for got, want in zip(grads, plain):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
+
+    def loss(product, w):  # scaled so that tanh is not saturated: its curvature is then well conditioned
+        return jnp.sum(jnp.tanh(product(x, w / 30, b)) ** 2)
+
+    tangent = jnp.asarray(rng.standard_normal(w.shape), jnp.float32)
+    _, hvp = jax.jvp(jax.grad(functools.partial(loss, forward)), (w,), (tangent,))
+    _, plain_hvp = jax.jvp(jax.grad(functools.partial(loss, lambda x, w, b: common.matmul_bt(x, w) + b)), (w,),
+                           (tangent,))
+    np.testing.assert_allclose(hvp, plain_hvp, rtol=1e-3, atol=1e-3 * float(jnp.max(jnp.abs(plain_hvp))))
+    if jax.default_backend() != "cpu":
+        return
+    assert _dot_outputs(forward, x, w, b) == ["f32[500,16]"]
+    assert _dot_outputs(forward, x[:1], w, b) != ["f32[500,1]"]   # one row: its own matrix-vector path
+    rows = jnp.asarray(rng.standard_normal((common.FEW_ROWS + 1, 800)), jnp.float32)
+    assert _dot_outputs(forward, rows, w, b) == [f"f32[{common.FEW_ROWS + 1},500]"]
+    assert _dot_outputs(_inner_product_forward(500, transpose=True), x, w.T, b) == ["f32[16,500]"]
+    small = jnp.asarray(rng.standard_normal((40, 800)), jnp.float32)
+    assert _dot_outputs(_inner_product_forward(40), x, small, b[:40]) == ["f32[16,40]"]
+    x16, w16, b16 = (a.astype(jnp.bfloat16) for a in (x, w, b))
+    assert _dot_outputs(forward, x16, w16, b16) == ["f32[16,500]"]
+
+
+def test_bfloat16_inner_products_in_a_row_run():
+    """A big InnerProduct over 16 rows feeding a small one, in a bfloat16 program: XLA has no bfloat16 x
+    bfloat16 -> float32 product of its own to fall back on if the first hands the second its rows transposed."""
+    net = caffejax.Net("""
+        layer { name: "data" type: "Input" top: "x" input_param { shape { dim: 16 dim: 800 } } }
+        layer { name: "ip1" type: "InnerProduct" bottom: "x" top: "h"
+                inner_product_param { num_output: 500 weight_filler { type: "gaussian" std: 0.05 } } }
+        layer { name: "relu" type: "ReLU" bottom: "h" top: "h" }
+        layer { name: "ip2" type: "InnerProduct" bottom: "h" top: "y"
+                inner_product_param { num_output: 10 weight_filler { type: "gaussian" std: 0.05 } } }
+    """, caffejax.TEST)
+    x = np.random.default_rng(10).standard_normal((16, 800)).astype(np.float32)
+    want = caffejax.compile_inference(net)({"x": x})["y"]
+    got = caffejax.compile_inference(net, dtype=jnp.bfloat16)({"x": x})["y"]
+    np.testing.assert_allclose(got, want, rtol=0.05, atol=0.05 * float(np.max(np.abs(want))))
 
 
 # ---- MVN, Reduction -----------------------------------------------------------------------------------------------
