@@ -573,6 +573,55 @@ def test_layout_kernels_cover_the_zoo():
     assert "cdrop" not in optimize.layout_kernels(graph)
 
 
+# AlexNet's pool1 -> conv2 (group 2) in small: MAX pools read by a convolution split into groups, by a plain
+# one, by a depthwise one (not split), and an AVE pool read by a split one.
+POOLS_INTO_GROUPS = (
+    'name: "groups" input: "data" input_shape { dim: 2 dim: 4 dim: 11 dim: 11 }\n'
+    + _conv("a", "data", "a", 8, 3) + _layer("a_relu", "ReLU", ["a"], ["a"])
+    + _layer("split_max", "Pooling", ["a"], ["pm"], "pooling_param { pool: MAX kernel_size: 3 stride: 2 }")
+    + _conv("g", "pm", "g", 6, 3, "pad: 1 group: 2")
+    + _layer("plain_max", "Pooling", ["a"], ["pp"], "pooling_param { pool: MAX kernel_size: 3 stride: 2 }")
+    + _conv("c", "pp", "c", 6, 3)
+    + _layer("dw_max", "Pooling", ["a"], ["pd"], "pooling_param { pool: MAX kernel_size: 2 stride: 2 }")
+    + _conv("dw", "pd", "dw", 8, 3, "group: 8")
+    + _layer("split_ave", "Pooling", ["a"], ["pa"], "pooling_param { pool: AVE kernel_size: 3 stride: 2 }")
+    + _conv("ga", "pa", "ga", 4, 1, "group: 2")
+    + _layer("label", "Input", [], ["label"], "input_param { shape { dim: 2 } }")
+    + _layer("fg", "InnerProduct", ["g"], ["fg"], 'inner_product_param { num_output: 5 '
+             'weight_filler { type: "gaussian" std: 0.1 } }')
+    + _layer("fc", "InnerProduct", ["c"], ["fc"], 'inner_product_param { num_output: 5 '
+             'weight_filler { type: "gaussian" std: 0.1 } }')
+    + _layer("fd", "InnerProduct", ["dw"], ["fd"], 'inner_product_param { num_output: 5 '
+             'weight_filler { type: "gaussian" std: 0.1 } }')
+    + _layer("fa", "InnerProduct", ["ga"], ["fa"], 'inner_product_param { num_output: 5 '
+             'weight_filler { type: "gaussian" std: 0.1 } }')
+    + _layer("sum", "Eltwise", ["fg", "fc", "fd", "fa"], ["sum"])
+    + _layer("loss", "SoftmaxWithLoss", ["sum", "label"], ["loss"])
+)
+
+
+def test_max_pools_read_by_split_groups_take_their_differentiated_top_from_reduce_window():
+    """Only a MAX pooling that a convolution split into groups reads gets the reduce_window top (AlexNet's
+    pool1); the training objective stays Caffe's rules' (loss and every param gradient)."""
+    from caffejax.lower.program import NetProgram
+
+    caffejax.set_random_seed(4)
+    net = caffejax.Net(POOLS_INTO_GROUPS, caffejax.TRAIN)
+    graph = net.graph
+    kernels = optimize.layout_kernels(graph)
+    assert {name: kernels[name].name for name in ("split_max", "plain_max", "dw_max", "split_ave")} == {
+        "split_max": "pool_nhwc_window_top", "plain_max": "pool_nhwc", "dw_max": "pool_nhwc",
+        "split_ave": "pool_nhwc"}
+    x = np.random.default_rng(3).integers(-3, 4, size=(2, 4, 11, 11)).astype(np.float32)  # ties in the pools
+    inputs = {graph.fed["data"]: x, graph.fed["label"]: np.array([1, 3], np.float32)}
+    params, key = net.param_arrays(), jax.random.key(0)
+    (loss, grads, _), (fast_loss, fast_grads, _) = [
+        jax.jit(program.loss_and_grads)(params, inputs, key)
+        for program in (NetProgram(graph), NetProgram(graph, kernels))]
+    assert_close(fast_loss, loss, FORWARD_RTOL, FORWARD_ATOL, "loss")
+    _assert_gradients_close(fast_grads, grads)
+
+
 @pytest.mark.parametrize("phase", [caffejax.TEST, caffejax.TRAIN])
 def test_channels_last_net_forward_keeps_every_blob(phase):
     text = ZOO if phase == caffejax.TEST else TRAIN_ZOO

@@ -420,7 +420,9 @@ def _winograd_conv_kernel(conv: ConvShape, rounded: bool = True) -> Kernel:
     return Kernel("conv_winograd_f2x2_3x3", forward, NHWC, _winograd_filters)
 
 
-def _pooling_kernel(layer: Layer, graph: Graph) -> Kernel | None:
+def _pooling_kernel(layer: Layer, graph: Graph, differentiated_top_by_window: bool = False) -> Kernel | None:
+    """MAX and AVE pooling, channels-last. ``differentiated_top_by_window`` (MAX only): a differentiated
+    program takes the top from reduce_window (:func:`caffejax.lower.vision.max_pool`)."""
     shape = _shape(graph, layer.bottom_values[0])
     if len(shape) != 4 or len(layer.top_values) != 1:
         return None
@@ -431,10 +433,11 @@ def _pooling_kernel(layer: Layer, graph: Graph) -> Kernel | None:
     def forward(ctx, bottoms, params):
         (x,) = bottoms
         if g.method == vision.POOL_MAX:
-            return [vision.max_pool(x, g, first_axis=1)[0]]
+            return [vision.max_pool(x, g, first_axis=1,
+                                    differentiated_top_by_window=differentiated_top_by_window)[0]]
         return [vision.ave_pool(x, g, first_axis=1)]
 
-    return Kernel("pool_nhwc", forward, NHWC)
+    return Kernel("pool_nhwc_window_top" if differentiated_top_by_window else "pool_nhwc", forward, NHWC)
 
 
 def _per_channel_kernel(rule_forward: ForwardFn) -> Kernel:
@@ -766,7 +769,25 @@ def layout_kernels(graph: Graph) -> dict[str, Kernel]:
     random = {layer.name for layer in graph.layers if layer.type == "Dropout"}
     kernels = {name: kernel for name, kernel in plan.kernels.items()
                if kernel.name not in _PREPARED_ONCE_ONLY and name not in random}
-    return batch_norm_chains(graph, kernels)
+    return batch_norm_chains(graph, max_pools_into_split_groups(graph, kernels))
+
+
+def max_pools_into_split_groups(graph: Graph, kernels: Mapping[str, Kernel]) -> dict[str, Kernel]:
+    """``kernels`` with each channels-last MAX pooling whose top a convolution split into groups reads
+    (:func:`caffejax.lower.vision.runs_group_by_group`, AlexNet's pool1 -> conv2) taking its differentiated
+    top from reduce_window: see :func:`caffejax.lower.vision._row_major_scan_fwd` for why, and why only these."""
+    users = _consumers(graph)
+    out = dict(kernels)
+    for layer in graph.layers:
+        kernel = kernels.get(layer.name)
+        if (kernel is None or kernel.name != "pool_nhwc" or layer.proto.pooling_param.pool != vision.POOL_MAX):
+            continue
+        readers = [_conv_shape(reader, graph) for reader in users.get(layer.top_values[0], [])
+                   if reader.name in kernels and kernels[reader.name].name == "conv_nhwc"]
+        if any(conv is not None and vision.runs_group_by_group(conv.group, conv.channels, conv.geometry.kernel)
+               for conv in readers):
+            out[layer.name] = _pooling_kernel(layer, graph, differentiated_top_by_window=True)
+    return out
 
 
 # Differentiated, a chain adds passes over the filters (the fold, the filter gradient's factor, the gradient's

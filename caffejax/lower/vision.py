@@ -260,6 +260,13 @@ def _add_bias(y: jax.Array, params: Sequence[jax.Array], nspatial: int) -> jax.A
 MAX_SPLIT_GROUPS = 64
 
 
+def runs_group_by_group(group: int, channels: int, kernel: Shape) -> bool:
+    """Whether :func:`grouped_convolution` splits its input into one convolution per group (neither the
+    depthwise form nor XLA's one grouped convolution)."""
+    depthwise = group == channels and math.prod(kernel) <= _MAX_TAPS
+    return 1 < group <= MAX_SPLIT_GROUPS and not depthwise
+
+
 def grouped_convolution(x: jax.Array, w: jax.Array, g: ConvGeometry, padding, out: Shape, group: int,
                         channels_last: bool = False, **options) -> jax.Array:
     """Caffe's convolution (no bias) of a batched x: (N, C, spatial...) with filters (O, C/g, k...), or
@@ -281,7 +288,7 @@ def grouped_convolution(x: jax.Array, w: jax.Array, g: ConvGeometry, padding, ou
         return lax.conv_general_dilated(x, w, g.stride, padding, rhs_dilation=g.dilation,
                                         feature_group_count=groups, dimension_numbers=numbers, **options)
 
-    if 1 < group <= MAX_SPLIT_GROUPS:
+    if runs_group_by_group(group, channels, g.kernel):
         pairs = zip(jnp.split(x, group, axis=channel_axis), jnp.split(w, group, axis=out_axis))
         return jnp.concatenate([conv(xg, wg, 1) for xg, wg in pairs], axis=channel_axis)
     if channels_last and group == 1 and _input_gradient_by_gemm(g, x.shape, out, w.shape):
@@ -764,8 +771,8 @@ def _window_index(g: PoolGeometry, t: jax.Array, trailing: int) -> jax.Array:
     return (rows + t // g.kernel[1]) * g.size[1] + cols + t % g.kernel[1]
 
 
-def max_pool(x: jax.Array, g: PoolGeometry, first_axis: int = 2,
-             with_mask: bool = False) -> tuple[jax.Array, jax.Array | None]:
+def max_pool(x: jax.Array, g: PoolGeometry, first_axis: int = 2, with_mask: bool = False,
+             differentiated_top_by_window: bool = False) -> tuple[jax.Array, jax.Array | None]:
     """(top, mask or None): Caffe's scan. The top starts at -FLT_MAX and takes each window element, in
     row-major order, that is strictly greater (padding cells read -inf and never are).
 
@@ -775,12 +782,16 @@ def max_pool(x: jax.Array, g: PoolGeometry, first_axis: int = 2,
     see :func:`_row_major_scan`. ``first_axis`` is where the two spatial axes start (2 for N, C, H, W; 1 for
     channels-last). The mask (flat index h * W + w) carries no gradient.
 
+    ``differentiated_top_by_window``: where the pooling is differentiated, its top comes from
+    :func:`_window_max` (the same values) and only the winners from the scan. See :func:`_row_major_scan_fwd`
+    for when that pays.
+
     Windows of more than _MAX_TAPS elements would trace one step per element (a global max over 100 x 100
     is 10,000 steps); they go through :func:`_large_max_pool` instead.
     """
     if g.kernel[0] * g.kernel[1] > _MAX_TAPS and (is_global_window(g) or not with_mask):
         return _large_max_pool(x, g, first_axis, with_mask)
-    top, winner = _row_major_scan(x, g, first_axis)
+    top, winner = _row_major_scan(x, g, first_axis, differentiated_top_by_window)
     if not with_mask:
         return top, None
     winner = winner.astype(jnp.int32)
@@ -809,18 +820,45 @@ def _scan_with_winner(x: jax.Array, g: PoolGeometry, first_axis: int) -> tuple[j
     return top, winner
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _row_major_scan(x: jax.Array, g: PoolGeometry, first_axis: int) -> tuple[jax.Array, jax.Array]:
+def _window_max(x: jax.Array, g: PoolGeometry, first_axis: int) -> jax.Array:
+    """Each window's maximum by XLA's reduce_window, under the scan's rules: a NaN never wins (it reads as
+    -inf) and a window with nothing above -FLT_MAX gives -FLT_MAX. Equal maxima are one value, so the top is
+    the scan's; only a zero's sign may differ (the scan keeps the first of -0 and +0)."""
+    lead, trailing = (1,) * first_axis, (1,) * (x.ndim - first_axis - 2)
+    xpad = _pad(jnp.where(jnp.isnan(x), -jnp.inf, x), first_axis, g.padding(), -jnp.inf)
+    top = lax.reduce_window(xpad, np.asarray(-np.inf, x.dtype), lax.max, lead + g.kernel + trailing,
+                            lead + g.stride + trailing, "VALID")
+    floor = jnp.asarray(-_FLT_MAX, x.dtype)
+    return jnp.where(top > floor, top, floor)  # not maximum: at -FLT_MAX itself nothing wins, no gradient
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _row_major_scan(x: jax.Array, g: PoolGeometry, first_axis: int,
+                    differentiated_top_by_window: bool) -> tuple[jax.Array, jax.Array]:
     """:func:`_scan_with_winner` with Caffe's backward written out."""
     return _scan_with_winner(x, g, first_axis)
 
 
-def _row_major_scan_fwd(x, g, first_axis):
+def _row_major_scan_fwd(x, g, first_axis, differentiated_top_by_window):
+    """The scan, or with ``differentiated_top_by_window`` its winners and the top of :func:`_window_max`.
+
+    XLA:CPU fuses the scan, a chain of cheap selects, into every reader of the top. A grouped convolution split
+    into one convolution per group (:func:`grouped_convolution`) reads it through one channel slice per group,
+    and each group's filter gradient reads its slice transposed (channels, rows, columns, batch): the scan was
+    rebuilt behind every element of those transposes, its window read across the whole batch for each. In
+    AlexNet's training step at batch 16 (pool1 -> conv2, group 2) the two transposes took 10 ms each. XLA does
+    not repeat a reduce_window in its readers: the step took 0.953-0.960 of the time at batch 16 and 0.970 at
+    batch 1 (paired A/B, 2 Sapphire Rapids cores). Elsewhere the scan is the faster top: with every max pooling
+    this way, training steps at batch 16 took 1.060 (LeNet), 1.065 (SqueezeNet v1.1) and 1.076 (GoogLeNet) of
+    the time. So the layout kernels ask for it only for a pooling that a split grouped convolution reads
+    (:func:`caffejax.lower.optimize.layout_kernels`)."""
     top, winner = _scan_with_winner(x, g, first_axis)
+    if differentiated_top_by_window:
+        top = _window_max(x, g, first_axis)
     return (top, winner), winner
 
 
-def _row_major_scan_bwd(g, first_axis, winner, cotangents):
+def _row_major_scan_bwd(g, first_axis, differentiated_top_by_window, winner, cotangents):
     """Each output's gradient to its winner, added in Caffe's order (outputs row-major, from zero): the
     gradient of the padded input (:func:`_residues_to_winners`, or :func:`_spread_to_winners` for windows
     that do not overlap), its padding cropped off.
@@ -897,16 +935,13 @@ def _large_max_pool(x: jax.Array, g: PoolGeometry, first_axis: int,
 
     A global window is an argmax over the flattened spatial axes with Caffe's rules (NaN never wins, the first
     of equal maxima does, nothing above -FLT_MAX keeps -FLT_MAX and mask -1), and the gradient goes to the
-    chosen element through a gather. Other big windows use XLA's reduce_window (no mask); there a NaN in a
-    window propagates and ties split no gradient differently from Caffe only in XLA's choice of element.
+    chosen element through a gather. Other big windows take :func:`_window_max` (no mask), whose gradient is
+    XLA's: ties send it to XLA's choice of element, not necessarily Caffe's first.
     """
+    if not is_global_window(g):
+        return _window_max(x, g, first_axis), None
     floor = jnp.asarray(-_FLT_MAX, x.dtype)
     trailing = x.shape[first_axis + 2:]
-    if not is_global_window(g):
-        ones = (1,) * len(trailing)
-        top = lax.reduce_window(_pad(x, first_axis, g.padding(), -jnp.inf), np.asarray(-np.inf, x.dtype), lax.max,
-                                (1,) * first_axis + g.kernel + ones, (1,) * first_axis + g.stride + ones, "VALID")
-        return jnp.where(top > floor, top, floor), None
     flat = x.reshape(x.shape[:first_axis] + (-1,) + trailing)
     index = jnp.argmax(jnp.where(jnp.isnan(flat), -jnp.inf, flat), axis=first_axis, keepdims=True)
     best = jnp.take_along_axis(flat, index, axis=first_axis)

@@ -195,6 +195,60 @@ def test_max_pool_channels_last_gradient_is_the_nchw_one(kernel, stride, pad, ro
     np.testing.assert_array_equal(np.asarray(nhwc).transpose(0, 3, 1, 2), np.asarray(nchw))
 
 
+def _ties_nan_and_minus_inf(shape, seed):
+    """Small integers (many ties), a few NaNs and -infs, and one image's first channel all -inf (windows with
+    nothing above -FLT_MAX)."""
+    rng = np.random.default_rng(seed)
+    x = rng.integers(-2, 3, size=shape).astype(np.float32)
+    x[rng.random(shape) < 0.1] = np.nan
+    x[rng.random(shape) < 0.1] = -np.inf
+    x[0, 0] = -np.inf
+    return x
+
+
+@pytest.mark.parametrize("kernel,stride,pad,round_mode,size", POOL_CONFIGS)
+def test_max_pool_differentiated_top_by_window_is_the_scans(kernel, stride, pad, round_mode, size):
+    """With ``differentiated_top_by_window`` (a pooling that a split grouped convolution reads, in the layout
+    kernels) a differentiated program's top comes from reduce_window: Caffe's values all the same (NaN never
+    wins, -FLT_MAX where nothing is above it), and Caffe's routing of the gradient; forward-over-reverse works."""
+    from caffejax.lower import vision
+
+    x = _ties_nan_and_minus_inf((2, 3) + size, seed=3)
+    g = vision.pooling_geometry(_pool_layer("MAX", kernel, stride, pad, round_mode), x.shape)
+    ref_y, ref_mask = caffe_pool(x, "MAX", kernel, stride, pad, g.out)
+    dy = np.random.default_rng(4).normal(size=ref_y.shape).astype(np.float32)
+
+    @jax.jit
+    def top_and_pullback(x, dy):
+        y, pullback = jax.vjp(lambda x: vision.max_pool(x, g, differentiated_top_by_window=True)[0], x)
+        return y, pullback(dy)[0]
+
+    assert "reduce_window" in str(jax.make_jaxpr(top_and_pullback)(x, dy))
+    y, dx = top_and_pullback(x, dy)
+    np.testing.assert_array_equal(np.asarray(y), ref_y)
+    # A window with no winner (mask -1) sends its diff nowhere (Caffe would write before the array).
+    np.testing.assert_array_equal(np.asarray(dx),
+                                  caffe_max_pool_backward(x.shape, ref_mask, np.where(ref_mask >= 0, dy, 0)))
+
+    def loss(x, by_window):  # a second derivative through the pooling: its top's tangent
+        return jnp.sum(jnp.sin(vision.max_pool(x, g, differentiated_top_by_window=by_window)[0]) ** 2)
+
+    finite = np.nan_to_num(x, nan=0.5, neginf=-3.0)
+    tangent = np.random.default_rng(5).normal(size=x.shape).astype(np.float32)
+    hvps = [jax.jit(lambda x, t, b=b: jax.jvp(jax.grad(lambda x: loss(x, b)), (x,), (t,))[1])(finite, tangent)
+            for b in (False, True)]
+    np.testing.assert_allclose(np.asarray(hvps[1]), np.asarray(hvps[0]), rtol=1e-6, atol=1e-6)
+
+
+def test_big_max_pool_windows_skip_nan_like_caffe():
+    """Windows of more than _MAX_TAPS elements (not global) go through reduce_window with the scan's rules."""
+    x = _ties_nan_and_minus_inf((2, 2, 13, 12), seed=6)
+    layer = _pool_layer("MAX", (9, 9), (2, 3), (1, 0), "CEIL")
+    (y,) = layer_forward(layer, [x])
+    ref_y, _ = caffe_pool(x, "MAX", (9, 9), (2, 3), (1, 0), y.shape[2:])
+    np.testing.assert_array_equal(np.asarray(y), ref_y)
+
+
 def test_max_pool_mask_top_gets_no_gradient():
     x = np.random.default_rng(1).normal(size=(1, 2, 5, 5)).astype(np.float32)
     lp = _pool_layer("MAX", (2, 2), (2, 2), (0, 0), "CEIL", tops=("y", "mask"))
