@@ -233,15 +233,26 @@ def opencv_forward(spec: BenchNet, weights: pathlib.Path, x: np.ndarray) -> dict
 
 
 def train_step(spec: BenchNet, weights: pathlib.Path, batch: int, repeats: int, lr: float = 1e-4) -> dict:
-    """Forward + backward + SGD update as one jitted program (params donated), on the deploy net with a
-    SoftmaxWithLoss appended (TRAIN phase: Dropout active; BatchNorm as the prototxt says)."""
+    """Forward + backward + SGD update as one jitted program, on the deploy net with a SoftmaxWithLoss appended
+    (TRAIN phase: Dropout active; BatchNorm as the prototxt says). As in ``Solver.step``, the new params go into
+    the buffers of the params the step before started from, given up to the program as an argument it does not
+    read (``Solver._spare_weights``). Given up themselves, the params were first copied by XLA (the update would
+    overwrite them while the backward still reads them): AlexNet's step at batch 16 took 1.04 of the time."""
     step, options, (params, inputs, seed_key), graph = training_step_program(spec, weights, batch, lr)
-    jitted = jax.jit(step, donate_argnums=0, compiler_options=options)
-    state = {"params": params, "step": 0}
+
+    def step_into_spare(params, inputs, seed_key, count, spare):
+        del spare
+        return step(params, inputs, seed_key, count)
+
+    jitted = jax.jit(step_into_spare, donate_argnums=4, keep_unused=True, compiler_options=options)
+    params = jax.tree.map(jnp.asarray, params)
+    state = {"params": params, "spare": jax.tree.map(jnp.zeros_like, params), "step": 0}
 
     def one():
         state["step"] += 1
-        state["params"], loss = jitted(state["params"], inputs, seed_key, np.uint32(state["step"]))
+        spare = state.pop("spare")
+        new, loss = jitted(state["params"], inputs, seed_key, np.uint32(state["step"]), spare)
+        state["spare"], state["params"] = state["params"], new
         return loss
 
     _, compile_s = once(one)
@@ -290,8 +301,8 @@ def training_step_program(spec: BenchNet, weights: pathlib.Path, batch: int, lr:
 
 def solver_step(spec: BenchNet, weights: pathlib.Path, batch: int, repeats: int, lr: float = 1e-4) -> dict:
     """One ``SGDSolver.step(1)`` (momentum 0.9) as a pycaffe script runs it: inputs written into the blobs, the
-    loss read back. Beyond :func:`train_step`'s program it keeps the momentum history, writes the weights and
-    their updates (the diffs) back into the net's blobs, and does not give the old weights' buffers to XLA."""
+    loss read back. Beyond :func:`train_step`'s program it keeps the momentum history and writes the weights and
+    their updates (the diffs) back into the net's blobs."""
     from caffejax.proto import caffe_pb2
 
     param = caffe_pb2.SolverParameter(type="SGD", base_lr=lr, lr_policy="fixed", momentum=0.9, max_iter=1 << 30)

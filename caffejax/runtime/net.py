@@ -599,6 +599,12 @@ class Net:
         for top in deferred:
             self.blobs[top]._data.defer(materialize)
 
+    def _forget_deferred_blobs(self) -> None:
+        """Drop every blob's pending recomputation (:meth:`_defer_blobs`): each keeps the value it held before."""
+        for blob in self.blobs.values():
+            blob._data._pending = None
+            blob._diff._pending = None
+
     # -- pycaffe's layer callbacks ----------------------------------------------------------------------------
     def before_forward(self, callback) -> None:
         """pycaffe's ``net.before_forward(fn)``: ``fn(i)`` before layer i's forward (see :meth:`after_backward`)."""

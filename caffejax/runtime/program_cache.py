@@ -113,13 +113,18 @@ def program_key(description: list[bytes | str], args: tuple, options: Mapping[st
 
 
 def compile_program(function: Callable, args: tuple, *, options: Mapping[str, str],
-                    description: list[bytes | str] | None, donate_argnums: tuple[int, ...] = ()) -> Callable:
+                    description: list[bytes | str] | None, donate_argnums: tuple[int, ...] = (),
+                    keep_unused: bool = False) -> Callable:
     """``function`` compiled for ``args`` (arrays or ``jax.ShapeDtypeStruct``) with ``options``, giving up
-    the arguments ``donate_argnums`` (as ``jax.jit``'s): loaded from the program cache when it holds it,
-    otherwise compiled and stored there. ``description=None`` compiles without the cache."""
-    jitted = jax.jit(function, compiler_options=dict(options), donate_argnums=donate_argnums)
+    the arguments ``donate_argnums`` and keeping unused ones if ``keep_unused`` (as ``jax.jit``'s): loaded from
+    the program cache when it holds it, otherwise compiled and stored there. ``description=None`` compiles
+    without the cache."""
+    jitted = jax.jit(function, compiler_options=dict(options), donate_argnums=donate_argnums,
+                     keep_unused=keep_unused)
     if description is not None and donate_argnums:
         description = [*description, f"donates {tuple(donate_argnums)}"]
+    if description is not None and keep_unused:
+        description = [*description, "keeps unused arguments"]
     directory = cache_directory() if description is not None else None
     placed = {d for leaf in jax.tree.leaves(args) if isinstance(leaf, jax.Array) for d in leaf.sharding.device_set}
     if placed - {jax.devices()[0]}:  # a loaded executable runs on the first device: others compile afresh
@@ -171,22 +176,23 @@ def _without_jax_cache():
 
 
 def jit_through_cache(function: Callable, *, options: Mapping[str, str],
-                      describe: Callable[[], list[bytes | str] | None], donate_argnums: tuple[int, ...] = ()
-                      ) -> Callable:
-    """``jax.jit(function)`` with ``options`` and ``donate_argnums``, for callers that know what a program computes
-    before they know its arguments. Where the cache is on and ``describe()`` gives a description (it runs only
-    then), the program goes through :func:`compile_program` for the arguments of its first call instead; later
-    calls must pass arguments of the same structure, shapes and dtypes."""
+                      describe: Callable[[], list[bytes | str] | None], donate_argnums: tuple[int, ...] = (),
+                      keep_unused: bool = False) -> Callable:
+    """``jax.jit(function)`` with ``options``, ``donate_argnums`` and ``keep_unused``, for callers that know what a
+    program computes before they know its arguments. Where the cache is on and ``describe()`` gives a description
+    (it runs only then), the program goes through :func:`compile_program` for the arguments of its first call
+    instead; later calls must pass arguments of the same structure, shapes and dtypes."""
     description = describe() if cache_directory() is not None else None
     if description is None:
-        return jax.jit(function, compiler_options=dict(options), donate_argnums=donate_argnums)
+        return jax.jit(function, compiler_options=dict(options), donate_argnums=donate_argnums,
+                       keep_unused=keep_unused)
     compiled = None
 
     def run(*args):
         nonlocal compiled
         if compiled is None:
             compiled = compile_program(function, args, options=options, description=description,
-                                       donate_argnums=donate_argnums)
+                                       donate_argnums=donate_argnums, keep_unused=keep_unused)
         return compiled(*args)
 
     return run

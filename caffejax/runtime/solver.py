@@ -163,6 +163,7 @@ class Solver:
         self._learnables = learnables_of(self.net.graph)
         self._history: list[History] = [tuple(jnp.zeros(l.shape, jnp.float32) for _ in range(self.history_per_param))
                                         for l in self._learnables]
+        self._spare = None  # the weights the last iteration started from: _spare_weights
         self._programs: dict[Any, Any] = {}
         self._losses: collections.deque = collections.deque(maxlen=self.param.average_loss)
         self._callbacks: list[tuple[Any, Any]] = []  # pycaffe's add_callback: (on_start, on_gradients_ready)
@@ -339,13 +340,14 @@ class Solver:
 
             # The history is the solver's alone: the step writes the new one over it (AlexNet's iteration at
             # batch 1 peaked at 2.8 GB RSS instead of 3.3). The weights are not given up: the blobs the step
-            # deferred are recomputed from them when read.
+            # deferred are recomputed from them when read. The new weights go into the buffers of the weights
+            # before them instead (_spare_weights), given up as an argument the step does not read.
             if self._parallel is not None:
                 fn = self._parallel.train_step(net, counted_step)
             else:
-                fn = jit_through_cache(counted_step(net._program, returned=self._returned_blobs()),
+                fn = jit_through_cache(_into_spare(counted_step(net._program, returned=self._returned_blobs())),
                                        options=compiler_options(net.graph, backward=True),
-                                       describe=self._step_description, donate_argnums=(1,))
+                                       describe=self._step_description, donate_argnums=(1, 6), keep_unused=True)
             self._programs[cache_key] = fn
         return fn
 
@@ -419,7 +421,16 @@ class Solver:
         scalars = self.step_scalars(rate)
         if self._parallel is None:
             before, fed, pulled, scalars = to_device((before, fed, pulled, scalars))
-        params, history, loss, updates, blobs, state, norm = fn(before, self._history, fed, pulled, key, scalars)
+            spare = self._spare_weights(before)
+            try:
+                outputs = fn(before, self._history, fed, pulled, key, scalars, spare)
+            except BaseException:
+                net._forget_deferred_blobs()  # the last iteration's, computed from the weights given up
+                raise
+            self._spare = before
+        else:
+            outputs = fn(before, self._history, fed, pulled, key, scalars)
+        params, history, loss, updates, blobs, state, norm = outputs
         self._history = history
         self._write_back(params, [new[0] if update is None else update for update, new in zip(updates, history)])
         for name, value in blobs.items():
@@ -438,6 +449,31 @@ class Solver:
                          {**fed, **{v: a[0] for v, a in pulled.items()}}, key, fold=0)
         net._state.update(state)
         return loss, norm
+
+    def _spare_weights(self, weights) -> list:
+        """Buffers for the iteration's new learnable weights, given up to it: those the last iteration started
+        from (``self._spare``, held otherwise only by the blobs it deferred, which this iteration sets anew), or
+        new ones where there are none (the first iteration) or something else holds them (the user, e.g.
+        through ``param_arrays()``).
+
+        Written into fresh buffers, the new weights were paged in on every iteration: Solver.step(1) of AlexNet
+        at batch 16 took 60 thousand page faults (its 244 MB of weights) and 420-470 ms, and after another big
+        program had run in the process, 205 thousand and 756-786 ms; into these, 2.4 thousand (its input batch)
+        and 386-398 ms. Giving up the weights themselves instead made XLA copy them first (the update would
+        overwrite them while the backward still reads them), and the deferred blobs need them."""
+        last, self._spare = self._spare, None
+        spare = []
+        for learnable in self._learnables:
+            new = weights[learnable.layer][learnable.index]
+            try:
+                old = last[learnable.layer][learnable.index]
+            except (KeyError, IndexError, TypeError):  # none yet, or the net's params changed since
+                old = None
+            # References to an unheld one: its list in ``last``, ``old`` and getrefcount's argument.
+            unheld = (isinstance(old, jax.Array) and old.shape == new.shape and old.dtype == new.dtype
+                      and sys.getrefcount(old) <= _UNHELD_SPARE)
+            spare.append(old if unheld else jnp.zeros_like(new))
+        return spare
 
     def _write_back(self, params, updates) -> None:
         """New weights into the blobs' data, the update values into their diffs (as after Net::Update)."""
@@ -815,6 +851,20 @@ SOLVER_TYPES: dict[str, type[Solver]] = {cls.type: cls for cls in (SGDSolver, Ne
 def _pulled_layers(graph: Graph):
     """Data layers whose batches come from a DataSource (not written by the user)."""
     return [layer for layer in graph.layers if layer.is_input and get_rule(layer.type).data_source is not None]
+
+
+_UNHELD_SPARE = 3
+
+
+def _into_spare(step):
+    """``step`` taking one argument more, ``spare``: one array per learnable blob, which it does not read.
+    Given up (donated, and kept although unused), their buffers take the new weights: XLA writes outputs into
+    donated buffers of their shape (Solver._spare_weights)."""
+    def step_into_spare(params, history, fed, pulled, key, scalars, spare):
+        del spare
+        return step(params, history, fed, pulled, key, scalars)
+
+    return step_into_spare
 
 
 def _train_step_fn(program, solver: Solver, device_axis: str | None = None, returned=None):
