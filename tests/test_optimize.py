@@ -276,10 +276,15 @@ IM2COL_NET = ('input: "data" input_shape { dim: 2 dim: 6 dim: 11 dim: 11 }\n'
               + _conv("dw", "wide", "dw", 48, 3, "pad: 1 group: 48") + _conv("pw", "wide", "pw", 64, 1))
 
 
-def test_conv_im2col_keeps_outputs_and_takes_wide_even_layers(monkeypatch):
+@pytest.mark.parametrize("by_kernel_rows", [False, True])
+def test_conv_im2col_keeps_outputs_and_takes_wide_even_layers(monkeypatch, by_kernel_rows):
     """im2col + one product per group gives the convolution's outputs (float32 at Caffe's forward tolerance,
-    bfloat16 within its rounding of the widened convolution's), for padding, stride, groups and dilation; it
-    takes layers with enough filters per group and an even channel count per group, before Winograd."""
+    bfloat16 within its rounding of the widened convolution's), for padding, stride, groups and dilation, with
+    the product whole or summed over kernel rows; it takes layers with enough filters per group and an even
+    channel count per group, before Winograd."""
+    limit = 0 if by_kernel_rows else 1 << 30
+    monkeypatch.setattr(optimize, "IM2COL_ROW_MIN_COLUMNS", limit)
+    monkeypatch.setattr(optimize, "IM2COL_ROW_MIN_ROWS", limit)
     caffejax.set_random_seed(11)
     net = caffejax.Net(IM2COL_NET, caffejax.TEST)
     x = np.random.default_rng(4).normal(size=(2, 6, 11, 11)).astype(np.float32)
@@ -302,6 +307,34 @@ def test_conv_im2col_keeps_outputs_and_takes_wide_even_layers(monkeypatch):
     monkeypatch.setattr(optimize, "IM2COL_MAX_WINDOW_VALUES", 43199)
     kernels = caffejax.compile_inference(net, passes=passes).plan({"data": x.shape}).kernels
     assert kernels["wide"].name == "conv_im2col" and kernels["grouped"].name == "conv_nhwc"
+
+
+def _conv_shape(channels, size, kernel, num_output, batch, group=1, pad=0):
+    from caffejax.lower import vision
+
+    g = vision.ConvGeometry(1, (kernel, kernel), (1, 1), (pad, pad), (1, 1))
+    out = (size + 2 * pad - kernel + 1,) * 2
+    return optimize.ConvShape(g, group, channels, num_output, out, ((pad, pad), (pad, pad)), batch)
+
+
+def test_im2col_sums_over_kernel_rows_where_they_are_long_and_many():
+    """The rule: kernel rows of at least IM2COL_ROW_MIN_COLUMNS values (kw x C/g) and at least
+    IM2COL_ROW_MIN_ROWS output pixels; and the sum over kernel rows is the whole product (kh products)."""
+    rule = optimize._im2col_by_kernel_rows
+    assert rule(_conv_shape(96, 27, 5, 256, 16, group=2, pad=2))       # AlexNet's conv2: 5 x 48 per group
+    assert rule(_conv_shape(64, 56, 3, 64, 16, pad=1))                 # ResNet-50's first 3x3s: 3 x 64
+    assert not rule(_conv_shape(20, 12, 5, 50, 16))                    # LeNet's conv2: 5 x 20
+    assert not rule(_conv_shape(16, 55, 3, 64, 16, pad=1))             # SqueezeNet's fire2 expand3x3: 3 x 16
+    assert not rule(_conv_shape(256, 13, 3, 384, 1, pad=1))            # AlexNet's conv3 at batch 1: 169 rows
+    conv = _conv_shape(6, 7, 3, 5, 2, pad=1)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(2, 7, 7, 6)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(3 * 3 * 6, 5)), jnp.float32)
+    whole = optimize._windows_times_filters(x, w, conv, by_kernel_rows=False)
+    rows = optimize._windows_times_filters(x, w, conv, by_kernel_rows=True)
+    np.testing.assert_allclose(np.asarray(rows), np.asarray(whole), rtol=1e-5, atol=1e-5)
+    jaxpr = str(jax.make_jaxpr(lambda x, w: optimize._windows_times_filters(x, w, conv, True))(x, w))
+    assert jaxpr.count("dot_general") == 3
 
 
 def test_window_rows_are_caffes_im2col_in_channels_last_order():

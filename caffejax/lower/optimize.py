@@ -726,14 +726,54 @@ def window_rows(x: jax.Array, g: vision.ConvGeometry, padding, out: tuple[int, .
     return paired_concatenate(taps, axis=-1).reshape(-1, math.prod(g.kernel) * x.shape[-1])
 
 
+# XLA:CPU builds a bfloat16 window matrix from k*k tap arrays it writes out one by one, and a concatenation that
+# reads them back: two passes over k*k copies of the input. The taps of one kernel row it concatenates in one
+# pass. So where a kernel row's columns (kw x C/g values) are enough, and the rows (N*OH*OW) too, the product
+# is summed over kernel rows instead: kh products of kw*C/g columns, added in float32. Alone, in bfloat16 at
+# batch 16 (2 Sapphire Rapids cores), whole matrix -> by kernel rows: AlexNet's conv2 per group (27x27x48 ->
+# 128, 5x5) 7.8 -> 5.0 ms, 28x28x128 -> 128 (3x3) 8.2 -> 5.1 ms, 56x56x64 -> 64 13.8 -> 10.5 ms, 7x7x512 -> 512
+# 4.8 -> 4.4 ms, 27x27x48 -> 128 (5x5) at batch 1 0.89 -> 0.73 ms. Shorter kernel rows were slower: LeNet's
+# conv2 (5 x 20) 0.43 -> 0.63 ms, SqueezeNet's 55x55x16 -> 64 (3 x 16) 4.0 -> 5.7 ms, 14x14x24 -> 64 (5 x 24) 1.4
+# -> 2.0 ms, 14x14x32 -> 64 (5 x 32) 0.88 -> 0.93 ms; so were few rows: 13x13x256 -> 384 at batch 1 (169 rows)
+# 0.56 -> 0.78 ms. Whole bfloat16 forwards at batch 16 (paired A/B): AlexNet 0.87, ResNet-50 0.88, GoogLeNet 0.93
+# of the time with every im2col layer so; SqueezeNet 1.05 and LeNet 1.35 that way, even with this rule.
+IM2COL_ROW_MIN_COLUMNS = 192
+IM2COL_ROW_MIN_ROWS = 512
+
+
+def _im2col_by_kernel_rows(conv: ConvShape) -> bool:
+    """Whether the im2col product is summed over kernel rows (see IM2COL_ROW_MIN_COLUMNS)."""
+    kh, kw = conv.geometry.kernel
+    return (kh > 1 and kw * (conv.channels // conv.group) >= IM2COL_ROW_MIN_COLUMNS
+            and conv.batch * math.prod(conv.out) >= IM2COL_ROW_MIN_ROWS)
+
+
+def _windows_times_filters(x: jax.Array, w: jax.Array, conv: ConvShape, by_kernel_rows: bool) -> jax.Array:
+    """window_rows(x) . w (one group: x's channels are that group's), summed in float32; with
+    ``by_kernel_rows``, as the sum over kernel rows of their columns times their rows of w."""
+    g = conv.geometry
+    if not by_kernel_rows:
+        return lax.dot_general(window_rows(x, g, conv.padding, conv.out), w, (((1,), (0,)), ((), ())),
+                               **_accumulating(x))
+    taps = vision._taps(vision._pad(x, 1, conv.padding, 0), 1, g.kernel, g.stride, g.dilation, conv.out)
+    kw = g.kernel[1]
+    width = kw * x.shape[-1]
+    y = None
+    for r in range(g.kernel[0]):
+        columns = paired_concatenate(taps[r * kw:(r + 1) * kw], axis=-1).reshape(-1, width)
+        term = lax.dot_general(columns, w[r * width:(r + 1) * width], (((1,), (0,)), ((), ())), **_accumulating(x))
+        y = term if y is None else y + term
+    return y
+
+
 def _im2col_conv_kernel(conv: ConvShape, rounded: bool = True) -> Kernel:
     cg = conv.channels // conv.group
+    by_kernel_rows = _im2col_by_kernel_rows(conv)
 
     def forward(ctx, bottoms, params):
         (x,) = bottoms
         w = params[0].astype(x.dtype)
-        ys = [lax.dot_general(window_rows(x[..., k * cg:(k + 1) * cg], conv.geometry, conv.padding, conv.out),
-                              w[k], (((1,), (0,)), ((), ())), **_accumulating(x))
+        ys = [_windows_times_filters(x[..., k * cg:(k + 1) * cg], w[k], conv, by_kernel_rows)
               for k in range(conv.group)]
         y = ys[0] if conv.group == 1 else jnp.concatenate(ys, axis=-1)
         y = _add_bias(y, params, x.dtype if rounded else y.dtype)
