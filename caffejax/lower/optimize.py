@@ -735,8 +735,10 @@ def window_rows(x: jax.Array, g: vision.ConvGeometry, padding, out: tuple[int, .
 # 4.8 -> 4.4 ms, 27x27x48 -> 128 (5x5) at batch 1 0.89 -> 0.73 ms. Shorter kernel rows were slower: LeNet's
 # conv2 (5 x 20) 0.43 -> 0.63 ms, SqueezeNet's 55x55x16 -> 64 (3 x 16) 4.0 -> 5.7 ms, 14x14x24 -> 64 (5 x 24) 1.4
 # -> 2.0 ms, 14x14x32 -> 64 (5 x 32) 0.88 -> 0.93 ms; so were few rows: 13x13x256 -> 384 at batch 1 (169 rows)
-# 0.56 -> 0.78 ms. Whole bfloat16 forwards at batch 16 (paired A/B): AlexNet 0.87, ResNet-50 0.88, GoogLeNet 0.93
-# of the time with every im2col layer so; SqueezeNet 1.05 and LeNet 1.35 that way, even with this rule.
+# 0.56 -> 0.78 ms. Whole bfloat16 forwards at batch 16 (paired A/B), with every im2col layer so: AlexNet 0.87,
+# ResNet-50 0.88, GoogLeNet 0.93, SqueezeNet 1.05, LeNet 1.35 of the time; with this rule: AlexNet 0.88,
+# ResNet-50 0.91, GoogLeNet, SqueezeNet and LeNet even (GoogLeNet's 28x28x32 -> 96 5x5 layer, 5 x 32, alone
+# 5.1 -> 3.2 ms, is left out with the 14x14 ones of its kind, which were even or slower).
 IM2COL_ROW_MIN_COLUMNS = 192
 IM2COL_ROW_MIN_ROWS = 512
 
