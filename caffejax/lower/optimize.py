@@ -722,7 +722,7 @@ def window_rows(x: jax.Array, g: vision.ConvGeometry, padding, out: tuple[int, .
     # bfloat16 channels move in pairs (:func:`paired_concatenate`): a 16x27x27x48 input's 5x5 windows took
     # 3.6 ms so, 7.9 ms one by one, 4.6 ms in float32; whole bfloat16 forwards at batch 16 took 0.71 (GoogLeNet)
     # and 0.65 (AlexNet) of the time they took with unpaired windows.
-    taps = vision._taps(vision._pad(x, 1, padding, 0), 1, g.kernel, g.stride, g.dilation, out)
+    taps = vision.convolution_taps(x, 1, g, padding, out)
     return paired_concatenate(taps, axis=-1).reshape(-1, math.prod(g.kernel) * x.shape[-1])
 
 
@@ -757,7 +757,7 @@ def _windows_times_filters(x: jax.Array, w: jax.Array, conv: ConvShape, by_kerne
     if not by_kernel_rows:
         return lax.dot_general(window_rows(x, g, conv.padding, conv.out), w, (((1,), (0,)), ((), ())),
                                **_accumulating(x))
-    taps = vision._taps(vision._pad(x, 1, conv.padding, 0), 1, g.kernel, g.stride, g.dilation, conv.out)
+    taps = vision.convolution_taps(x, 1, g, conv.padding, conv.out)
     kw = g.kernel[1]
     width = kw * x.shape[-1]
     y = None

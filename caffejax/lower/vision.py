@@ -69,6 +69,13 @@ def _taps(xpad: jax.Array, first_axis: int, kernel: Shape, stride: Shape, dilati
     return taps
 
 
+def convolution_taps(x: jax.Array, first_axis: int, g: ConvGeometry, padding, out: Shape) -> list[jax.Array]:
+    """A convolution's views of its input, one per kernel offset (row-major, Caffe's im2col order): x padded
+    with zeros by ``padding`` (its spatial axes start at ``first_axis``), read with the kernel's stride and
+    dilation (:func:`_taps`)."""
+    return _taps(_pad(x, first_axis, padding, 0), first_axis, g.kernel, g.stride, g.dilation, out)
+
+
 def _windows(xpad: jax.Array, first_axis: int, kernel: Shape, stride: Shape, dilation: Shape,
              out: Shape) -> jax.Array:
     """All windows of a padded input as one array ``lead + (prod(kernel),) + out``:
@@ -367,7 +374,7 @@ _conv_gemm_input_gradient.defvjp(_conv_gemm_input_gradient_fwd, _conv_gemm_input
 
 def _few_channel_taps(x, w, g: ConvGeometry, padding, out: Shape, options) -> jax.Array:
     dtype = dict(options).get("preferred_element_type") or x.dtype
-    taps = _taps(_pad(x, 1, padding, 0), 1, g.kernel, g.stride, g.dilation, out)
+    taps = convolution_taps(x, 1, g, padding, out)
     per_tap = w.reshape(len(taps), w.shape[-2], w.shape[-1]).astype(dtype)  # offset, channel, output
     y = None
     for t, tap in enumerate(taps):
@@ -409,7 +416,7 @@ def _depthwise_taps(x, w, g: ConvGeometry, padding, out: Shape, channels_last: b
     shifted input times that offset's per-channel weight."""
     dtype = accumulate or x.dtype
     first = 1 if channels_last else 2
-    taps = _taps(_pad(x, first, padding, 0), first, g.kernel, g.stride, g.dilation, out)
+    taps = convolution_taps(x, first, g, padding, out)
     if channels_last:                                   # (k..., 1, C) -> one (C,) row per offset
         per_tap = w.reshape(-1, w.shape[-1]).astype(dtype)
     else:                                               # (C, 1, k...) -> (C, 1, ...) per offset
