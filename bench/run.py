@@ -238,13 +238,10 @@ def train_step(spec: BenchNet, weights: pathlib.Path, batch: int, repeats: int, 
     the buffers of the params the step before started from, given up to the program as an argument it does not
     read (``Solver._spare_weights``). Given up themselves, the params were first copied by XLA (the update would
     overwrite them while the backward still reads them): AlexNet's step at batch 16 took 1.04 of the time."""
+    from caffejax.runtime.solver import _into_spare
+
     step, options, (params, inputs, seed_key), graph = training_step_program(spec, weights, batch, lr)
-
-    def step_into_spare(params, inputs, seed_key, count, spare):
-        del spare
-        return step(params, inputs, seed_key, count)
-
-    jitted = jax.jit(step_into_spare, donate_argnums=4, keep_unused=True, compiler_options=options)
+    jitted = jax.jit(_into_spare(step), donate_argnums=4, keep_unused=True, compiler_options=options)
     params = jax.tree.map(jnp.asarray, params)
     state = {"params": params, "spare": jax.tree.map(jnp.zeros_like, params), "step": 0}
 

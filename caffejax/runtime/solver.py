@@ -857,12 +857,11 @@ _UNHELD_SPARE = 3
 
 
 def _into_spare(step):
-    """``step`` taking one argument more, ``spare``: one array per learnable blob, which it does not read.
-    Given up (donated, and kept although unused), their buffers take the new weights: XLA writes outputs into
-    donated buffers of their shape (Solver._spare_weights)."""
-    def step_into_spare(params, history, fed, pulled, key, scalars, spare):
-        del spare
-        return step(params, history, fed, pulled, key, scalars)
+    """``step`` taking one argument more, last, ``spare``: arrays shaped as its new weights, which it does not
+    read. Given up (donated, and kept although unused), their buffers take the new weights: XLA writes outputs
+    into donated buffers of their shape (Solver._spare_weights; bench.run's training step too)."""
+    def step_into_spare(*args):
+        return step(*args[:-1])
 
     return step_into_spare
 
