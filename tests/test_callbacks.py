@@ -59,8 +59,8 @@ def test_layer_callbacks_run_around_each_layer_with_the_fused_passes_values():
     for name, diffs in _param_diffs(plain).items():
         for want, got in zip(diffs, _param_diffs(hooked)[name]):
             # The conv bias's gradient behind a TRAIN-phase BatchNorm is exactly zero; computed, it is rounding
-            # noise on either side (up to 1e-7 apart on an AMD EPYC), and the other gradients here reach 1.4, so the absolute
-            # tolerance follows the size of the net's gradients.
+            # noise on either side (up to 1e-7 apart on an AMD EPYC), and the other gradients here reach 1.4,
+            # so the absolute tolerance follows the size of the net's gradients.
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(hooked.blobs["x"].diff, plain.blobs["x"].diff, rtol=1e-5, atol=1e-7)
 
