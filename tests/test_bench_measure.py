@@ -111,3 +111,28 @@ def test_profile_command_runs_both_ways(mode, capsys):
     out = capsys.readouterr().out
     assert ("whole program traced" in out) == bool(mode)
     assert "conv2" in out
+
+
+def test_profile_training_times_the_forward_with_the_backward():
+    """A layer's "forward + backward" program returns its tops: a convolution's backward reads only its bottom
+    and filters, and without them XLA dropped the forward, so a backward alone was reported as both."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    from bench import profile
+
+    def forward(bottoms, params):
+        return [lax.conv_general_dilated(bottoms[0], params[0], (1, 1), "VALID")]
+
+    x = jnp.asarray(np.random.default_rng(0).random((2, 3, 6, 6), dtype=np.float32))
+    w = jnp.asarray(np.random.default_rng(1).random((4, 3, 3, 3), dtype=np.float32))
+    dy = [jnp.ones((2, 4, 4, 4), jnp.float32)]
+    run = jax.jit(functools.partial(profile._pull_back, forward, (), (0,)))
+    tops, (dbottoms, dparams) = run([x], [w], dy)
+    np.testing.assert_allclose(tops[0], forward([x], [w])[0], rtol=1e-6)
+    assert dbottoms == [] and dparams[0].shape == w.shape
+    hlo = run.lower([x], [w], dy).compile().as_text()
+    assert hlo.count("convolution(") >= 2  # the forward and the filter gradient
