@@ -338,7 +338,7 @@ def _fmt(value, spec: str = ".2f") -> str:
 
 
 def print_table(report: dict) -> None:
-    gemm, label = reference_gemm(report["gemm_gflops"])
+    gemm, label = reference_gemm(report["gemm_gflops"], report.get("gemm_gflops_end"))
     print(f"\nmedian ms; ratios < 1 mean caffejax is faster. In-run GEMM ({label}): {gemm:.0f} GFLOP/s")
     header = ("net", "batch", "fwd ms", "OpenCV ms", "cj/OCV", "GFLOP/s", "%GEMM", "bf16 ms", "bf16 x", "top1",
               "train ms", "train/Caffe", "train/Caffe@here", "train %GEMM", "floor/Caffe", "Solver ms", "cold s",

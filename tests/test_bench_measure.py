@@ -76,6 +76,10 @@ def test_the_reference_gemm_is_the_backends():
     assert measure.reference_gemm(cpu) == (170.0, "OpenBLAS 2048^2")
     assert measure.reference_gemm(gpu) == (50000.0, "XLA fp32 on gpu 8192^2")
     assert measure.reference_gemm({"numpy_openblas": 160.0, "xla": 110.0}) == (160.0, "OpenBLAS 2048^2")
+    slowed = dict(cpu, numpy_openblas=106.0)
+    assert measure.reference_gemm(slowed, cpu) == (170.0, "OpenBLAS 2048^2, the faster of the run's first and last reading")
+    assert measure.reference_gemm(cpu, slowed)[0] == 170.0
+    assert measure.reference_gemm(cpu, None) == (170.0, "OpenBLAS 2048^2")
     here = measure.gemm_gflops(n=64, repeats=1)
     assert here["backend"] == measure.jax.default_backend() and here["n"] == 64
     assert here["reference"] == ("numpy_openblas" if here["backend"] == "cpu" else "xla")
