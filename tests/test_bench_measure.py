@@ -140,3 +140,52 @@ def test_profile_training_times_the_forward_with_the_backward():
     assert dbottoms == [] and dparams[0].shape == w.shape
     hlo = run.lower([x], [w], dy).compile().as_text()
     assert hlo.count("convolution(") >= 2  # the forward and the filter gradient
+
+
+_VISIBLE_CHAIN_NET = """
+name: "visible_chain"
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 1 dim: 3 dim: 8 dim: 8 } } }
+layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+        convolution_param { num_output: 4 kernel_size: 3 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "bn" type: "BatchNorm" bottom: "conv" top: "bn" batch_norm_param { use_global_stats: true } }
+layer { name: "scale" type: "Scale" bottom: "bn" top: "scale" scale_param { bias_term: true } }
+layer { name: "relu" type: "ReLU" bottom: "scale" top: "scale" }
+layer { name: "ip" type: "InnerProduct" bottom: "scale" top: "ip"
+        inner_product_param { num_output: 10 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "prob" type: "Softmax" bottom: "ip" top: "prob" }
+"""
+
+
+def test_bench_training_step_folds_the_chains_whose_values_blobs_hold(tmp_path):
+    """The bench's training step hands back no blob, so it runs a Convolution -> BatchNorm -> Scale chain with
+    its own tops (``conv``, ``bn``: visible) folded, as Solver.step does when a script reads only the loss;
+    its update is the layer-by-layer step's."""
+    import jax
+
+    import caffejax
+    from bench import run
+    from bench.nets import BenchNet, randomize_weights
+    from caffejax.lower.optimize import layout_kernels
+    from caffejax.lower.program import NetProgram
+
+    prototxt = tmp_path / "deploy.prototxt"
+    prototxt.write_text(_VISIBLE_CHAIN_NET)
+    net = caffejax.Net(str(prototxt), caffejax.TEST)
+    randomize_weights(net)
+    weights = tmp_path / "w.caffemodel"
+    net.save(str(weights))
+    spec = BenchNet("visible_chain", prototxt, weights, {}, {}, {})
+    step, options, (params, inputs, key), graph = run.training_step_program(spec, weights, batch=4)
+    chains = [k.chain for k in layout_kernels(graph).values() if k.chain is not None]
+    assert [c.visible for c in chains] == [True]
+
+    args = (params, inputs, key, np.uint32(1))
+    assert "conv+bn+scale" in jax.jit(step).lower(*args).as_text(debug_info=True)
+    new, loss = jax.jit(step)(*args)
+
+    program = NetProgram(graph, layout_kernels(graph))
+    ref_loss, grads, _ = program.loss_and_grads(params, inputs, jax.random.fold_in(key, 1))
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for owner in ("conv", "scale", "ip"):
+        for i, (p, g) in enumerate(zip(params[owner], grads[owner])):
+            np.testing.assert_allclose(new[owner][i], np.asarray(p) - 1e-4 * np.asarray(g), rtol=1e-5, atol=1e-7)
