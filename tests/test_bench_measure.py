@@ -176,14 +176,16 @@ def test_bench_training_step_folds_the_chains_whose_values_blobs_hold(tmp_path):
     net.save(str(weights))
     spec = BenchNet("visible_chain", prototxt, weights, {}, {}, {})
     step, options, (params, inputs, key), graph = run.training_step_program(spec, weights, batch=4)
-    chains = [k.chain for k in layout_kernels(graph).values() if k.chain is not None]
+    kernels = layout_kernels(graph)
+    chains = [k.chain for k in kernels.values() if k.chain is not None]
     assert [c.visible for c in chains] == [True]
 
     args = (params, inputs, key, np.uint32(1))
-    assert "conv+bn+scale" in jax.jit(step).lower(*args).as_text(debug_info=True)
-    new, loss = jax.jit(step)(*args)
+    lowered = jax.jit(step).lower(*args)
+    assert "conv+bn+scale" in lowered.as_text(debug_info=True)
+    new, loss = lowered.compile()(*args)
 
-    program = NetProgram(graph, layout_kernels(graph))
+    program = NetProgram(graph, kernels)
     ref_loss, grads, _ = program.loss_and_grads(params, inputs, jax.random.fold_in(key, 1))
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     for owner in ("conv", "scale", "ip"):
