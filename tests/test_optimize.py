@@ -755,8 +755,9 @@ def test_one_layer_runs_as_inside_the_net_with_value_layouts():
 
 
 def test_big_one_channel_convolution_runs_as_taps_and_keeps_outputs():
-    """LeNet's conv1 (1 channel, 5x5) takes the shifted multiply-adds at batch 16, XLA's convolution at batch 1
-    (too few outputs to pay); either way the outputs are Caffe's rules'. Training programs take it too."""
+    """LeNet's conv1 (1 channel, 5x5) takes the shifted multiply-adds at batch 16, channels first (the fed
+    input's layout: vision.few_channel_convolution), XLA's convolution at batch 1 (too few outputs to pay);
+    either way the outputs are Caffe's rules'. Training programs take it too."""
     net = caffejax.Net(str(BUNDLED / "lenet/lenet.prototxt"), caffejax.TEST)
     x = np.random.default_rng(2).random((16, 1, 28, 28), dtype=np.float32)
     reference = caffejax.compile_inference(net, passes=())({"data": x})
@@ -764,6 +765,7 @@ def test_big_one_channel_convolution_runs_as_taps_and_keeps_outputs():
         infer = caffejax.compile_inference(net, passes=passes)
         _check(infer({"data": x}), reference, "+".join(passes))
         assert infer.plan({"data": x.shape}).kernels["conv1"].name == "conv_taps"
+        assert infer.plan({"data": x.shape}).kernels["conv1"].layout == optimize.NCHW
         assert infer.plan({"data": (1, 1, 28, 28)}).kernels["conv1"].name == "conv_nhwc"
     net.blobs["data"].reshape(16, 1, 28, 28)
     net.reshape()

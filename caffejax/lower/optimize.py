@@ -269,10 +269,11 @@ def _accumulating(x: jax.Array) -> dict[str, Any]:
     return dict(preferred_element_type=wide, precision=lax.Precision.HIGHEST if wide == x.dtype else None)
 
 
-def _add_bias(y: jax.Array, params: Sequence[jax.Array], dtype) -> jax.Array:
-    """y (float32 accumulator, channels last) + bias, rounded to the activations' dtype once."""
+def _add_bias(y: jax.Array, params: Sequence[jax.Array], dtype, layout: str = NHWC) -> jax.Array:
+    """y (float32 accumulator, 4-D in ``layout``) + bias, rounded to the activations' dtype once."""
     if len(params) > 1:
-        y = y + params[1].astype(y.dtype)
+        bias = params[1].astype(y.dtype)
+        y = y + (bias if layout == NHWC else bias.reshape(-1, 1, 1))
     return y.astype(dtype)
 
 
@@ -600,13 +601,14 @@ def _taps_applies(conv: ConvShape) -> bool:
 def _taps_conv_kernel(conv: ConvShape) -> Kernel:
     g = conv.geometry
 
+    # Channels first (the fed input's layout): see vision.few_channel_convolution for why.
     def forward(ctx, bottoms, params):
         (x,) = bottoms
         y = vision.few_channel_convolution(x, params[0].astype(x.dtype), g, conv.padding, conv.out,
                                            tuple(sorted(_accumulating(x).items())))
-        return [_add_bias(y, params, x.dtype)]
+        return [_add_bias(y, params, x.dtype, NCHW)]
 
-    return Kernel("conv_taps", forward, NHWC, _hwio)
+    return Kernel("conv_taps", forward, NCHW)
 
 
 def conv_taps(plan: Plan) -> Plan:
@@ -798,7 +800,7 @@ _PREPARED_ONCE_ONLY = frozenset({"conv_winograd_f2x2_3x3", "inner_product_nhwc"}
 
 
 def layout_kernels(graph: Graph) -> dict[str, Kernel]:
-    """The channels-last kernels (``nhwc``, ``conv_gemm``, ``conv_taps``) for running a net's own program: the
+    """The layout kernels (``nhwc``, ``conv_gemm``, ``conv_taps``) for running a net's own program: the
     same values as Caffe's rules up to float rounding, with traced weights, so forward, backward and training
     use them; Convolution -> BatchNorm [-> Scale] chains get their folded form as well (:func:`batch_norm_chains`).
 

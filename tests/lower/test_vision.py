@@ -816,23 +816,24 @@ def test_few_channel_convolution_is_xlas(channels, kernel, stride, pad, dilation
 
     rng = np.random.default_rng(8)
     spatial, outputs, batch = (11, 9), 5, 2
-    g = vision.ConvGeometry(channel_axis=3, kernel=kernel, stride=stride, pad=pad, dilation=dilation)
+    g = vision.ConvGeometry(channel_axis=1, kernel=kernel, stride=stride, pad=pad, dilation=dilation)
     out = tuple((n + 2 * p - d * (k - 1) - 1) // s + 1 for n, k, s, p, d in zip(spatial, kernel, stride, pad,
                                                                                 dilation))
     padding = tuple((p, p) for p in pad)
-    x = rng.normal(size=(batch,) + spatial + (channels,))
-    w = rng.normal(size=kernel + (channels, outputs))
-    dy = rng.normal(size=(batch,) + out + (outputs,))
+    x = rng.normal(size=(batch, channels) + spatial)
+    w = rng.normal(size=(outputs, channels) + kernel)
+    dy = rng.normal(size=(batch, outputs) + out)
     options = (("precision", jax.lax.Precision.HIGHEST),)
 
-    def xla(x, w):
+    def xla(x, w):  # NCHW x, Caffe's O x C x kh x kw filters
         return jax.lax.conv_general_dilated(x, w, stride, padding, rhs_dilation=dilation,
-                                            dimension_numbers=("NHWC", "HWIO", "NHWC"),
                                             precision=jax.lax.Precision.HIGHEST)
 
     def ours(x, w):
         return vision.few_channel_convolution(x, w, g, padding, out, options)
 
+    with jax.enable_x64(True):  # the multiply-adds themselves (differentiated, the forward is XLA's)
+        np.testing.assert_allclose(jax.jit(ours)(x, w), jax.jit(xla)(x, w), rtol=1e-12, atol=1e-12)
     _assert_same_forward_and_gradients_in_float64(ours, xla, x, w, dy)
 
 
@@ -841,8 +842,8 @@ def test_few_channel_convolution_differentiated_runs_xlas_forward():
     XLA computes once instead of recomputing the taps inside the backward's fusions."""
     from caffejax.lower import vision
 
-    g = vision.ConvGeometry(channel_axis=3, kernel=(5, 5), stride=(1, 1), pad=(0, 0), dilation=(1, 1))
-    x, w = jnp.ones((2, 12, 12, 1)), jnp.ones((5, 5, 1, 4))
+    g = vision.ConvGeometry(channel_axis=1, kernel=(5, 5), stride=(1, 1), pad=(0, 0), dilation=(1, 1))
+    x, w = jnp.ones((2, 1, 12, 12)), jnp.ones((4, 1, 5, 5))
 
     def ours(x, w):
         return vision.few_channel_convolution(x, w, g, ((0, 0), (0, 0)), (8, 8), ())
