@@ -876,6 +876,38 @@ def test_batch_norm_chains_keep_caffes_loss_and_gradients():
     assert graph.layer("d").top_values[0] in fast_env          # nor the visible one (its blob is handed back)
 
 
+def test_a_one_channel_convolution_chains_with_its_batch_norm():
+    """A gray image's first convolution runs as taps (conv_taps, channels first) and still folds the
+    BatchNorm -> Scale after it; the step keeps Caffe's loss and gradients."""
+    import jax
+
+    from caffejax.lower.program import NetProgram
+
+    text = ('name: "gray" input: "data" input_shape { dim: 2 dim: 1 dim: 68 dim: 68 }\n'
+            + _layer("label", "Input", [], ["label"], "input_param { shape { dim: 2 } }")
+            + _conv("t", "data", "t", 8, 3, "pad: 1") + _bn_scale("t", "t")
+            + _layer("pool", "Pooling", ["t"], ["pool"], "pooling_param { pool: MAX kernel_size: 4 stride: 4 }")
+            + _layer("fc", "InnerProduct", ["pool"], ["fc"],
+                     'inner_product_param { num_output: 4 weight_filler { type: "gaussian" std: 0.05 } }')
+            + _layer("loss", "SoftmaxWithLoss", ["fc", "label"], ["loss"]))
+    caffejax.set_random_seed(2)
+    net = caffejax.Net(text, caffejax.TRAIN)
+    _randomize_batchnorm(net)
+    graph = net.graph
+    kernels = optimize.layout_kernels(graph)
+    assert kernels["t"].name == "conv_taps" and kernels["t"].chain.layers == ("t_bn", "t_scale")
+    rng = np.random.default_rng(4)
+    inputs = {graph.fed["data"]: rng.normal(size=(2, 1, 68, 68)).astype(np.float32),
+              graph.fed["label"]: np.array([1, 3], np.float32)}
+    params, key = net.param_arrays(), jax.random.key(0)
+    (loss, grads, (env, _)), (fast_loss, fast_grads, (fast_env, _)) = [
+        jax.jit(program.loss_and_grads)(params, inputs, key) for program in (NetProgram(graph),
+                                                                             NetProgram(graph, kernels))]
+    assert_close(fast_loss, loss, FORWARD_RTOL, FORWARD_ATOL, "loss")
+    _assert_gradients_close(fast_grads, grads)
+    assert graph.layer("t").top_values[0] in env and graph.layer("t").top_values[0] not in fast_env  # folded
+
+
 def test_a_net_run_that_cuts_a_chain_runs_its_layers_one_by_one():
     """Net.forward(end=...) stopping inside a chain leaves Caffe's value of the blob there; a whole run and a
     run from a chain's middle agree with the NCHW net's too."""

@@ -877,9 +877,9 @@ def _conv_batch_norm_chain(head: Kernel, conv: Layer, bn: Layer, scale: Layer | 
 
 
 def batch_norm_chains(graph: Graph, kernels: Mapping[str, Kernel]) -> dict[str, Kernel]:
-    """``kernels`` with a chain on each channels-last Convolution that a BatchNorm with global statistics
-    follows (and a per-channel Scale after that), where each value in between is read by the next link alone
-    and is no net output. A chain is ``visible`` where such a value is also a blob's final value (written to
+    """``kernels`` with a chain on each Convolution with a kernel (channels-last, or ``conv_taps``) that a
+    BatchNorm with global statistics follows (and a per-channel Scale after that), where each value in between
+    is read by the next link alone and is no net output. A chain is ``visible`` where such a value is also a blob's final value (written to
     a new blob); the in-place chains ResNet writes are not."""
     users, outputs = _consumers(graph), _output_values(graph)
     final = set(graph.blob_value.values())
@@ -887,8 +887,7 @@ def batch_norm_chains(graph: Graph, kernels: Mapping[str, Kernel]) -> dict[str, 
     for conv in graph.layers:
         head = kernels.get(conv.name)
         # A value inside a chain is never made, so none may carry a loss weight.
-        if (conv.type != "Convolution" or head is None or head.layout != NHWC or len(conv.top_values) != 1
-                or any(conv.loss_weights)):
+        if conv.type != "Convolution" or head is None or len(conv.top_values) != 1 or any(conv.loss_weights):
             continue
         bn = _only_consumer(graph, conv.top_values[0], users, outputs)
         if (bn is None or bn.type != "BatchNorm" or not _uses_global_stats(bn, graph.phase)
