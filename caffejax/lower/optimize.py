@@ -879,8 +879,8 @@ def _conv_batch_norm_chain(head: Kernel, conv: Layer, bn: Layer, scale: Layer | 
 def batch_norm_chains(graph: Graph, kernels: Mapping[str, Kernel]) -> dict[str, Kernel]:
     """``kernels`` with a chain on each Convolution with a kernel (channels-last, or ``conv_taps``) that a
     BatchNorm with global statistics follows (and a per-channel Scale after that), where each value in between
-    is read by the next link alone and is no net output. A chain is ``visible`` where such a value is also a blob's final value (written to
-    a new blob); the in-place chains ResNet writes are not."""
+    is read by the next link alone and is no net output. A chain is ``visible`` where such a value is also a
+    blob's final value (written to a new blob); the in-place chains ResNet writes are not."""
     users, outputs = _consumers(graph), _output_values(graph)
     final = set(graph.blob_value.values())
     out = dict(kernels)
