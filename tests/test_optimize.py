@@ -636,8 +636,6 @@ POOLS_INTO_GROUPS = (
 def test_max_pools_read_by_split_groups_take_their_differentiated_top_from_reduce_window():
     """Only a MAX pooling that a convolution split into groups reads gets the reduce_window top (AlexNet's
     pool1); the training objective stays Caffe's rules' (loss and every param gradient)."""
-    from caffejax.lower.program import NetProgram
-
     caffejax.set_random_seed(4)
     net = caffejax.Net(POOLS_INTO_GROUPS, caffejax.TRAIN)
     graph = net.graph
@@ -647,12 +645,7 @@ def test_max_pools_read_by_split_groups_take_their_differentiated_top_from_reduc
         "split_ave": "pool_nhwc"}
     x = np.random.default_rng(3).integers(-3, 4, size=(2, 4, 11, 11)).astype(np.float32)  # ties in the pools
     inputs = {graph.fed["data"]: x, graph.fed["label"]: np.array([1, 3], np.float32)}
-    params, key = net.param_arrays(), jax.random.key(0)
-    (loss, grads, _), (fast_loss, fast_grads, _) = [
-        jax.jit(program.loss_and_grads)(params, inputs, key)
-        for program in (NetProgram(graph), NetProgram(graph, kernels))]
-    assert_close(fast_loss, loss, FORWARD_RTOL, FORWARD_ATOL, "loss")
-    _assert_gradients_close(fast_grads, grads)
+    _rules_against_kernels(graph, kernels, net.param_arrays(), inputs)
 
 
 @pytest.mark.parametrize("phase", [caffejax.TEST, caffejax.TRAIN])
@@ -685,23 +678,29 @@ def _assert_gradients_close(got, expected):
                 np.testing.assert_allclose(a, b, rtol=DIFF_RTOL, atol=DIFF_ATOL * scale, err_msg=f"d {name}[{i}]")
 
 
-def test_channels_last_loss_and_gradients_are_caffes():
-    """The training objective through the layout kernels: loss, every param gradient, BatchNorm's updates."""
-    import jax
-
+def _rules_against_kernels(graph, kernels, params, inputs, seed=0):
+    """One training pass (``loss_and_grads``) by Caffe's rules, layer by layer in NCHW, and one with
+    ``kernels``; checks the kernels' loss and every param gradient against the rules' and returns both passes'
+    ``(loss, grads, (values, updates))``, the rules' first."""
     from caffejax.lower.program import NetProgram
 
+    key = jax.random.key(seed)
+    rules, fast = [jax.jit(program.loss_and_grads)(params, inputs, key)
+                   for program in (NetProgram(graph), NetProgram(graph, kernels))]
+    assert_close(fast[0], rules[0], FORWARD_RTOL, FORWARD_ATOL, "loss")
+    _assert_gradients_close(fast[1], rules[1])
+    return rules, fast
+
+
+def test_channels_last_loss_and_gradients_are_caffes():
+    """The training objective through the layout kernels: loss, every param gradient, BatchNorm's updates."""
     net = _zoo_net(TRAIN_ZOO, caffejax.TRAIN, channels_last=False)
     graph = net.graph
     rng = np.random.default_rng(2)
     inputs = {graph.fed["data"]: rng.normal(size=(2, 8, 9, 9)).astype(np.float32),
               graph.fed["label"]: np.array([1, 3], np.float32)}
-    params, key = net.param_arrays(), jax.random.key(7)
-    results = [jax.jit(program.loss_and_grads)(params, inputs, key)
-               for program in (NetProgram(graph), NetProgram(graph, optimize.layout_kernels(graph)))]
-    (loss, grads, (env, updates)), (fast_loss, fast_grads, (fast_env, fast_updates)) = results
-    assert_close(fast_loss, loss, FORWARD_RTOL, FORWARD_ATOL, "loss")
-    _assert_gradients_close(fast_grads, grads)
+    (_, _, (env, updates)), (_, _, (fast_env, fast_updates)) = _rules_against_kernels(
+        graph, optimize.layout_kernels(graph), net.param_arrays(), inputs, seed=7)
     assert updates.keys() == fast_updates.keys() and updates
     for name, changed in updates.items():
         for i, value in changed.items():
@@ -854,21 +853,13 @@ def test_batch_norm_chains_keep_caffes_loss_and_gradients():
     """The folded chains differentiated (dx and dW through W' = a W, Scale's gradient through the filter
     gradient) against Caffe's layers one by one in NCHW; the cut chain (propagate_down: false) and the frozen
     convolution under a learnable Scale included."""
-    import jax
-
-    from caffejax.lower.program import NetProgram
-
     graph = _chain_net().graph
     net = _chain_net(channels_last=False)
     rng = np.random.default_rng(3)
     inputs = {graph.fed["data"]: rng.normal(size=(2, 6, 7, 7)).astype(np.float32),
               graph.fed["label"]: np.array([1, 3], np.float32)}
-    params, key = net.param_arrays(), jax.random.key(0)
-    chained = NetProgram(graph, optimize.layout_kernels(graph))
-    (loss, grads, (env, _)), (fast_loss, fast_grads, (fast_env, _)) = [
-        jax.jit(program.loss_and_grads)(params, inputs, key) for program in (NetProgram(graph), chained)]
-    assert_close(fast_loss, loss, FORWARD_RTOL, FORWARD_ATOL, "loss")
-    _assert_gradients_close(fast_grads, grads)
+    (_, _, (env, _)), (_, fast_grads, (fast_env, _)) = _rules_against_kernels(
+        graph, optimize.layout_kernels(graph), net.param_arrays(), inputs)
     assert not np.any(fast_grads["p"][0]) and np.any(fast_grads["f_scale"][0]) and not np.any(fast_grads["f"][0])
     inside = {graph.layer(name).top_values[0] for name in ("a", "a_bn", "b", "g", "g_bn", "dw", "dw_bn", "f", "f_bn")}
     assert inside <= set(env) and not inside & set(fast_env)  # the chains ran folded
@@ -879,10 +870,6 @@ def test_batch_norm_chains_keep_caffes_loss_and_gradients():
 def test_a_one_channel_convolution_chains_with_its_batch_norm():
     """A gray image's first convolution runs as taps (conv_taps, channels first) and still folds the
     BatchNorm -> Scale after it; the step keeps Caffe's loss and gradients."""
-    import jax
-
-    from caffejax.lower.program import NetProgram
-
     text = ('name: "gray" input: "data" input_shape { dim: 2 dim: 1 dim: 68 dim: 68 }\n'
             + _layer("label", "Input", [], ["label"], "input_param { shape { dim: 2 } }")
             + _conv("t", "data", "t", 8, 3, "pad: 1") + _bn_scale("t", "t")
@@ -899,12 +886,7 @@ def test_a_one_channel_convolution_chains_with_its_batch_norm():
     rng = np.random.default_rng(4)
     inputs = {graph.fed["data"]: rng.normal(size=(2, 1, 68, 68)).astype(np.float32),
               graph.fed["label"]: np.array([1, 3], np.float32)}
-    params, key = net.param_arrays(), jax.random.key(0)
-    (loss, grads, (env, _)), (fast_loss, fast_grads, (fast_env, _)) = [
-        jax.jit(program.loss_and_grads)(params, inputs, key) for program in (NetProgram(graph),
-                                                                             NetProgram(graph, kernels))]
-    assert_close(fast_loss, loss, FORWARD_RTOL, FORWARD_ATOL, "loss")
-    _assert_gradients_close(fast_grads, grads)
+    (_, _, (env, _)), (_, _, (fast_env, _)) = _rules_against_kernels(graph, kernels, net.param_arrays(), inputs)
     assert graph.layer("t").top_values[0] in env and graph.layer("t").top_values[0] not in fast_env  # folded
 
 
@@ -1023,11 +1005,7 @@ def test_backward_passes_run_only_the_chains_that_pay_there(monkeypatch):
     inputs = {graph.fed["data"]: rng.normal(size=(2, 6, 7, 7)).astype(np.float32),
               graph.fed["label"]: np.array([1, 3], np.float32)}
     params, key = net.param_arrays(), jax.random.key(0)
-    (loss, grads, _), (fast_loss, fast_grads, (env, _)) = [
-        jax.jit(program.loss_and_grads)(params, inputs, key)
-        for program in (NetProgram(graph), NetProgram(graph, kernels))]
-    assert_close(fast_loss, loss, FORWARD_RTOL, FORWARD_ATOL, "loss")
-    _assert_gradients_close(fast_grads, grads)
+    _, (_, _, (env, _)) = _rules_against_kernels(graph, kernels, params, inputs)
     value = {name: graph.layer(name).top_values[0] for name in ("a", "b", "g", "dw")}
     assert value["a"] in env and value["g"] in env and value["b"] not in env and value["dw"] not in env
     forward, _ = NetProgram(graph, kernels).run_layers(graph.layers, params, inputs, key, kernels=kernels)
