@@ -95,32 +95,42 @@ def test_ynnpack_off_means_no_ynnpack_fusions(monkeypatch):
 
 
 def test_bfloat16_forwards_get_single_dots_where_the_cpu_multiplies_bfloat16(monkeypatch):
-    """A bfloat16 forward on a CPU with bfloat16 matrix instructions sends each dot to YNNPACK alone (which
+    """A big bfloat16 forward on a CPU with bfloat16 matrix instructions sends each dot to YNNPACK alone (which
     runs bfloat16 -> float32 products on them) and runs conv_gemm, conv_im2col, winograd_medium, widen and
-    defer_rounding besides the default passes; elsewhere, and for float32 or a backward, nothing changes."""
+    defer_rounding besides the default passes. A small one keeps XLA's default, as a float32 one does (it
+    hands dots, and convolutions, to YNNPACK one by one). Elsewhere, and for float32 or a backward, nothing
+    changes."""
     from caffejax.lower.optimize import DEFAULT_PASSES
     from caffejax.runtime.inference import default_passes
 
     monkeypatch.delenv(xla_options.ENVIRONMENT, raising=False)
     net = caffejax.Net(str(LENET), caffejax.TEST)
+    big = net.graph  # batch 64: 294 MFLOP
     net.blobs["data"].reshape(1, 1, 28, 28)
     net.reshape()
     small = net.graph
     cpu = jax.default_backend() == "cpu"
+    dots = {xla_options.YNN_OPTION: xla_options.YNN_DOT} if cpu else {}
     with_backward = {xla_options.YNN_OPTION: xla_options.YNN_DOT_AND_REDUCE} if cpu else {}
     for has in (True, False):
         monkeypatch.setattr(xla_options, "cpu_has_bf16_matrix_instructions", lambda has=has: has)
         matrix = has and cpu
+        single = {xla_options.YNN_OPTION: xla_options.YNN_INDIVIDUAL_DOT} if matrix else dots
         assert xla_options.bf16_matrix_programs(jnp.bfloat16) == matrix
         assert not xla_options.bf16_matrix_programs(jnp.float32)
-        assert xla_options.compiler_options(small, dtype=jnp.bfloat16) == (
-            {xla_options.YNN_OPTION: xla_options.YNN_INDIVIDUAL_DOT} if matrix else {})
+        assert xla_options.compiler_options(big, dtype=jnp.bfloat16) == single
+        assert xla_options.compiler_options(big, dtype=jnp.float32) == dots
+        assert xla_options.compiler_options(small, dtype=jnp.bfloat16) == {}
         assert xla_options.compiler_options(small, dtype=jnp.float32) == {}
-        assert xla_options.compiler_options(small, backward=True, dtype=jnp.bfloat16) == with_backward
+        for graph in (big, small):
+            assert xla_options.compiler_options(graph, backward=True, dtype=jnp.bfloat16) == with_backward
         assert default_passes(jnp.float32) == DEFAULT_PASSES
         assert default_passes(jnp.bfloat16) == (
             DEFAULT_PASSES + ("conv_gemm", "conv_im2col", "winograd_medium", "widen", "defer_rounding")
             if matrix else DEFAULT_PASSES)
+        monkeypatch.setenv(xla_options.ENVIRONMENT, "1")  # every program as if it were big
+        assert xla_options.compiler_options(small, dtype=jnp.bfloat16) == single
+        monkeypatch.delenv(xla_options.ENVIRONMENT)
     monkeypatch.setenv(xla_options.ENVIRONMENT, "0")
     assert xla_options.compiler_options(small, dtype=jnp.bfloat16) == ({xla_options.YNN_OPTION: ""} if cpu else {})
 

@@ -1,8 +1,9 @@
 """XLA compiler options caffejax picks per compiled program, from what was measured on Caffe's nets.
 
 The option is ``xla_cpu_experimental_ynn_fusion_type``: which instructions XLA:CPU hands to YNNPACK.
-XLA's own default (jaxlib 0.10) is ``LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT``: dots *and all but small
-convolutions*, one by one. YNNPACK's forward convolutions are as fast as XLA's (Eigen) ones, but the
+XLA's own default (the option unset; jaxlib 0.10) hands it dots *and all but small convolutions*, one by
+one (``LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT`` and ``..._INDIVIDUAL_CONVOLUTION``; naming the first alone leaves
+convolutions to XLA). YNNPACK's forward convolutions are as fast as XLA's (Eigen) ones, but the
 convolutions XLA builds for a filter gradient run 2-3x slower there: a 3x3 convolution on 16x28x28x128,
 forward and filter gradient, takes 122 ms under the default against 49-54 ms with any of the settings
 below (2 AVX2 cores).
@@ -22,13 +23,17 @@ below (2 AVX2 cores).
   Element-wise fusions through YNNPACK made every step slower.
 
 - ``LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT`` (:data:`YNN_INDIVIDUAL_DOT`): bfloat16 forward programs
-  (``compile_inference(dtype=jnp.bfloat16)``) on a CPU with bfloat16 matrix instructions (AVX512_BF16 or
-  AMX-BF16, :func:`cpu_has_bf16_matrix_instructions`). YNNPACK takes each bfloat16 x bfloat16 -> float32
-  dot on its own and runs it on those instructions; convolutions stay XLA's. Measured on 2 Sapphire Rapids
-  cores, a 2048^2 product: 570-980 GFLOP/s, against 140-200 inside dot fusions (:data:`YNN_DOT`) and 240 for
-  float32. On 2 AMD EPYC cores with AVX512_BF16 but no AMX, bfloat16 products of ResNet-50's shapes ran at
-  240-360 GFLOP/s this way against 175-200 in dot fusions. XLA's default also sends convolutions to YNNPACK,
-  where a float32 3x3 one ran at 175 GFLOP/s against 220-250 under this option.
+  (``compile_inference(dtype=jnp.bfloat16)``) with at least :data:`YNN_MIN_FLOPS` on a CPU with bfloat16
+  matrix instructions (AVX512_BF16 or AMX-BF16, :func:`cpu_has_bf16_matrix_instructions`). YNNPACK takes each
+  bfloat16 x bfloat16 -> float32 dot on its own and runs it on those instructions; convolutions stay XLA's.
+  Measured on 2 Sapphire Rapids cores, a 2048^2 product: 570-980 GFLOP/s, against 140-200 inside dot fusions
+  (:data:`YNN_DOT`) and 240 for float32. On 2 AMD EPYC cores with AVX512_BF16 but no AMX, bfloat16 products
+  of ResNet-50's shapes ran at 240-360 GFLOP/s this way against 175-200 in dot fusions. XLA's default also
+  sends convolutions to YNNPACK, where a float32 3x3 one ran at 175 GFLOP/s against 220-250 under this
+  option. Smaller bfloat16 forwards keep XLA's default, as float32 ones do; it hands their bfloat16 dots to
+  YNNPACK one by one as well, and LeNet's 1-channel conv1 (widened to float32) runs faster there: LeNet's
+  bfloat16 forward at batch 1 took 0.21 ms against 0.25-0.26 ms under this option, at batch 4 0.35 against
+  0.43 ms (paired A/B, 2 AMD EPYC cores).
 
 Options go through ``jax.jit(compiler_options=...)``; nothing process-wide changes. ``CAFFEJAX_XLA_YNN=0``
 in the environment turns YNNPACK off for every program (an empty fusion list, not XLA's default);
@@ -49,7 +54,7 @@ from caffejax.runtime.mode import environment_switch
 
 YNN_OPTION = "xla_cpu_experimental_ynn_fusion_type"
 YNN_DOT = "LIBRARY_FUSION_TYPE_DOT"
-YNN_OFF = ""  # no fusion type at all (leaving the option unset keeps XLA's default, individual dots)
+YNN_OFF = ""  # no fusion type at all (unset, the option keeps XLA's default: individual dots and convolutions)
 YNN_DOT_AND_REDUCE = f"{YNN_DOT},LIBRARY_FUSION_TYPE_REDUCE"
 YNN_INDIVIDUAL_DOT = "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"
 YNN_MIN_FLOPS = 20e6
@@ -100,10 +105,10 @@ def compiler_options(graph: Graph, backward: bool = False, dtype=jnp.float32) ->
     forced = environment_switch(ENVIRONMENT)
     if forced is False:
         return {YNN_OPTION: YNN_OFF}
-    if not backward and bf16_matrix_programs(dtype):
-        return {YNN_OPTION: YNN_INDIVIDUAL_DOT}
     if backward:
         return {YNN_OPTION: YNN_DOT_AND_REDUCE}
-    if forced or matmul_flops(graph) >= YNN_MIN_FLOPS:
-        return {YNN_OPTION: YNN_DOT}
-    return {}
+    if not (forced or matmul_flops(graph) >= YNN_MIN_FLOPS):
+        return {}
+    if bf16_matrix_programs(dtype):
+        return {YNN_OPTION: YNN_INDIVIDUAL_DOT}
+    return {YNN_OPTION: YNN_DOT}
