@@ -3,10 +3,11 @@
 The option is ``xla_cpu_experimental_ynn_fusion_type``: which instructions XLA:CPU hands to YNNPACK.
 XLA's own default (the option unset; jaxlib 0.10) hands it dots *and all but small convolutions*, one by
 one (``LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT`` and ``..._INDIVIDUAL_CONVOLUTION``; naming the first alone leaves
-convolutions to XLA). YNNPACK's forward convolutions are as fast as XLA's (Eigen) ones, but the
-convolutions XLA builds for a filter gradient run 2-3x slower there: a 3x3 convolution on 16x28x28x128,
-forward and filter gradient, takes 122 ms under the default against 49-54 ms with any of the settings
-below (2 AVX2 cores).
+convolutions to XLA). On 2 AVX2 cores YNNPACK's forward convolutions were as fast as XLA's (Eigen) ones,
+but the convolutions XLA builds for a filter gradient ran 2-3x slower there: a 3x3 convolution on
+16x28x28x128, forward and filter gradient, took 122 ms under the default against 49-54 ms with any of the
+settings below. On 2 AMD EPYC cores (AVX-512) its forward convolutions were slower too, at batch 16 (with
+ReLU): 3x3 on 56x56x64 102 against 180 GFLOP/s, AlexNet's conv1 86 against 168, SqueezeNet's 46 against 69.
 
 - ``LIBRARY_FUSION_TYPE_DOT`` (:data:`YNN_DOT`; XLA_FLAGS spells it ``dot``): dots, with the element-wise
   work around them, become YNNPACK fusions; convolutions stay XLA's, except one whose result is summed with
