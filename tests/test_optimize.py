@@ -867,6 +867,52 @@ def test_batch_norm_chains_keep_caffes_loss_and_gradients():
     assert graph.layer("d").top_values[0] in fast_env          # nor the visible one (its blob is handed back)
 
 
+# A stem with a differentiated output, then a 1x1 convolution that widens 64 channels to 80 over 2 x 40 x 40 pixels
+# (chained with its BatchNorm and Scale, as ResNet's branch2c) and one that narrows them back.
+WIDENING_NET = (
+    'name: "widening" input: "data" input_shape { dim: 2 dim: 64 dim: 40 dim: 40 }\n'
+    + _layer("label", "Input", [], ["label"], "input_param { shape { dim: 2 } }")
+    + _conv("stem", "data", "stem", 64, 3, "pad: 1") + _layer("stem_relu", "ReLU", ["stem"], ["stem"])
+    + _conv("wide", "stem", "wide", 80, 1) + _bn_scale("wide", "wide") + _layer("wide_relu", "ReLU", ["wide"], ["wide"])
+    + _conv("narrow", "wide", "narrow", 64, 1)
+    + _layer("pool", "Pooling", ["narrow"], ["pool"], "pooling_param { pool: AVE global_pooling: true }")
+    + _layer("fc", "InnerProduct", ["pool"], ["fc"],
+             'inner_product_param { num_output: 4 weight_filler { type: "gaussian" std: 0.2 } }')
+    + _layer("loss", "SoftmaxWithLoss", ["fc", "label"], ["loss"])
+)
+
+
+def test_a_widening_1x1_filter_gradient_reads_its_diff_by_filter_rows_and_keeps_caffes_gradients():
+    """On the CPU, a 1x1 product with more filters than channels (and enough channels and pixels) takes its
+    filter gradient from dy written out as C_out x pixels (optimize._widening_product); the narrowing one keeps
+    the plain product. Loss and every gradient (the stem's through the widening product's input gradient)
+    against Caffe's layers one by one."""
+    from caffejax.lower.program import NetProgram
+
+    net = caffejax.Net(WIDENING_NET, caffejax.TRAIN, channels_last=False)
+    _randomize_batchnorm(net)
+    graph = net.graph
+    shapes = {name: optimize._conv_shape(graph.layer(name), graph) for name in ("wide", "narrow")}
+    assert shapes["wide"].is_pointwise and shapes["narrow"].is_pointwise
+    on_cpu = jax.default_backend() == "cpu"
+    assert optimize._filter_gradient_by_filter_rows(shapes["wide"], np.dtype(np.float32)) == on_cpu
+    assert not optimize._filter_gradient_by_filter_rows(shapes["narrow"], np.dtype(np.float32))
+    assert not optimize._filter_gradient_by_filter_rows(shapes["wide"], np.dtype(jnp.bfloat16))
+    fewer_pixels = dataclasses.replace(shapes["wide"], batch=1)  # 1600 pixels
+    assert not optimize._filter_gradient_by_filter_rows(fewer_pixels, np.dtype(np.float32))
+
+    rng = np.random.default_rng(8)
+    inputs = {graph.fed["data"]: rng.normal(size=(2, 64, 40, 40)).astype(np.float32),
+              graph.fed["label"]: np.array([1, 3], np.float32)}
+    kernels = optimize.layout_kernels(graph)
+    assert kernels["wide"].name == "conv_1x1_gemm" and kernels["wide"].chain
+    _rules_against_kernels(graph, kernels, net.param_arrays(), inputs)
+    if on_cpu:  # the copy of dy between its two barriers is made once, for the widening product alone
+        jaxpr = str(jax.make_jaxpr(NetProgram(graph, kernels).loss_and_grads)(
+            net.param_arrays(), inputs, jax.random.key(0)))
+        assert jaxpr.count("optimization_barrier") == 2
+
+
 def test_a_one_channel_convolution_chains_with_its_batch_norm():
     """A gray image's first convolution runs as taps (conv_taps, channels first) and still folds the
     BatchNorm -> Scale after it; the step keeps Caffe's loss and gradients."""
