@@ -8,12 +8,15 @@ sizes were computed by hand from the formulas in the layer sources (shown next t
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
+import caffejax
 from caffejax.errors import CaffejaxError, GraphError, SchemaError, ShapeError
 from caffejax.frontend import build_graph, load_net_param
 from caffejax.frontend.build import AUTOMATIC_TOP
 from caffejax.proto import caffe_pb2
+from conftest import MODELS
 
 TRAIN, TEST = caffe_pb2.TRAIN, caffe_pb2.TEST
 
@@ -197,6 +200,46 @@ def test_force_backward_uses_each_layers_own_rule_when_names_repeat():
         layer { name: 'loss' type: 'EuclideanLoss' bottom: 'b' bottom: 'target' top: 'l2' }
     """)
     assert bottom_need_backward(g) == [[], [True, False], [True, True]]
+
+
+_TWO_POOLS = """
+    layer { name: 'in' type: 'Input' top: 'x' input_param { shape { dim: 1 dim: 2 dim: 8 dim: 8 } } }
+    layer { name: 'pool' type: 'Pooling' bottom: 'x' top: 'a' pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+    layer { name: '%s' type: 'Pooling' bottom: 'a' top: 'b' pooling_param { pool: AVE kernel_size: 2 stride: 1 } }
+"""
+
+
+def test_layers_sharing_a_name_run_as_the_separate_layers_caffe_makes_of_them():
+    """caffejax keys a layer's kernel, data source and fused chain by its name: the second of two Pooling layers
+    named alike ran with the first's window (a bare TypeError from inside JAX). A later layer of a taken name is
+    'name#k' (the k-th of that name), and runs its own definition."""
+    x = np.random.default_rng(0).standard_normal((1, 2, 8, 8)).astype(np.float32)
+    same, distinct = (caffejax.Net(_TWO_POOLS % name, caffejax.TEST) for name in ("pool", "pool2"))
+    assert same._layer_names == ["in", "pool", "pool#2"]
+    np.testing.assert_array_equal(same.forward(x=x)["b"], distinct.forward(x=x)["b"])
+    assert same.forward(x=x)["b"].shape == (1, 2, 3, 3)
+    g = build_graph(load_net_param(MODELS / "bvlc/examples/mnist/mnist_autoencoder.prototxt"), TRAIN)
+    assert [layer.name for layer in g.layers if layer.name.startswith("loss")] == ["loss", "loss#2"]
+    assert [layer.type for layer in g.layers if layer.name.startswith("loss")] == ["SigmoidCrossEntropyLoss",
+                                                                                 "EuclideanLoss"]
+
+
+def test_a_layer_with_weights_and_an_earlier_layers_name_has_its_own_weights():
+    """Caffe's TrickyNet (test_net.cpp) names two InnerProduct layers alike; each has its own learnable blobs."""
+    text = ("layer { name: 'in' type: 'Input' top: 'x' input_param { shape { dim: 1 dim: 3 } } }\n"
+            "layer { name: 'ip' type: 'InnerProduct' bottom: 'x' top: 'a' inner_product_param { num_output: 2 } }\n"
+            "layer { name: 'ip' type: 'InnerProduct' bottom: 'a' top: 'b' inner_product_param { num_output: 4 } }\n")
+    net = caffejax.Net(text, caffejax.TEST)
+    assert {name: [blob.data.shape for blob in blobs] for name, blobs in net.params.items()} == {
+        "ip": [(2, 3), (2,)], "ip#2": [(4, 2), (4,)]}
+    net.params["ip"][0].data[...] = 1.0
+    net.params["ip#2"][0].data[...] = 2.0
+    np.testing.assert_array_equal(net.forward(x=np.ones((1, 3), np.float32))["b"], 12.0)
+    assert [layer.name for layer in graph(tricky_net()).layers][1:3] == ["innerproduct", "innerproduct#2"]
+    # An error about the third 'ip' points at its own line.
+    with pytest.raises(ShapeError, match=r"^<string>:4: layer 'ip#3' \(type Reshape\): output count must match"):
+        caffejax.Net(text + "layer { name: 'ip' type: 'Reshape' bottom: 'b' top: 'c' "
+                            "reshape_param { shape { dim: 7 } } }\n", caffejax.TEST)
 
 
 # ---- outputs, inputs, loss weights ------------------------------------------------------------------------------

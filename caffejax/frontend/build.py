@@ -55,12 +55,38 @@ def build_graph(net: caffe_pb2.NetParameter, phase: int, level: int = 0, stages:
     param.state.phase = phase
     param.state.level = level
     param.state.stage.extend(stages)
-    param = insert_splits(filter_net(param, param.state))
+    param = filter_net(param, param.state)
+    distinct_layer_names(param)
+    param = insert_splits(param)
     builder = _Builder(param, phase, dict(input_shapes or {}), base_dir, allow_python_layers,
                        dict(concrete_inputs or {}), python_layers)
     for index, layer_param in enumerate(param.layer):
         builder.add_layer(index, layer_param)
     return builder.finish()
+
+
+def distinct_layer_names(net: caffe_pb2.NetParameter) -> None:
+    """Renames, in place, each layer whose name an earlier layer of ``net`` has to ``name#k`` (the k-th layer of
+    that name).
+
+    Caffe runs such a net and tells its layers apart by index (BVLC's mnist_autoencoder names two loss layers
+    'loss'; Caffe's test_net.cpp TrickyNet, two InnerProduct layers 'innerproduct'). caffejax keys a layer's
+    kernel, learnable blobs, data source and fused chain by its name: with two Pooling layers named alike, the
+    second ran with the first's window. Weights go by name in a caffemodel too: a file Caffe saved from such a
+    net holds two layers of one name, which Net.copy_from refuses (Caffe copies both into the first), and one
+    caffejax saved names the later layer ``name#k``, which Caffe ignores when it reads it into the prototxt.
+    """
+    taken = {lp.name for lp in net.layer}
+    seen: dict[str, int] = {}
+    for lp in net.layer:
+        count = seen[lp.name] = seen.get(lp.name, 0) + 1
+        if count > 1:
+            name = f"{lp.name}#{count}"
+            while name in taken:
+                count += 1
+                name = f"{lp.name}#{count}"
+            taken.add(name)
+            lp.name = name
 
 
 class _Builder:

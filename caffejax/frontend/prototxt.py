@@ -441,7 +441,11 @@ def locate_layer_error(error: CaffejaxError, source) -> CaffejaxError:
         path, text = "<string>", source
     else:
         return error
-    lines = [line for line, name in layer_lines(text) if name == error.layer]
+    found = layer_lines(text)
+    lines = [line for line, name in found if name == error.layer]
+    renamed = re.fullmatch(r"(.*)#(\d+)", error.layer)
+    if not lines and renamed:  # build.distinct_layer_names's name#k: the k-th layer named name
+        lines = [line for line, name in found if name == renamed.group(1)][int(renamed.group(2)) - 1:]
     return at_location(error, f"{path}:{lines[0]}") if lines else error
 
 
