@@ -212,6 +212,10 @@ def test_ssd_normalize_permute_and_relu6(isolated_registry):
     np.testing.assert_allclose(out["s"], x / np.sqrt((x * x).sum((1, 2, 3), keepdims=True) + 1e-10), rtol=1e-5)
     np.testing.assert_array_equal(out["p"], x.transpose(0, 2, 3, 1))
     np.testing.assert_array_equal(out["r"], np.clip(x, 0, 6))
+    net.blobs["x"].reshape(0, 3, 4, 5)  # no image: Caffe's loops over num run zero times
+    empty = net.forward(x=np.zeros((0, 3, 4, 5), np.float32))
+    assert {name: value.shape for name, value in empty.items()} == {
+        "n": (0, 3, 4, 5), "s": (0, 3, 4, 5), "p": (0, 4, 5, 3), "r": (0, 3, 4, 5)}
     with pytest.raises(caffejax.SchemaError, match="order lists axis 1 twice"):
         caffejax.Net(_input(2, 3) + 'layer { name: "p" type: "Permute" bottom: "x" top: "p" '
                                     'permute_param { order: 1 order: 1 } }', caffejax.TEST)

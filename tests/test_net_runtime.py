@@ -8,7 +8,7 @@ import pytest
 
 import caffejax
 from caffejax.proto import caffe_pb2
-from conftest import BUNDLED, layer_case
+from conftest import BUNDLED, REFERENCE, layer_case
 
 LENET = BUNDLED / "lenet" / "lenet.prototxt"
 LENET_WEIGHTS = BUNDLED / "lenet" / "lenet_iter_10000.caffemodel"
@@ -198,6 +198,28 @@ def test_outputs_are_finite_at_batch_1_and_4_for_bundled_models():
             out = net.forward(data=np.random.default_rng(batch).standard_normal(shape).astype(np.float32))
             for top, value in out.items():
                 assert value.shape[0] == batch and np.isfinite(value).all(), (name, top)
+
+
+@pytest.mark.parametrize("prototxt", [REFERENCE / "layers" / f"{name}.prototxt"
+                                      for name in ("conv_depthwise", "pool_global_max", "im2col", "spp")]
+                         + [BUNDLED / "mtcnn" / "det2.prototxt", LENET], ids=lambda path: path.stem)
+def test_a_batch_of_no_images_runs_as_caffes_loops_over_none(prototxt):
+    """Caffe runs a net whose inputs have num 0 (an MTCNN cascade whose first stage found no face): each loop
+    over the batch runs zero times, so every top is empty and every parameter's gradient zero. The depthwise
+    filter gradient summed by blocks of rows, the global max pooling, Im2col and SPP each raised on it."""
+    net = caffejax.Net(str(prototxt), caffejax.TEST)
+    for name in net.inputs:
+        net.blobs[name].reshape(0, *net.blobs[name].shape[1:])
+    out = net.forward()
+    assert set(out) == set(net.outputs)
+    for name, value in out.items():
+        assert value.shape == net.graph.blob_shape(name) and value.shape[0] == 0, name
+    for name in net.outputs:
+        net.blobs[name].diff[...] = 1.0
+    net.backward()
+    for name, blobs in net.params.items():
+        for i, blob in enumerate(blobs):
+            assert blob.diff.shape == blob.data.shape and not blob.diff.any(), (name, i)
 
 
 def test_dropout_train_is_random_per_pass_and_test_is_identity():

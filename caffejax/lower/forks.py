@@ -244,7 +244,7 @@ def normalize(ctx: LayerContext, bottoms, params):
                         f"got {x.shape}")
     p = fork_param(ctx.layer, "norm_param")
     eps = jnp.asarray(p.eps, x.dtype)
-    flat = x.reshape(x.shape[0], x.shape[1], -1)  # (num, channels, height * width)
+    flat = x.reshape(x.shape[:2] + (math.prod(x.shape[2:]),))  # (num, channels, height * width)
     if p.across_spatial:
         norm = jnp.sqrt(jnp.sum(flat * flat, axis=(1, 2), keepdims=True) + eps)
         top = flat * (jnp.asarray(1, x.dtype) / norm)  # caffe_cpu_scale by 1 / norm

@@ -544,7 +544,7 @@ def _inner_product_kernel(layer: Layer, graph: Graph) -> Kernel | None:
 
     def forward(ctx, bottoms, params):
         (x,) = bottoms
-        return rule(ctx, [x.reshape(x.shape[0], -1)], params)
+        return rule(ctx, [x.reshape(x.shape[0], math.prod(x.shape[1:]))], params)
 
     return Kernel("inner_product_nhwc", forward, NHWC, prepare)
 

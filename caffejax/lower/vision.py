@@ -89,7 +89,7 @@ def _windows(xpad: jax.Array, first_axis: int, kernel: Shape, stride: Shape, dil
         tiles = xpad.reshape(lead + tuple(itertools.chain.from_iterable(zip(out, kernel))))
         order = (tuple(range(first_axis)) + tuple(first_axis + 2 * i + 1 for i in range(nsp))
                  + tuple(first_axis + 2 * i for i in range(nsp)))
-        return tiles.transpose(order).reshape(lead + (-1,) + tuple(out))
+        return tiles.transpose(order).reshape(lead + (math.prod(kernel),) + tuple(out))
     return jnp.stack(_taps(xpad, first_axis, kernel, stride, dilation, out), axis=first_axis)
 
 
@@ -477,6 +477,8 @@ def _depthwise_filter_gradient_by_rows(x, dy, g: ConvGeometry, padding, out: Sha
     against two images at a time of XLA's form: 112x112x32 28 -> 14 ms, 56x56x144 25 -> 11 ms, 28x28x192
     6.3 -> 4.4 ms, 7x7x960 5.1 -> 2.6 ms; stride 2, 112x112x96 23 -> 18 ms and 56x56x144 6.2 -> 7.0 ms."""
     (kh, kw), (sh, sw), (dil_h, dil_w) = g.kernel, g.stride, g.dilation
+    if dy.size == 0:  # an empty batch: no product to sum, and no block to slice
+        return jnp.zeros((kh, kw, 1, x.shape[-1]), dtype)
     xpad = _pad(x, 1, padding, 0)
     n, (oh, ow), channels = x.shape[0], out, x.shape[-1]
     terms = max(1, _DEPTHWISE_BLOCK_PRODUCTS // (kh * kw))
@@ -690,7 +692,7 @@ def im2col(ctx: LayerContext, bottoms, params):
     # Pad so every (partly outside) window Caffe's size formula admits reads zeros, and no more.
     pads = [(p, (o - 1) * s + e - n - p) for p, o, s, e, n in zip(g.pad, out, g.stride, g.extent, spatial)]
     cols = _windows(_pad(x, first, pads, 0), first, g.kernel, g.stride, g.dilation, out)  # (..., C, K, out...)
-    return [cols.reshape(x.shape[:g.channel_axis] + (-1,) + out)]
+    return [cols.reshape(x.shape[:g.channel_axis] + (x.shape[g.channel_axis] * math.prod(g.kernel),) + out)]
 
 
 # ---- Pooling: pooling_layer.cpp ---------------------------------------------------------------------------
@@ -963,7 +965,7 @@ def _large_max_pool(x: jax.Array, g: PoolGeometry, first_axis: int,
         return _window_max(x, g, first_axis), None
     floor = jnp.asarray(-_FLT_MAX, x.dtype)
     trailing = x.shape[first_axis + 2:]
-    flat = x.reshape(x.shape[:first_axis] + (-1,) + trailing)
+    flat = x.reshape(x.shape[:first_axis] + (x.shape[first_axis] * x.shape[first_axis + 1],) + trailing)
     index = jnp.argmax(jnp.where(jnp.isnan(flat), -jnp.inf, flat), axis=first_axis, keepdims=True)
     best = jnp.take_along_axis(flat, index, axis=first_axis)
     found = best > floor
@@ -1100,7 +1102,7 @@ def spp(ctx: LayerContext, bottoms, params):
     if height == 1:  # Caffe then runs one bare Pooling layer: the top stays 4-D
         return [_pool(ctx, x, _spp_level_geometry(ctx.layer, 0, size))[0]]
     levels = [_pool(ctx, x, _spp_level_geometry(ctx.layer, i, size), key_index=i)[0] for i in range(height)]
-    return [jnp.concatenate([y.reshape(y.shape[0], -1) for y in levels], axis=1)]
+    return [jnp.concatenate([y.reshape(y.shape[0], math.prod(y.shape[1:])) for y in levels], axis=1)]
 
 
 # ---- LRN: lrn_layer.cpp -----------------------------------------------------------------------------------
