@@ -222,6 +222,28 @@ def test_a_batch_of_no_images_runs_as_caffes_loops_over_none(prototxt):
             assert blob.diff.shape == blob.data.shape and not blob.diff.any(), (name, i)
 
 
+def test_a_blob_the_host_cannot_allocate_is_a_shape_error_naming_its_shape(monkeypatch):
+    """A mistyped dim (2147483647 where 2 was meant) made numpy's bare MemoryError; the net still runs after."""
+    allocate = np.zeros
+
+    def zeros(shape, *args, **kwargs):  # this host has no room for arrays over a million elements
+        if np.prod(shape, dtype=np.int64) > 10 ** 6:
+            raise MemoryError("Unable to allocate")
+        return allocate(shape, *args, **kwargs)
+
+    monkeypatch.setattr(np, "zeros", zeros)
+    text = ('layer { name: "in" type: "Input" top: "x" input_param { shape { dim: 1000000 dim: 3 } } }\n'
+            'layer { name: "r" type: "ReLU" bottom: "x" top: "y" %s}')
+    with pytest.raises(caffejax.ShapeError, match=r"blob 'y' \(the loss top of layer 'r'\): an array of shape "
+                                                  r"\(1000000, 3\) \(float32\) needs 0.0112 GiB, more than the host"):
+        caffejax.Net(text % "loss_weight: 1 ", caffejax.TEST)
+    net = caffejax.Net(text % "", caffejax.TEST)
+    with pytest.raises(caffejax.ShapeError, match=r"shape \(1000000, 3\) .* is a dim mistyped\?"):
+        net.forward()  # the unfed input's zeros
+    net.blobs["x"].reshape(2, 3)
+    np.testing.assert_array_equal(net.forward(x=-np.ones((2, 3), np.float32))["y"], 0)
+
+
 def test_dropout_train_is_random_per_pass_and_test_is_identity():
     text = """
     layer { name: "in" type: "Input" top: "x" input_param { shape { dim: 4 dim: 100 } } }

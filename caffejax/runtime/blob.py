@@ -15,12 +15,25 @@ inspects intermediate blobs still sees Caffe's values.
 
 from __future__ import annotations
 
+import math
 import sys
 
 import numpy as np
 
+from caffejax.errors import ShapeError
+
 # sys.getrefcount of a slot's host array that only the slot holds: the slot's reference and the call's own.
 _UNHELD = 2
+
+
+def _zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """np.zeros, with an allocation the host cannot make reported as a shape that does not fit."""
+    try:
+        return np.zeros(shape, dtype)
+    except MemoryError:
+        gib = math.prod(shape) * dtype.itemsize / 2 ** 30
+        raise ShapeError(f"an array of shape {shape} ({dtype}) needs {gib:.3g} GiB, more than the host could "
+                         f"allocate; is a dim mistyped?") from None
 
 
 class ArraySlot:
@@ -55,7 +68,7 @@ class ArraySlot:
             if self._device is not None:
                 self._host = np.array(self._device, dtype=self._dtype, copy=True)
             else:
-                self._host = np.zeros(self._shape, self._dtype)
+                self._host = _zeros(self._shape, self._dtype)
         return self._host
 
     def value(self):
@@ -67,7 +80,7 @@ class ArraySlot:
         """
         self._resolve()
         if self._host is None and self._device is None:
-            self._host = np.zeros(self._shape, self._dtype)
+            self._host = _zeros(self._shape, self._dtype)
         if self._host is not None:
             return np.array(self._host)
         return self._device

@@ -231,7 +231,10 @@ class Net:
         for layer in graph.layers:
             for top, weight in zip(layer.tops, layer.loss_weights):
                 if weight and top in self.blobs:
-                    self.blobs[top].diff[...] = weight
+                    try:
+                        self.blobs[top].diff[...] = weight
+                    except ShapeError as e:
+                        raise ShapeError(f"blob '{top}' (the loss top of layer '{layer.name}'): {e}") from None
 
     @staticmethod
     def _signature(graph: Graph):
