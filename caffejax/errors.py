@@ -55,6 +55,10 @@ class ShapeError(CaffejaxError):
     """Blob shapes do not fit a layer's rule."""
 
 
+class OutOfMemoryError(ShapeError, MemoryError):
+    """The net's blobs do not fit in the host's or the device's memory (a mistyped dim, a batch too big)."""
+
+
 class WeightsError(CaffejaxError):
     """A caffemodel (binary or HDF5) does not fit the net, or is corrupted."""
 

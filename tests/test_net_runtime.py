@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import jax
 import numpy as np
 import pytest
@@ -222,7 +226,7 @@ def test_a_batch_of_no_images_runs_as_caffes_loops_over_none(prototxt):
             assert blob.diff.shape == blob.data.shape and not blob.diff.any(), (name, i)
 
 
-def test_a_blob_the_host_cannot_allocate_is_a_shape_error_naming_its_shape(monkeypatch):
+def test_a_blob_the_host_cannot_allocate_is_an_out_of_memory_error_naming_its_shape(monkeypatch):
     """A mistyped dim (2147483647 where 2 was meant) made numpy's bare MemoryError; the net still runs after."""
     allocate = np.zeros
 
@@ -234,14 +238,55 @@ def test_a_blob_the_host_cannot_allocate_is_a_shape_error_naming_its_shape(monke
     monkeypatch.setattr(np, "zeros", zeros)
     text = ('layer { name: "in" type: "Input" top: "x" input_param { shape { dim: 1000000 dim: 3 } } }\n'
             'layer { name: "r" type: "ReLU" bottom: "x" top: "y" %s}')
-    with pytest.raises(caffejax.ShapeError, match=r"blob 'y' \(the loss top of layer 'r'\): an array of shape "
-                                                  r"\(1000000, 3\) \(float32\) needs 0.0112 GiB, more than the host"):
+    with pytest.raises(caffejax.OutOfMemoryError, match=r"blob 'y' \(the loss top of layer 'r'\): an array of "
+                                                        r"shape \(1000000, 3\) \(float32\) needs 0.0112 GiB"):
         caffejax.Net(text % "loss_weight: 1 ", caffejax.TEST)
     net = caffejax.Net(text % "", caffejax.TEST)
-    with pytest.raises(caffejax.ShapeError, match=r"shape \(1000000, 3\) .* is a dim mistyped\?"):
+    with pytest.raises(caffejax.OutOfMemoryError, match=r"shape \(1000000, 3\) .* is a dim mistyped\?"):
         net.forward()  # the unfed input's zeros
     net.blobs["x"].reshape(2, 3)
     np.testing.assert_array_equal(net.forward(x=-np.ones((2, 3), np.float32))["y"], 0)
+
+
+_DEVICE_OUT_OF_MEMORY = """
+import resource, sys
+import numpy as np
+import caffejax
+
+text = ('layer { name: "in" type: "Input" top: "x" input_param { shape { dim: 1 dim: 1 } } }'
+        'layer { name: "t" type: "Tile" bottom: "x" top: "y" tile_param { axis: 1 tiles: 2000000000 } }')
+net = caffejax.Net(text, caffejax.TEST)
+infer = caffejax.compile_inference(net)
+small = caffejax.Net(text.replace("2000000000", "3"), caffejax.TEST)
+small.forward(x=np.ones((1, 1), np.float32))
+# From here on the process may map 2 GiB more than it has, and the 8 GB top does not fit.
+mapped = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmSize:")) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (mapped + (2 << 30), resource.RLIM_INFINITY))
+for run in (lambda: net.forward(x=np.ones((1, 1), np.float32)), lambda: infer({"x": np.ones((1, 1), np.float32)})):
+    try:
+        run()
+        print("ran")
+    except caffejax.OutOfMemoryError as e:
+        print(type(e).__name__, e)
+print(small.forward(x=np.ones((1, 1), np.float32))["y"].tolist())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS limits mappings on Linux")
+def test_a_program_the_device_cannot_hold_is_an_out_of_memory_error_naming_the_biggest_blobs():
+    """XLA's RESOURCE_EXHAUSTED came out of forward() as a JaxRuntimeError (a mutated prototxt's 65536 channels);
+    Net's and compile_inference's programs now raise OutOfMemoryError, and the process runs on."""
+    done = subprocess.run([sys.executable, "-c", _DEVICE_OUT_OF_MEMORY], capture_output=True, text=True,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert len(lines) == 3, done.stdout
+    for line in lines[:2]:
+        assert line.startswith("OutOfMemoryError the net: a compiled program needs more memory than the device "
+                               "has (RESOURCE_EXHAUSTED: "), line
+        assert line.endswith("its biggest blobs: 'y' (1, 2000000000) (7.45 GiB in float32). Is a dim mistyped, "
+                             "or the batch too big?"), line
+    assert lines[2] == "[[1.0, 1.0, 1.0]]"
 
 
 def test_dropout_train_is_random_per_pass_and_test_is_identity():

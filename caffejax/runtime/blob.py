@@ -20,20 +20,20 @@ import sys
 
 import numpy as np
 
-from caffejax.errors import ShapeError
+from caffejax.errors import OutOfMemoryError
 
 # sys.getrefcount of a slot's host array that only the slot holds: the slot's reference and the call's own.
 _UNHELD = 2
 
 
 def _zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """np.zeros, with an allocation the host cannot make reported as a shape that does not fit."""
+    """np.zeros, with an allocation the host cannot make as an OutOfMemoryError naming the shape."""
     try:
         return np.zeros(shape, dtype)
     except MemoryError:
         gib = math.prod(shape) * dtype.itemsize / 2 ** 30
-        raise ShapeError(f"an array of shape {shape} ({dtype}) needs {gib:.3g} GiB, more than the host could "
-                         f"allocate; is a dim mistyped?") from None
+        raise OutOfMemoryError(f"an array of shape {shape} ({dtype}) needs {gib:.3g} GiB, more than the host "
+                               f"could allocate; is a dim mistyped?") from None
 
 
 class ArraySlot:

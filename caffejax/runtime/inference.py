@@ -28,7 +28,7 @@ from caffejax.errors import CaffejaxError, ShapeError
 from caffejax.frontend.ir import Graph
 from caffejax.lower.optimize import (DEFAULT_PASSES, Plan, aligned_copy, check_passes, make_plan, optimize,
                                      prepare_params, run_plan)
-from caffejax.runtime.memory import garbage_collection_paused
+from caffejax.runtime.memory import DeviceMemoryErrors, garbage_collection_paused
 from caffejax.runtime.program_cache import compile_program, describe_graph
 from caffejax.runtime.xla_options import bf16_matrix_programs, compiler_options
 
@@ -87,7 +87,8 @@ class InferenceFunction:
         fed = {value: _as_input(inputs[blob], self.dtype, program.device) for blob, value in program.feeds}
         if program.inputs_to_device_first:
             fed = _inputs_to_device(fed)
-        with self._net._python_layers:  # a Python layer's failure as its typed error
+        # A Python layer's failure as its typed error; buffers the device cannot hold as an OutOfMemoryError.
+        with self._net._python_layers, DeviceMemoryErrors(program.plan.graph):
             return program.run(program.params, fed)
 
     def _signature(self, shapes: Mapping[str, Sequence[int]]) -> Shapes:

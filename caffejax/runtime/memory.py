@@ -21,6 +21,7 @@ allocator of the whole process, caffejax's user's code included). It changes not
 resident memory.
 
 :func:`garbage_collection_paused` keeps Python's cyclic garbage collector out of building a program.
+:class:`DeviceMemoryErrors` reports a program whose buffers do not fit the device as the net's blobs that do not.
 """
 
 from __future__ import annotations
@@ -29,8 +30,13 @@ import contextlib
 import ctypes
 import ctypes.util
 import gc
+import math
 from typing import Iterator
 
+import jax
+
+from caffejax.errors import OutOfMemoryError
+from caffejax.frontend.ir import Graph
 from caffejax.runtime.mode import environment_switch
 
 ENVIRONMENT = "CAFFEJAX_KEEP_FREED_MEMORY"
@@ -78,3 +84,31 @@ def garbage_collection_paused() -> Iterator[None]:
         yield
     finally:
         gc.enable()
+
+
+class DeviceMemoryErrors:
+    """Run a net's compiled programs inside it (``with DeviceMemoryErrors(graph):``): XLA's RESOURCE_EXHAUSTED,
+    a program's buffers not fitting the device's memory, comes out as an OutOfMemoryError that names the net's
+    biggest blobs (from a mistyped dim in an untrusted prototxt, say, rather than a JaxRuntimeError from inside
+    JAX). A class with ``__exit__``, as PythonLayers is: a contextlib generator costs microseconds a call."""
+
+    __slots__ = ("graph",)
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if kind is None or not issubclass(kind, jax.errors.JaxRuntimeError) or "RESOURCE_EXHAUSTED" not in str(error):
+            return False
+        sizes = sorted(((math.prod(shape), blob, shape) for blob in self.graph.blobs
+                        if (shape := self.graph.blob_shape(blob)) is not None), reverse=True)
+        biggest = ", ".join(f"'{blob}' {shape} ({count * 4 / 2 ** 30:.3g} GiB in float32)"
+                            for count, blob, shape in sizes[:3] if count * 4 >= 2 ** 20)
+        net = f"net '{self.graph.name}'" if self.graph.name else "the net"
+        xla = str(error).strip().splitlines()[0]
+        raise OutOfMemoryError(f"{net}: a compiled program needs more memory than the device has ({xla}); its "
+                               f"biggest blobs: {biggest or 'none over 1 MiB'}. Is a dim mistyped, or the batch "
+                               "too big?") from None

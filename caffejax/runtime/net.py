@@ -15,7 +15,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import jax
 import numpy as np
 
-from caffejax.errors import CaffejaxError, NumericalError, ShapeError, WeightsError, layer_error
+from caffejax.errors import CaffejaxError, NumericalError, OutOfMemoryError, ShapeError, WeightsError, layer_error
 from caffejax.fileio import atomic_write
 from caffejax.frontend.build import build_graph, load_net_param
 from caffejax.frontend.caffemodel import encode_net, read_weights, write_hdf5
@@ -28,6 +28,7 @@ from caffejax.lower.python_layer import PythonLayers
 from caffejax.lower.registry import TRAIN, TEST, get_rule
 from caffejax.runtime import mode
 from caffejax.runtime.blob import ArraySlot, Blob
+from caffejax.runtime.memory import DeviceMemoryErrors
 from caffejax.runtime.program_cache import describe_graph, jit_through_cache
 from caffejax.runtime.xla_options import compiler_options, matmul_flops
 
@@ -109,6 +110,14 @@ def _with_device_arguments(program):
     """``program(*args)`` with the NumPy arrays among its arguments moved by :func:`to_device`."""
     def run(*args):
         return program(*to_device(args))
+    return run
+
+
+def _with_device_memory_errors(program, graph: Graph):
+    """``program(*args)`` inside :class:`DeviceMemoryErrors` for ``graph``."""
+    def run(*args):
+        with DeviceMemoryErrors(graph):
+            return program(*args)
     return run
 
 
@@ -233,8 +242,8 @@ class Net:
                 if weight and top in self.blobs:
                     try:
                         self.blobs[top].diff[...] = weight
-                    except ShapeError as e:
-                        raise ShapeError(f"blob '{top}' (the loss top of layer '{layer.name}'): {e}") from None
+                    except OutOfMemoryError as e:
+                        raise OutOfMemoryError(f"blob '{top}' (the loss top of layer '{layer.name}'): {e}") from None
 
     @staticmethod
     def _signature(graph: Graph):
@@ -437,7 +446,7 @@ class Net:
                                    describe=lambda: self._cache_description(kind, start, end, variant))
             if matmul_flops(self._graph) >= DEVICE_ARGUMENTS_MIN_FLOPS:
                 fn = _with_device_arguments(fn)
-            self._compiled[cache_key] = fn
+            fn = self._compiled[cache_key] = _with_device_memory_errors(fn, self._graph)
         return fn
 
     def _cache_description(self, kind: str, start: int, end: int, variant: tuple = ()

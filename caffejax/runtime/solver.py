@@ -48,6 +48,7 @@ from caffejax.lower.registry import TEST, TRAIN, get_rule
 from caffejax.proto import caffe_pb2
 from caffejax.runtime import lr_policy, mode, snapshot as snapshots
 from caffejax.runtime.distributed import DataParallel, Devices
+from caffejax.runtime.memory import DeviceMemoryErrors
 from caffejax.runtime.net import Net, _python_top_values, to_device
 from caffejax.runtime.program_cache import describe_graph, jit_through_cache
 from caffejax.runtime.xla_options import compiler_options
@@ -538,7 +539,7 @@ class Solver:
                 self.test_all()
             rate = self._learning_rate()
             start_params = self.net.param_arrays() if self.debug_nans else None
-            with self.net._python_layers:
+            with self.net._python_layers, DeviceMemoryErrors(self.net.graph):
                 loss, norm = (self._train_iteration_by_passes(rate)
                               if self._callbacks or self.net._has_layer_callbacks() else self._train_iteration(rate))
                 if any(layer.type == "Python" for layer in self.net.graph.layers):
