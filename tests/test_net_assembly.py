@@ -324,6 +324,23 @@ def test_in_place_refused_by_layer_type():
         graph(INPUT_X + "layer { name: 'flat' type: 'Flatten' bottom: 'x' top: 'x' }")
 
 
+@pytest.mark.parametrize("layer", [
+    "type: 'Convolution' convolution_param { num_output: 4 kernel_size: 3 }",
+    "type: 'Pooling' pooling_param { pool: AVE kernel_size: 3 stride: 2 pad: 1 }",
+    "type: 'Deconvolution' convolution_param { num_output: 3 kernel_size: 4 stride: 2 }",
+])
+def test_a_layer_in_place_must_keep_its_blobs_shape(layer):
+    """A conv, pooling or deconvolution writing over its own bottom reached XLA with the input's shape for its
+    output's value (a bare TypeError from inside JAX; found by fuzzing). Caffe would reshape the shared blob and
+    fail on the next pass; a layer keeping the shape (ReLU, a same-size pooling) stays in place."""
+    with pytest.raises(ShapeError, match=r"layer 'l' \(type \w+\): runs in place on blob 'x' but changes its "
+                                         r"shape \(2, 3, 4, 5\) -> \("):
+        caffejax.Net(INPUT_X + f"layer {{ name: 'l' bottom: 'x' top: 'x' {layer} }}", caffejax.TEST)
+    same = graph(INPUT_X + "layer { name: 'l' type: 'Pooling' bottom: 'x' top: 'x' "
+                           "pooling_param { pool: MAX kernel_size: 3 pad: 1 } }")
+    assert same.value_shapes[same.blob_value["x"]] == (2, 3, 4, 5)
+
+
 def test_unknown_layer_type():
     with pytest.raises(GraphError, match=r"layer 'mystery'.*Frobnicate"):
         graph(INPUT_X + "layer { name: 'mystery' type: 'Frobnicate' bottom: 'x' top: 'y' }")

@@ -169,6 +169,13 @@ class _Builder:
         bottom_shapes = [self.value_shapes[v] for v in bottom_values]
         concrete = self._concrete_bottoms(lp, rule, bottom_values, bottom_shapes)
         param_shapes, top_shapes, is_input = self._shapes(lp, rule, tops, bottom_shapes, concrete)
+        for j, (blob, shape) in enumerate(zip(tops, top_shapes)):
+            if (j < len(lp.bottom) and blob == lp.bottom[j] and None not in (shape, bottom_shapes[j])
+                    and tuple(shape) != tuple(bottom_shapes[j])):
+                raise layer_error(ShapeError, lp.name, lp.type,
+                                  f"runs in place on blob '{blob}' but changes its shape {tuple(bottom_shapes[j])} "
+                                  f"-> {tuple(shape)}: Caffe reshapes the shared blob to the top's shape, which the "
+                                  "layer's next pass reads as its bottom; give the top a name of its own")
         if rule.frozen_params:
             while len(lp.param) < len(param_shapes):
                 lp.param.add(lr_mult=0)  # BatchNorm::LayerSetUp masks its statistics from the solver
