@@ -248,6 +248,27 @@ def test_a_blob_the_host_cannot_allocate_is_an_out_of_memory_error_naming_its_sh
     np.testing.assert_array_equal(net.forward(x=-np.ones((2, 3), np.float32))["y"], 0)
 
 
+def test_weights_the_host_cannot_fill_are_an_out_of_memory_error_naming_the_layer(monkeypatch):
+    """A mistyped input dim (100000000 channels) made the fillers' float64 draw fail with numpy's bare
+    MemoryError out of Net() (found by fuzzing)."""
+    from caffejax.lower import fillers
+
+    draw = fillers._rng_gaussian
+
+    def gaussian(name, shape, *args):  # this host has no room for arrays over a million elements
+        if np.prod(shape, dtype=np.int64) > 10 ** 6:
+            raise MemoryError("Unable to allocate")
+        return draw(name, shape, *args)
+
+    monkeypatch.setattr(fillers, "_rng_gaussian", gaussian)
+    text = ('layer { name: "in" type: "Input" top: "x" input_param { shape { dim: 1 dim: 300000 dim: 3 dim: 3 } } }\n'
+            'layer { name: "c" type: "Convolution" bottom: "x" top: "y" convolution_param { num_output: 4 '
+            'kernel_size: 3 weight_filler { type: "gaussian" } } }\n')
+    with pytest.raises(caffejax.OutOfMemoryError, match=r"^<string>:2: layer 'c' \(type Convolution\): its "
+                                                        r"learnable blobs \(4, 300000, 3, 3\), \(4,\) do not fit"):
+        caffejax.Net(text, caffejax.TEST)
+
+
 _DEVICE_OUT_OF_MEMORY = """
 import resource, sys
 import numpy as np

@@ -283,6 +283,11 @@ class Net:
                                                               fold_in(key, position))
             except CaffejaxError as e:  # a filler setting Caffe CHECK-fails on: name the layer
                 raise layer_error(type(e), layer.name, layer.type, str(e)) from None
+            except MemoryError:  # the fillers draw in float64 on the host
+                shapes = ", ".join(str(tuple(slot.shape)) for slot in layer.params)
+                raise layer_error(OutOfMemoryError, layer.name, layer.type,
+                                  f"its learnable blobs {shapes} do not fit in the host's memory; is a dim or "
+                                  "num_output mistyped?") from None
             for slot, array in zip(layer.params, arrays):
                 if slot.is_owner:
                     self._param_blobs[slot.key]._data.set(np.asarray(array, self._dtype))
