@@ -1,7 +1,8 @@
 """caffejax: Caffe nets compiled by XLA through JAX, with pycaffe's API (``import caffejax as caffe``)."""
 
-from caffejax.errors import (CaffejaxError, DataError, GraphError, NumericalError, OutOfMemoryError, ParseError,
-                             SchemaError, ShapeError, SolverError, UnsupportedError, WeightsError)
+from caffejax.errors import (CaffejaxError, DataError, DataSourceUnavailable, GraphError, NumericalError,
+                             OutOfMemoryError, ParseError, SchemaError, ShapeError, SolverError, UnsupportedError,
+                             WeightsError)
 from caffejax.grad import value_and_grad
 from caffejax.lower.python_layer import Layer  # pycaffe's caffe.Layer, for (trusted) Python layers
 from caffejax.lower.registry import TEST, TRAIN, register_layer
@@ -27,8 +28,8 @@ _memory.apply_environment()  # malloc keeps freed memory; CAFFEJAX_KEEP_FREED_ME
 _run_cpu_programs_inline()  # as Caffe runs; CAFFEJAX_CPU_ASYNC_DISPATCH=1 keeps JAX's worker thread
 
 __all__ = ["Net", "TRAIN", "TEST", "CaffejaxError", "ParseError", "SchemaError", "GraphError", "ShapeError",
-           "WeightsError", "DataError", "SolverError", "UnsupportedError", "set_mode_cpu", "set_mode_gpu",
-           "set_device", "set_random_seed", "value_and_grad", "get_solver", "SGDSolver", "NesterovSolver",
+           "WeightsError", "DataError", "DataSourceUnavailable", "SolverError", "UnsupportedError", "set_mode_cpu",
+           "set_mode_gpu", "set_device", "set_random_seed", "value_and_grad", "get_solver", "SGDSolver", "NesterovSolver",
            "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver", "AdamSolver", "NetSpec", "layers", "params",
            "to_proto", "io", "Classifier", "Detector", "compile_inference", "NumericalError", "OutOfMemoryError",
            "register_layer", "find_first_nan", "Layer", "layer_type_list", "Timer", "log", "init_log", "NCCL",

@@ -65,6 +65,34 @@ def test_layer_callbacks_run_around_each_layer_with_the_fused_passes_values():
     np.testing.assert_allclose(hooked.blobs["x"].diff, plain.blobs["x"].diff, rtol=1e-5, atol=1e-7)
 
 
+def test_layer_by_layer_backward_adds_each_sharers_part_to_the_shared_diff():
+    """Blobs shared by ParamSpec name have one diff (Net::ShareWeights): run one layer at a time, the sharer's
+    backward adds its part too. It added nothing (only owners were summed; found by fuzzing sequences of Net
+    calls): a siamese net's shared weights got half their gradient."""
+    from conftest import REFERENCE
+
+    prototxt = str(REFERENCE / "layers" / "net_shared_params.prototxt")  # ip_a owns 'w' and 'b', ip_b shares
+    plain, hooked = caffejax.Net(prototxt, caffejax.TEST), caffejax.Net(prototxt, caffejax.TEST)
+    hooked.before_backward(lambda i: None)
+    rng = np.random.default_rng(1)
+    inputs = {"x": rng.normal(size=(4, 5)), "y": rng.normal(size=(4, 5)), "s": [1, 0, 1, 0]}
+    for net in (plain, hooked):
+        for i, blob in enumerate(net.params["ip_a"]):
+            blob.data[...] = plain.params["ip_a"][i].data
+        net.forward(**inputs)
+        net.backward()
+    assert hooked.params["ip_b"][0] is hooked.params["ip_a"][0]
+    for want, got in zip(_param_diffs(plain)["ip_a"], _param_diffs(hooked)["ip_a"]):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    only_b = caffejax.Net(prototxt, caffejax.TEST)  # a range holding the sharer and not the owner, fused
+    for i, blob in enumerate(only_b.params["ip_a"]):
+        blob.data[...] = plain.params["ip_a"][i].data
+    only_b.forward(**inputs)
+    only_b.backward(start="loss", end="ip_b")
+    part = only_b.params["ip_a"][0].diff
+    assert np.abs(part).max() > 0 and not np.allclose(part, plain.params["ip_a"][0].diff)
+
+
 def test_a_layer_callback_sees_and_changes_the_blobs_between_layers():
     """What a callback writes into a blob is what the next layer reads, as with Caffe's blobs."""
     net = _net()

@@ -410,6 +410,70 @@ def test_backward_makes_the_other_blobs_diffs_when_read():
     assert not np.any(net.blobs["ip1"].diff[net.blobs["ip1"].data == 0])
 
 
+def test_a_backward_after_resizing_an_input_runs_at_the_new_shapes():
+    """Resizing a fed blob re-infers the shapes on the next pass, a backward as well as a forward: a backward
+    right after the resize ran the program of the old shapes on the new input (a bare TypeError from inside JAX;
+    found by fuzzing sequences of Net calls). It runs as after net.reshape(): the new shapes, the tops' diffs
+    zero but the loss weight's."""
+    from caffejax.frontend.prototxt import parse_net_text
+
+    param = parse_net_text(str(LENET))
+    param.force_backward = True
+    net = caffejax.Net(param, str(LENET_WEIGHTS), caffejax.TEST)
+    net.blobs["data"].reshape(2, 1, 28, 28)
+    net.forward(data=digits(2))
+    net.blobs["prob"].diff[...] = 1.0
+    net.blobs["data"].reshape(3, 1, 28, 28)
+    net.blobs["data"].data[...] = digits(3, seed=1)
+    diffs = net.backward()
+    assert diffs["data"].shape == (3, 1, 28, 28) and net.blobs["prob"].diff.shape == (3, 10)
+    assert not diffs["data"].any()  # zero seeds
+    net.blobs["prob"].diff[...] = np.random.default_rng(2).random((3, 10), dtype=np.float32)
+    twin = caffejax.Net(param, str(LENET_WEIGHTS), caffejax.TEST)
+    twin.blobs["data"].reshape(3, 1, 28, 28)
+    twin.forward(data=digits(3, seed=1))
+    twin.blobs["prob"].diff[...] = net.blobs["prob"].diff
+    np.testing.assert_allclose(net.backward()["data"], twin.backward()["data"], rtol=1e-6, atol=1e-9)
+
+
+def test_a_net_whose_data_source_is_missing_says_so_and_can_be_fed_by_hand():
+    """BVLC's lenet_train_test.prototxt without its LMDB: the net builds with the shapes below the Data layer
+    unknown (Caffe would not build it). Weights for those layers, or a pass over them, raise the Data layer's
+    DataSourceUnavailable naming the layer that needed the shapes; they were a WeightsError ("0 blobs in the
+    net"), and a forward from conv1 a ShapeError about a 0-D blob. Fed by hand (the tops reshaped), the net
+    makes and fills the learnable blobs it could not before (a KeyError then), takes the weights, and computes
+    what the deploy net computes."""
+    from conftest import MODELS
+
+    train_test = MODELS / "bvlc/examples/mnist/lenet_train_test.prototxt"
+    with pytest.raises(caffejax.DataSourceUnavailable, match=r"layer 'mnist' \(type Data\): LMDB source .* not "
+                       r"found .*; so the shapes of layer 'conv1' are unknown and it cannot take its weights from "
+                       r".*lenet_iter_10000.caffemodel\. .* before copy_from"):
+        caffejax.Net(str(train_test), str(LENET_WEIGHTS), caffejax.TEST)
+    net = caffejax.Net(str(train_test), caffejax.TEST)
+    assert list(net.params) == [] and net.blobs["conv1"].shape == ()
+    for start in ("conv1", "ip2"):
+        with pytest.raises(caffejax.DataSourceUnavailable, match=f"the shapes of layer '{start}' are unknown and it "
+                                                                 "cannot run"):
+            net.forward(start=start)
+    with pytest.raises(caffejax.DataSourceUnavailable, match="^layer 'mnist' .* not found"):
+        net.forward()  # the Data layer itself
+    net.blobs["data"].reshape(2, 1, 28, 28)
+    net.blobs["label"].reshape(2)
+    net.reshape()
+    assert list(net.params) == ["conv1", "conv2", "ip1", "ip2"] and net.params["conv1"][0].data.std() > 0
+    assert [layer.name for layer in net.layers if layer.blobs] == ["conv1", "conv2", "ip1", "ip2"]
+    net.copy_from(str(LENET_WEIGHTS))
+    x = digits(2, seed=3)
+    net.blobs["data"].data[...] = x
+    net.blobs["label"].data[...] = [1, 2]
+    net.forward(start="conv1")
+    deploy = caffejax.Net(str(LENET), str(LENET_WEIGHTS), caffejax.TEST)
+    deploy.blobs["data"].reshape(2, 1, 28, 28)
+    np.testing.assert_allclose(net.blobs["ip2"].data, deploy.forward(data=x, blobs=["ip2"])["ip2"], rtol=1e-5,
+                               atol=1e-6)
+
+
 def test_a_backward_asked_for_no_inner_diff_runs_the_channels_last_kernels():
     """program.forward_backward runs the kernels (LeNet's convolutions channels-last) when the diffs it must
     make are the inputs' or none, and Caffe's layout when one is inside the range (a perturbed value must be
@@ -459,6 +523,13 @@ def test_shape_errors_after_a_reshape_name_the_file_and_line(tmp_path):
                                                   r"\(1, 3, 8, 8\)"):
         net.forward(data=np.ones((1, 3, 3, 3), np.float32))
     assert net.forward(data=np.ones((1, 3, 1, 1), np.float32))["conv"].shape == (1, 4, 4, 4)  # broadcasts
+    # Weights that no longer fit a reshaped bottom fail as the pass's program is first traced: located too.
+    lenet = caffejax.Net(str(LENET), str(LENET_WEIGHTS), caffejax.TEST)
+    lenet.blobs["data"].reshape(1, 1, 32, 32)
+    line = LENET.read_text().split("\n").index('  name: "ip1"')  # 1-based: the "layer {" line above
+    with pytest.raises(caffejax.ShapeError, match=f"^{LENET}:{line}: layer 'ip1' \\(type InnerProduct\\): input "
+                                                  r"size incompatible .* bottom \(1, 50, 5, 5\) has K = 1250"):
+        lenet.forward()
 
 
 def test_a_new_value_fills_a_held_host_copy_and_replaces_one_nobody_holds():

@@ -15,7 +15,8 @@ from typing import Any, Iterable, Mapping, Sequence
 import jax
 import numpy as np
 
-from caffejax.errors import CaffejaxError, NumericalError, OutOfMemoryError, ShapeError, WeightsError, layer_error
+from caffejax.errors import (CaffejaxError, DataSourceUnavailable, NumericalError, OutOfMemoryError, ShapeError,
+                             WeightsError, layer_error)
 from caffejax.fileio import atomic_write
 from caffejax.frontend.build import build_graph, load_net_param
 from caffejax.frontend.caffemodel import encode_net, read_weights, write_hdf5
@@ -113,11 +114,15 @@ def _with_device_arguments(program):
     return run
 
 
-def _with_device_memory_errors(program, graph: Graph):
-    """``program(*args)`` inside :class:`DeviceMemoryErrors` for ``graph``."""
+def _with_program_errors(program, graph: Graph, source):
+    """``program(*args)`` inside :class:`DeviceMemoryErrors` for ``graph``, a layer's error from its first
+    trace (weights that no longer fit a reshaped bottom) located at the layer's line in ``source``."""
     def run(*args):
-        with DeviceMemoryErrors(graph):
-            return program(*args)
+        try:
+            with DeviceMemoryErrors(graph):
+                return program(*args)
+        except CaffejaxError as e:
+            raise locate_layer_error(e, source) from None
     return run
 
 
@@ -206,8 +211,13 @@ class Net:
         return self._build({**self._fed_shapes(), **shapes})
 
     def _fed_shapes(self) -> dict[str, tuple[int, ...]]:
-        """The fed blobs' current shapes, by blob name."""
-        return {top: self.blobs[top].shape for top in self._graph.fed}
+        """The fed blobs' current shapes, by blob name; not those of a data layer whose source could not be
+        opened and that nobody has fed since (their shapes stay unknown)."""
+        return {top: self.blobs[top].shape for top, value in self._graph.fed.items()
+                if not self._never_fed(top, value)}
+
+    def _never_fed(self, top: str, value: str) -> bool:
+        return self._graph.value_shapes.get(value) is None and self.blobs[top].shape == ()
 
     def _concrete_blobs(self) -> dict[str, str]:
         """The fed blobs whose values decide shapes (Filter selectors): value id -> blob name."""
@@ -253,21 +263,27 @@ class Net:
         return shapes + tuple((value, data.tobytes()) for value, data in sorted(graph.concrete.items()))
 
     def _init_params(self, skip: set[str] = frozenset()) -> None:
-        """Allocate every learnable blob and run Caffe's fillers."""
+        """Allocate the learnable blobs not allocated yet and run Caffe's fillers on them: every blob when the
+        net is built; after a reshape, those of layers whose shapes were unknown until then."""
         self.params: collections.OrderedDict[str, list[Blob]] = collections.OrderedDict()
+        existing = getattr(self, "_param_blobs", {})
         self._param_blobs: dict[tuple[str, int], Blob] = {}
+        new = set()
         for layer in self._graph.layers:
             blobs = []
             for slot in layer.params:
                 if slot.is_owner:
-                    self._param_blobs[slot.key] = Blob(slot.shape, self._dtype)
+                    self._param_blobs[slot.key] = existing.get(slot.key)
+                    if self._param_blobs[slot.key] is None:
+                        self._param_blobs[slot.key] = Blob(slot.shape, self._dtype)
+                        new.add(layer.name)
                 blobs.append(self._param_blobs[slot.storage])
             if blobs:
                 self.params[layer.name] = blobs
         self.layers = [LayerView(layer.name, layer.type, self.params.get(layer.name, []))
                        for layer in self._graph.layers]
         to_fill = [(position, layer) for position, layer in enumerate(self._graph.layers)
-                   if layer.params and layer.name not in skip
+                   if layer.name in new and layer.name not in skip
                    and (layer.type == "Python" or get_rule(layer.type).init_params is not None)]
         if not to_fill:
             return
@@ -451,7 +467,7 @@ class Net:
                                    describe=lambda: self._cache_description(kind, start, end, variant))
             if matmul_flops(self._graph) >= DEVICE_ARGUMENTS_MIN_FLOPS:
                 fn = _with_device_arguments(fn)
-            fn = self._compiled[cache_key] = _with_device_memory_errors(fn, self._graph)
+            fn = self._compiled[cache_key] = _with_program_errors(fn, self._graph, self._source)
         return fn
 
     def _cache_description(self, kind: str, start: int, end: int, variant: tuple = ()
@@ -480,16 +496,43 @@ class Net:
         for layer in self._graph.layers:
             if layer.is_input:
                 for top, value in zip(layer.tops, layer.top_values):
-                    if self.blobs[top].shape != self._graph.value_shapes[value]:
+                    if self.blobs[top].shape != self._graph.value_shapes[value] and not self._never_fed(top, value):
                         wanted[top] = self.blobs[top].shape
         changed_values = any(not np.array_equal(self.blobs[blob].data, self._graph.concrete[value])
                              for value, blob in self._concrete_blobs().items())
         if wanted or changed_values:
             self.reshape()
 
+    def _require_shapes(self, layers, doing: str, then: str = "") -> None:
+        """Caffe opens every data layer's source when it builds a net. caffejax builds a net whose source is
+        missing too (to inspect it, draw it, or feed the data by hand), with every shape downstream unknown.
+        Running those layers, or giving them weights, raises the data layer's own error, naming the layer that
+        needed the shapes."""
+        graph = self._graph
+        unknown = next((layer for layer in layers if any(graph.value_shapes.get(v) is None
+                                                         for v in (*layer.bottom_values, *layer.top_values))), None)
+        if unknown is None:
+            return
+        hint = (f"so the shapes of layer '{unknown.name}' are unknown and it cannot {doing}. To feed the data "
+                f"by hand, reshape the data layer's tops (net.blobs[name].reshape(...)) and call net.reshape(){then}")
+        for layer in graph.layers:
+            if layer.is_input and any(graph.value_shapes.get(v) is None for v in layer.top_values):
+                try:
+                    self._data_source(layer)
+                except DataSourceUnavailable as e:
+                    raise DataSourceUnavailable(f"{e}; {hint}") from None
+                raise layer_error(ShapeError, layer.name, layer.type, f"its tops have no batch yet (run a forward "
+                                  f"from the first layer, which reads one); {hint}")
+        raise layer_error(ShapeError, unknown.name, unknown.type, "its shapes are unknown")
+
     def reshape(self) -> None:
         """Re-infer every shape from the fed blobs' current shapes (Caffe's Net::Reshape)."""
         self._set_graph(self._build(self._fed_shapes()))
+        if any(slot.is_owner and slot.key not in self._param_blobs
+               for layer in self._graph.layers for slot in layer.params):
+            # Shapes that were unknown (a data layer without its source, now fed by hand): their layers'
+            # learnable blobs are made and filled now, as Caffe's LayerSetUp would have.
+            self._init_params()
 
     # -- passes ---------------------------------------------------------------------------------------------
     def _data_source(self, layer):
@@ -537,6 +580,7 @@ class Net:
         self._pull_batches(self._program.layers_between(start, end))
         self._sync_shapes()
         layers = self._program.layers_between(start, end)
+        self._require_shapes(layers, "run")
         program = self._program
         returned = sorted(self._returned_values(layers))
         # A pass that can run again folds the chains whose inner values blobs hold: those blobs are recomputed
@@ -717,6 +761,7 @@ class Net:
         too), GoogLeNet's Net.backward at batch 1 went from 179-195 to 151-163 ms and its first call from 19-21
         to 10-11 s; MobileNet v2's at batch 16 from 2.0-2.4 s to 0.87-0.99 s."""
         layers = self._program.layers_between(end, start)
+        self._require_shapes(layers, "run")
         consumed = {v for layer in layers for v in layer.bottom_values}
         seeds = {value: self.blobs[top]._diff.value() for layer in layers if not layer.is_input
                  for top, value in zip(layer.tops, layer.top_values)
@@ -734,9 +779,11 @@ class Net:
                             if blob in returned or blob in seeding or not rerun}))
         # Caffe adds each pass's parameter gradients to the diffs: the sums are made in the program (one add
         # each, eagerly, compiled a program per shape the first time: GoogLeNet's 116 took 0.8 s).
-        accumulated = [(slot.layer, slot.index, self._param_blobs[slot.key]._diff) for layer in layers
-                       if layer.need_backward for slot, need in zip(layer.params, layer.param_need_backward)
-                       if need and slot.is_owner]
+        # A blob shared by ParamSpec name has one diff (Net::ShareWeights shares it): each layer in the range
+        # that uses it adds its part, so a range holding only a sharer (layer by layer) still adds to it.
+        storages = dict.fromkeys(slot.storage for layer in layers if layer.need_backward
+                                 for slot, need in zip(layer.params, layer.param_need_backward) if need)
+        accumulated = [(owner, index, self._param_blobs[(owner, index)]._diff) for owner, index in storages]
         slots = [(owner, index) for owner, index, _ in accumulated]
         program = self._program
 
@@ -804,6 +851,8 @@ class Net:
                 if diff.shape[:1] != self.blobs[name].shape[:1]:
                     raise ShapeError(f"diff for '{name}' has shape {diff.shape}; the blob is {self.blobs[name].shape}")
                 self.blobs[name].diff[...] = diff
+        # A fed blob resized since the last pass re-infers every shape here too, as it does for a forward.
+        self._sync_shapes()
         with self._python_layers:
             if self._has_layer_callbacks():
                 self._backward_layer_by_layer(start_ind, end_ind)
@@ -877,6 +926,9 @@ class Net:
             if layer.name not in weights.blobs:
                 continue
             source = weights.blobs[layer.name]
+            if source:
+                self._require_shapes([layer], f"take its weights from {path}",
+                                     then=", on a Net built without weights, before copy_from")
             # Caffe's HDF5 files skip shared blobs (their owner holds them): a gap is fine only there.
             source = source + [None] * (len(layer.params) - len(source)) if weights.is_hdf5 else source
             if len(source) != len(layer.params) or any(
