@@ -29,8 +29,9 @@ _run_cpu_programs_inline()  # as Caffe runs; CAFFEJAX_CPU_ASYNC_DISPATCH=1 keeps
 
 __all__ = ["Net", "TRAIN", "TEST", "CaffejaxError", "ParseError", "SchemaError", "GraphError", "ShapeError",
            "WeightsError", "DataError", "DataSourceUnavailable", "SolverError", "UnsupportedError", "set_mode_cpu",
-           "set_mode_gpu", "set_device", "set_random_seed", "value_and_grad", "get_solver", "SGDSolver", "NesterovSolver",
-           "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver", "AdamSolver", "NetSpec", "layers", "params",
-           "to_proto", "io", "Classifier", "Detector", "compile_inference", "NumericalError", "OutOfMemoryError",
-           "register_layer", "find_first_nan", "Layer", "layer_type_list", "Timer", "log", "init_log", "NCCL",
-           "has_nccl", "solver_count", "set_solver_count", "solver_rank", "set_solver_rank", "set_multiprocess"]
+           "set_mode_gpu", "set_device", "set_random_seed", "value_and_grad", "get_solver", "SGDSolver",
+           "NesterovSolver", "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver", "AdamSolver", "NetSpec", "layers",
+           "params", "to_proto", "io", "Classifier", "Detector", "compile_inference", "NumericalError",
+           "OutOfMemoryError", "register_layer", "find_first_nan", "Layer", "layer_type_list", "Timer", "log",
+           "init_log", "NCCL", "has_nccl", "solver_count", "set_solver_count", "solver_rank", "set_solver_rank",
+           "set_multiprocess"]

@@ -233,6 +233,7 @@ class Net:
     def _set_graph(self, graph: Graph) -> None:
         """Adopt a (re)built graph: blobs are kept by name and reshaped; new ones are created."""
         self._graph = graph
+        self._shapes_unknown = any(shape is None for shape in graph.value_shapes.values())  # see _require_shapes
         self._recorded_tops: dict[str, jax.Array] = {}  # Python layers' tops from the last forward, by value id
         self._layer_inputs = {}
         signature = self._signature(graph)
@@ -509,6 +510,8 @@ class Net:
         Running those layers, or giving them weights, raises the data layer's own error, naming the layer that
         needed the shapes."""
         graph = self._graph
+        if not self._shapes_unknown:
+            return
         unknown = next((layer for layer in layers if any(graph.value_shapes.get(v) is None
                                                          for v in (*layer.bottom_values, *layer.top_values))), None)
         if unknown is None:
