@@ -474,6 +474,22 @@ def test_a_net_whose_data_source_is_missing_says_so_and_can_be_fed_by_hand():
                                atol=1e-6)
 
 
+def test_forward_all_runs_items_in_batches_and_refuses_a_batch_of_none(lenet):
+    """pycaffe's forward_all: 5 items through a batch of 2, the last batch zero-padded, 5 rows back. A net whose
+    batch is 0 has no batch to run them in: a ShapeError (pycaffe's range() raised a bare ValueError; found by
+    fuzzing)."""
+    x, shape = digits(5, seed=9), lenet.blobs["data"].shape
+    lenet.blobs["data"].reshape(2, 1, 28, 28)
+    probs = lenet.forward_all(data=x)["prob"]
+    lenet.blobs["data"].reshape(5, 1, 28, 28)
+    np.testing.assert_allclose(probs, lenet.forward(data=x)["prob"], rtol=1e-5, atol=1e-7)
+    lenet.blobs["data"].reshape(0, 1, 28, 28)
+    for run in (lambda: lenet.forward_all(data=x), lambda: lenet.forward_backward_all(data=x)):
+        with pytest.raises(caffejax.ShapeError, match=r"5 items in batches .* 'data' is \(0, 1, 28, 28\), no batch"):
+            run()
+    lenet.blobs["data"].reshape(*shape)
+
+
 def test_a_backward_asked_for_no_inner_diff_runs_the_channels_last_kernels():
     """program.forward_backward runs the kernels (LeNet's convolutions channels-last) when the diffs it must
     make are the inputs' or none, and Caffe's layout when one is inside the range (a perturbed value must be

@@ -869,7 +869,11 @@ class Net:
         if not arrays:
             return
         num = len(next(iter(arrays.values())))
-        batch_size = next(iter(self.blobs.values())).shape[0]
+        first, blob = next(iter(self.blobs.items()))
+        batch_size = blob.shape[0] if blob.shape else 0
+        if batch_size == 0:  # pycaffe's range() would fail on its step (or its shape[0] on a 0-D blob)
+            raise ShapeError(f"cannot run {num} items in batches of the net's batch size: its first blob "
+                             f"'{first}' is {blob.shape}, no batch; reshape the inputs to a batch of at least 1")
         for start in range(0, num, batch_size):
             batch = {}
             for name, array in arrays.items():
