@@ -182,6 +182,12 @@ def test_find_first_nan_names_the_layer_that_produced_it():
     checked.forward(data=np.ones((2, 3), np.float32))
     with pytest.raises(caffejax.NumericalError, match="layer 'log1' \\(type Log\\) produced 6 NaN"):
         checked.forward(data=-np.ones((2, 3), np.float32))
+    # After a rebuild at shapes the net has run before (net.reshape() here), the net's graph is the one its
+    # program was made from: the replay walked the rebuilt graph's layers, which the program did not know (a
+    # KeyError; found by fuzzing sequences of Net calls).
+    checked.reshape()
+    with pytest.raises(caffejax.NumericalError, match="layer 'log1' \\(type Log\\) produced 6 NaN"):
+        checked.forward(data=-np.ones((2, 3), np.float32))
 
 
 def test_debug_nans_in_training_and_on_the_command_line(tmp_path, capsys):

@@ -232,14 +232,16 @@ class Net:
 
     def _set_graph(self, graph: Graph) -> None:
         """Adopt a (re)built graph: blobs are kept by name and reshaped; new ones are created."""
-        self._graph = graph
-        self._shapes_unknown = any(shape is None for shape in graph.value_shapes.values())  # see _require_shapes
-        self._recorded_tops: dict[str, jax.Array] = {}  # Python layers' tops from the last forward, by value id
-        self._layer_inputs = {}
         signature = self._signature(graph)
         if signature not in self._programs:
             self._programs[signature] = NetProgram(graph, layout_kernels(graph) if self.channels_last else None)
         self._program = self._programs[signature]
+        # A rebuild at shapes seen before gives an equal graph of new objects; the net keeps the one its program
+        # was made from, whose layers the program knows (find_first_nan walks net.graph through net._program).
+        graph = self._graph = self._program.graph
+        self._shapes_unknown = any(shape is None for shape in graph.value_shapes.values())  # see _require_shapes
+        self._recorded_tops: dict[str, jax.Array] = {}  # Python layers' tops from the last forward, by value id
+        self._layer_inputs = {}
         old = getattr(self, "blobs", {})
         self.blobs: collections.OrderedDict[str, Blob] = collections.OrderedDict()
         for name in graph.blobs:
