@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import types
@@ -114,7 +115,11 @@ def test_profile_command_runs_both_ways(mode, capsys):
     assert profile.main(["lenet", "--batch", "1", "--top", "2"] + mode) == 0
     out = capsys.readouterr().out
     assert ("whole program traced" in out) == bool(mode)
-    assert "conv2" in out
+    # The two slowest are named, whichever they are: at 0.05-0.06 ms, conv2, ip1 and ip2 trade places under
+    # load (asserting conv2 among them failed once in a clean-clone run).
+    slowest = out.split("slowest 2:")[1].strip().splitlines()
+    lenet = {"conv1", "pool1", "conv2", "pool2", "ip1", "relu1", "ip2", "prob"}
+    assert len(slowest) == 2 and all(set(re.split(r"[\s+]", line)) & lenet for line in slowest), out
 
 
 def test_profile_training_times_the_forward_with_the_backward():
