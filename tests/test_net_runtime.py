@@ -490,6 +490,27 @@ def test_forward_all_runs_items_in_batches_and_refuses_a_batch_of_none(lenet):
     lenet.blobs["data"].reshape(*shape)
 
 
+def test_a_backward_reads_the_input_a_layer_in_place_overwrote():
+    """A layer in place on a fed blob (a Power on "data") leaves its output in the blob; the backward's
+    recompute read that as the input, transforming it twice (InnerProduct's filter gradient from 2(2x+1)+1
+    instead of 2x+1; found by fuzzing sequences of Net calls). It reads what the forward read, as Caffe's
+    backward computes from the forward it follows."""
+    net = caffejax.Net("""name: "p"
+force_backward: true
+layer { name: "in" type: "Input" top: "data" input_param { shape { dim: 2 dim: 4 } } }
+layer { name: "pre" type: "Power" bottom: "data" top: "data" power_param { scale: 2 shift: 1 } }
+layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip"
+  inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 1 } } }""", caffejax.TEST)
+    x = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)
+    net.forward(data=x)
+    np.testing.assert_allclose(net.blobs["data"].data, 2 * x + 1, rtol=1e-6)
+    net.blobs["ip"].diff[...] = 1.0
+    diffs = net.backward()
+    np.testing.assert_allclose(net.params["ip"][0].diff, np.tile((2 * x + 1).sum(0), (3, 1)), rtol=1e-5)
+    # Caffe's in-place Power (power 1) sets the shared diff to its scale, 2, then multiplies it by itself.
+    np.testing.assert_array_equal(diffs["data"], np.full((2, 4), 4.0, np.float32))
+
+
 def test_a_backward_asked_for_no_inner_diff_runs_the_channels_last_kernels():
     """program.forward_backward runs the kernels (LeNet's convolutions channels-last) when the diffs it must
     make are the inputs' or none, and Caffe's layout when one is inside the range (a perturbed value must be

@@ -242,6 +242,9 @@ class Net:
         self._shapes_unknown = any(shape is None for shape in graph.value_shapes.values())  # see _require_shapes
         self._recorded_tops: dict[str, jax.Array] = {}  # Python layers' tops from the last forward, by value id
         self._layer_inputs = {}
+        # Fed values a forward read from blobs that a layer of it then overwrote in place (a Power or Scale on
+        # "data", top == bottom): the backward's recompute reads these, not the blob's new data.
+        self._overwritten_inputs: dict[str, Any] = {}
         old = getattr(self, "blobs", {})
         self.blobs: collections.OrderedDict[str, Blob] = collections.OrderedDict()
         for name in graph.blobs:
@@ -615,6 +618,9 @@ class Net:
         for layer in layers:
             if not layer.is_input:
                 final.update((top, value) for top, value in zip(layer.tops, layer.top_values) if top in self.blobs)
+        fed = self._graph.fed
+        self._overwritten_inputs.update((fed[top], env[fed[top]]) for top, value in final.items()
+                                        if top in fed and value != fed[top] and fed[top] in env)
         for top, value in final.items():
             if value in values:
                 self.blobs[top]._data.set(values[value])
@@ -804,6 +810,7 @@ class Net:
         else:
             key = self._last_key if self._last_key is not None else self._next_key()
             env = {**self._feed(layers), **self._state_feed(layers, self._state_seen)}
+            env.update((v, array) for v, array in self._overwritten_inputs.items() if v in env)
         recorded = {v: self._recorded_tops[v] for v in _python_top_values(layers) if v in self._recorded_tops}
         params = self.param_arrays()
         param_diffs, value_diffs = fn(params, env, seeds, key, recorded, [diff.value() for _, _, diff in accumulated])
