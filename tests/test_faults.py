@@ -190,6 +190,18 @@ def test_find_first_nan_names_the_layer_that_produced_it():
         checked.forward(data=-np.ones((2, 3), np.float32))
 
 
+def test_find_first_nan_replays_the_input_a_layer_in_place_overwrote():
+    """The replay starts from what the forward read, not from the input blob a layer in place overwrote: from
+    the blob, Power's x + 1 ran twice (-1.5 -> 0.5) and the Log's NaN was not found."""
+    net = caffejax.Net("""name: "p"
+layer { name: "in" type: "Input" top: "data" input_param { shape { dim: 2 dim: 4 } } }
+layer { name: "pre" type: "Power" bottom: "data" top: "data" power_param { shift: 1 } }
+layer { name: "log" type: "Log" bottom: "data" top: "l" }""", caffejax.TEST)
+    net.forward(data=np.full((2, 4), -1.5, np.float32))
+    found = caffejax.find_first_nan(net)
+    assert (found.layer, found.kind, found.blob, found.nans) == ("log", "top", "l", 8)
+
+
 def test_debug_nans_in_training_and_on_the_command_line(tmp_path, capsys):
     net = tmp_path / "net.prototxt"
     net.write_text(NAN_NET.replace('top: "ip2"', 'top: "ip2" loss_weight: 1'))

@@ -51,7 +51,8 @@ def find_first_nan(net, params: Mapping[str, list[Any]] | None = None,
     """
     program, graph = net._program, net.graph
     params = net.param_arrays() if params is None else params
-    env = {**net._feed(graph.layers), **net._state_feed(graph.layers, net._state_seen), **graph.concrete}
+    env = {**net._last_forward_feed(graph.layers), **net._state_feed(graph.layers, net._state_seen),
+           **graph.concrete}
     key = net._last_key if net._last_key is not None else jax.random.key(0)
     with jax.disable_jit():
         for layer in graph.layers:

@@ -242,8 +242,11 @@ class Net:
         self._shapes_unknown = any(shape is None for shape in graph.value_shapes.values())  # see _require_shapes
         self._recorded_tops: dict[str, jax.Array] = {}  # Python layers' tops from the last forward, by value id
         self._layer_inputs = {}
-        # Fed values a forward read from blobs that a layer of it then overwrote in place (a Power or Scale on
-        # "data", top == bottom): the backward's recompute reads these, not the blob's new data.
+        # Fed blobs a layer overwrites in place (a Power or Scale on "data", top == bottom), and the values the
+        # last forward read from them: a backward's recompute, or find_first_nan's replay, reads these
+        # (_last_forward_feed), not the blob's new data.
+        self._fed_in_place = {top: value for top, value in graph.fed.items()
+                              if any(top in layer.tops for layer in graph.layers if not layer.is_input)}
         self._overwritten_inputs: dict[str, Any] = {}
         old = getattr(self, "blobs", {})
         self.blobs: collections.OrderedDict[str, Blob] = collections.OrderedDict()
@@ -418,6 +421,12 @@ class Net:
             produced.update(layer.top_values)
         for value in self._graph.concrete:  # these enter the program as constants, see _with_concrete
             env.pop(value, None)
+        return env
+
+    def _last_forward_feed(self, layers) -> dict[str, Any]:
+        """:meth:`_feed`, with the fed values the last forward read where a layer in place overwrote their blob."""
+        env = self._feed(layers)
+        env.update((v, array) for v, array in self._overwritten_inputs.items() if v in env)
         return env
 
     def _state_feed(self, layers, store: dict[str, Any]) -> dict[str, Any]:
@@ -618,9 +627,8 @@ class Net:
         for layer in layers:
             if not layer.is_input:
                 final.update((top, value) for top, value in zip(layer.tops, layer.top_values) if top in self.blobs)
-        fed = self._graph.fed
-        self._overwritten_inputs.update((fed[top], env[fed[top]]) for top, value in final.items()
-                                        if top in fed and value != fed[top] and fed[top] in env)
+        self._overwritten_inputs.update((value, env[value]) for top, value in self._fed_in_place.items()
+                                        if final.get(top, value) != value and value in env)
         for top, value in final.items():
             if value in values:
                 self.blobs[top]._data.set(values[value])
@@ -809,8 +817,7 @@ class Net:
             env, key = kept
         else:
             key = self._last_key if self._last_key is not None else self._next_key()
-            env = {**self._feed(layers), **self._state_feed(layers, self._state_seen)}
-            env.update((v, array) for v, array in self._overwritten_inputs.items() if v in env)
+            env = {**self._last_forward_feed(layers), **self._state_feed(layers, self._state_seen)}
         recorded = {v: self._recorded_tops[v] for v in _python_top_values(layers) if v in self._recorded_tops}
         params = self.param_arrays()
         param_diffs, value_diffs = fn(params, env, seeds, key, recorded, [diff.value() for _, _, diff in accumulated])
