@@ -511,6 +511,52 @@ layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip"
     np.testing.assert_array_equal(diffs["data"], np.full((2, 4), 4.0, np.float32))
 
 
+
+IN_PLACE_CHAIN = """name: "chain"
+layer { name: "in" type: "Input" top: "data" top: "target"
+  input_param { shape { dim: 3 dim: 2 dim: 2 dim: 2 } shape { dim: 3 dim: 2 } } }
+layer { name: "square" type: "Power" bottom: "data" top: "sq" power_param { power: 2 shift: 0.5 } }
+layer { name: "scale" type: "Scale" bottom: "sq" top: "sq" scale_param { filler { type: "gaussian" } } }
+layer { name: "ip" type: "InnerProduct" bottom: "sq" top: "ip"
+  inner_product_param { num_output: 2 weight_filler { type: "gaussian" } } }
+layer { name: "loss" type: "EuclideanLoss" bottom: "ip" bottom: "target" top: "loss" }"""
+
+
+def test_a_backward_range_from_inside_an_in_place_chain_reads_the_chains_input():
+    """backward(end="scale"), a Scale in place on the Power's top: the range reads the Scale's input, which the
+    Scale overwrote in the blob. The recompute read the blob, so it scaled twice: the loss's diff, the
+    InnerProduct's and the Scale's gradients all came out wrong (found by fuzzing nets of pycaffe Python
+    layers against native twins). Caffe's Scale keeps a copy of its bottom: the range's gradients are the
+    whole backward's. After forward(start="scale") the Scale read the blob's old data, which it keeps too."""
+    net = caffejax.Net(IN_PLACE_CHAIN, caffejax.TRAIN)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((3, 2, 2, 2)).astype(np.float32)
+    net.blobs["data"].data[...] = x
+    net.blobs["target"].data[...] = rng.standard_normal((3, 2))
+    net.forward()
+    net.backward()
+    whole = {name: [p.diff.copy() for p in net.params[name]] for name in ("scale", "ip")}
+    loss_diff = net.blobs["ip"].diff.copy()
+    np.testing.assert_allclose(loss_diff, (net.blobs["ip"].data - net.blobs["target"].data) / 3, rtol=1e-5)
+    net.clear_param_diffs()
+    net.backward(end="scale")
+    np.testing.assert_allclose(net.blobs["ip"].diff, loss_diff, rtol=1e-6)
+    for name, diffs in whole.items():
+        for got, want in zip(net.params[name], diffs):
+            np.testing.assert_allclose(got.diff, want, rtol=1e-5, atol=1e-7)
+
+    # forward(start="scale") scales the blob's data (the last Scale output) again, as Caffe's does.
+    s, w = net.params["scale"][0].data.copy(), net.params["ip"][0].data.copy()
+    read = s[:, None, None] * (x + 0.5) ** 2
+    net.forward(start="scale")
+    np.testing.assert_allclose(net.blobs["sq"].data, s[:, None, None] * read, rtol=1e-5)
+    net.clear_param_diffs()
+    net.backward(end="scale")
+    ip_diff = (net.blobs["ip"].data - net.blobs["target"].data) / 3
+    np.testing.assert_allclose(net.blobs["ip"].diff, ip_diff, rtol=1e-5)
+    sq_diff = (ip_diff @ w).reshape(x.shape)
+    np.testing.assert_allclose(net.params["scale"][0].diff, (sq_diff * read).sum(axis=(0, 2, 3)), rtol=1e-4)
+
 def test_a_backward_asked_for_no_inner_diff_runs_the_channels_last_kernels():
     """program.forward_backward runs the kernels (LeNet's convolutions channels-last) when the diffs it must
     make are the inputs' or none, and Caffe's layout when one is inside the range (a perturbed value must be

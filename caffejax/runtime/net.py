@@ -242,12 +242,14 @@ class Net:
         self._shapes_unknown = any(shape is None for shape in graph.value_shapes.values())  # see _require_shapes
         self._recorded_tops: dict[str, jax.Array] = {}  # Python layers' tops from the last forward, by value id
         self._layer_inputs = {}
-        # Fed blobs a layer overwrites in place (a Power or Scale on "data", top == bottom), and the values the
-        # last forward read from them: a backward's recompute, or find_first_nan's replay, reads these
-        # (_last_forward_feed), not the blob's new data.
-        self._fed_in_place = {top: value for top, value in graph.fed.items()
-                              if any(top in layer.tops for layer in graph.layers if not layer.is_input)}
+        # Values a forward read from blobs that a layer of the same pass then overwrote in place (a Power on
+        # "data", or the Scale a forward(start=...) began at), as that forward read them: a backward's recompute,
+        # or find_first_nan's replay, reads these (_last_forward_feed), not the blob's new data.
         self._overwritten_inputs: dict[str, Any] = {}
+        # Which value each blob's data came from (blob -> value id): a backward over part of the net recomputes
+        # the inputs of its range whose blobs a layer in place has since overwritten (_recomputed_feed).
+        self._blob_holds: dict[str, str] = dict(graph.blob_value)
+        self._pass_writes: dict[tuple[int, int], tuple[dict[str, str], tuple[str, ...]]] = {}
         old = getattr(self, "blobs", {})
         self.blobs: collections.OrderedDict[str, Blob] = collections.OrderedDict()
         for name in graph.blobs:
@@ -428,6 +430,44 @@ class Net:
         env = self._feed(layers)
         env.update((v, array) for v, array in self._overwritten_inputs.items() if v in env)
         return env
+
+    def _holds(self, blob: str, value: str) -> bool:
+        """Whether ``value`` can be read from ``blob``: the blob holds it, or the last forward kept what it read."""
+        return self._blob_holds.get(blob, value) == value or value in self._overwritten_inputs
+
+    def _recomputed_feed(self, before: int, layers, key) -> dict[str, Any]:
+        """The values ``layers`` (a backward's range, from layer ``before`` on) read from blobs that no longer
+        hold them, made again by the layers before the range that produce them, with the last forward's key.
+        A range that starts inside an in-place chain (backward(end=...) at a Scale in place on a Power's top)
+        reads the chain's input, which the chain's later layers overwrote in the blob; Caffe's layers keep what
+        they need themselves (the Scale a copy of its bottom). Empty for a range from layer 0."""
+        if before == 0:
+            return {}
+        produced = {value for layer in layers for value in layer.top_values}
+        wanted = {value for layer in layers for blob, value in zip(layer.bottoms, layer.bottom_values)
+                  if value not in produced and not self._holds(blob, value)}
+        if not wanted:
+            return {}
+        needed, chosen = set(wanted), []
+        for index in range(before - 1, -1, -1):  # the producers, and theirs where their bottoms are gone too
+            layer = self._graph.layers[index]
+            if needed.intersection(layer.top_values):
+                chosen.append(index)
+                needed.difference_update(layer.top_values)
+                needed.update(value for blob, value in zip(layer.bottoms, layer.bottom_values)
+                              if not self._holds(blob, value))
+        prefix = [self._graph.layers[i] for i in reversed(chosen)]
+        program, returned = self._program, tuple(sorted(wanted))
+
+        def recompute(params, env, key, recorded):
+            values = program.run_layers(prefix, params, env, key, kernels=program.kernels, recorded=recorded)[0]
+            return {v: values[v] for v in returned}
+
+        fn = self._jitted("recompute", chosen[-1], before - 1, self._with_concrete(recompute),
+                          variant=(tuple(reversed(chosen)), returned))
+        recorded = {v: self._recorded_tops[v] for v in _python_top_values(prefix) if v in self._recorded_tops}
+        env = {**self._last_forward_feed(prefix), **self._state_feed(prefix, self._state_seen)}
+        return fn(self.param_arrays(), env, key, recorded)
 
     def _state_feed(self, layers, store: dict[str, Any]) -> dict[str, Any]:
         """The carried state ``layers`` read, from ``store``; a state whose shape no longer fits the graph
@@ -623,12 +663,13 @@ class Net:
         # tops Forward left; a pass over a Python layer hands back every value).
         self._recorded_tops.update((v, values[v]) for v in _python_top_values(layers) if v in values)
         self._state.update((v, values[out]) for layer in layers for v, out in zip(layer.state_in, layer.state_out))
-        final = {}  # blob -> the value it holds after this pass
-        for layer in layers:
-            if not layer.is_input:
-                final.update((top, value) for top, value in zip(layer.tops, layer.top_values) if top in self.blobs)
-        self._overwritten_inputs.update((value, env[value]) for top, value in self._fed_in_place.items()
-                                        if final.get(top, value) != value and value in env)
+        final, overwritten = self._writes_of_pass(start, end)
+        if self._overwritten_inputs:  # what this pass made supersedes what an earlier pass read
+            for layer in layers:
+                for value in layer.top_values:
+                    self._overwritten_inputs.pop(value, None)
+        self._overwritten_inputs.update((value, env[value]) for value in overwritten if value in env)
+        self._blob_holds.update(final)
         for top, value in final.items():
             if value in values:
                 self.blobs[top]._data.set(values[value])
@@ -638,6 +679,32 @@ class Net:
             for i, value in changed.items():
                 self._param_blobs[(owner, i)]._data.set(value)
         return float(loss)
+
+    def _ran_whole_forward(self, env: Mapping[str, Any]) -> None:
+        """Bookkeeping after a program of another object ran the whole net's forward on the fed values ``env``
+        (a solver's step): the blobs hold a whole forward's values, as :meth:`_forward` notes for its passes."""
+        final, overwritten = self._writes_of_pass(0, len(self._graph.layers) - 1)
+        self._overwritten_inputs = {value: env[value] for value in overwritten if value in env}
+        self._blob_holds.update(final)
+
+    def _writes_of_pass(self, start: int, end: int) -> tuple[dict[str, str], tuple[str, ...]]:
+        """What a forward over layers start..end leaves: each blob it writes -> the value the blob then holds, and
+        the values it reads from blobs that a layer of the pass then overwrites in place. Fixed per range."""
+        writes = self._pass_writes.get((start, end))
+        if writes is None:
+            layers = self._program.layers_between(start, end)
+            final: dict[str, str] = {}
+            for layer in layers:
+                if not layer.is_input:
+                    final.update((top, value) for top, value in zip(layer.tops, layer.top_values) if top in self.blobs)
+            read = {value: blob for layer in layers if layer.is_input
+                    for blob, value in zip(layer.tops, layer.top_values)}
+            produced = {value for layer in layers if not layer.is_input for value in layer.top_values}
+            read.update((value, blob) for layer in layers for blob, value in zip(layer.bottoms, layer.bottom_values)
+                        if value not in produced)
+            overwritten = tuple(value for value, blob in read.items() if final.get(blob, value) != value)
+            writes = self._pass_writes[(start, end)] = (final, overwritten)
+        return writes
 
     @staticmethod
     def _reruns(layers) -> bool:
@@ -818,6 +885,7 @@ class Net:
         else:
             key = self._last_key if self._last_key is not None else self._next_key()
             env = {**self._last_forward_feed(layers), **self._state_feed(layers, self._state_seen)}
+            env.update(self._recomputed_feed(end, layers, key))
         recorded = {v: self._recorded_tops[v] for v in _python_top_values(layers) if v in self._recorded_tops}
         params = self.param_arrays()
         param_diffs, value_diffs = fn(params, env, seeds, key, recorded, [diff.value() for _, _, diff in accumulated])

@@ -446,8 +446,9 @@ class Solver:
         # train_step folds 0 into) are recomputed when read.
         unreturned = {blob: value for blob, value in graph.blob_value.items()
                       if blob not in blobs and value not in fed and value not in pulled}
-        net._defer_blobs(0, len(graph.layers) - 1, unreturned, before,
-                         {**fed, **{v: a[0] for v, a in pulled.items()}}, key, fold=0)
+        read = {**fed, **{v: a[0] for v, a in pulled.items()}}
+        net._defer_blobs(0, len(graph.layers) - 1, unreturned, before, read, key, fold=0)
+        net._ran_whole_forward(read)
         net._state.update(state)
         return loss, norm
 
