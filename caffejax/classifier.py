@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from caffejax import io as caffe_io
-from caffejax.errors import UnsupportedError
+from caffejax.errors import ShapeError, UnsupportedError
 from caffejax.lower.registry import TEST
 from caffejax.runtime.net import Net
 
@@ -34,6 +34,7 @@ class Classifier(Net):
     net's input size, preprocess, and average the predictions over the crops.
 
     ``mean``, ``input_scale``, ``raw_scale`` and ``channel_swap`` configure the Transformer (see caffe.io).
+    ``image_dims`` may also be an array (pycaffe's ``if not image_dims`` raised for one).
     """
 
     def __init__(self, model_file, pretrained_file, image_dims=None, mean=None, input_scale=None,
@@ -54,6 +55,7 @@ class Classifier(Net):
         if oversample:
             input_ = caffe_io.oversample(input_, self.crop_dims)
         else:
+            self._check_centre_crop_fits()
             center = np.array(self.image_dims) / 2.0
             crop = np.tile(center, (1, 2))[0] + np.concatenate([-self.crop_dims / 2.0, self.crop_dims / 2.0])
             crop = crop.astype(int)
@@ -66,6 +68,13 @@ class Classifier(Net):
         if oversample:
             predictions = predictions.reshape((len(predictions) // 10, 10, -1)).mean(1)
         return predictions
+
+    def _check_centre_crop_fits(self):
+        """The centre crop of the net's input size is taken from the images resized to image_dims, so those must
+        hold it (pycaffe failed with a numpy broadcast error; the oversampled crops are checked by oversample)."""
+        if (np.asarray(self.image_dims[:2]) < self.crop_dims).any():
+            raise ShapeError(f"Classifier.predict: image_dims {tuple(int(d) for d in self.image_dims)} is smaller "
+                             f"than the net's input {tuple(self.crop_dims.tolist())}: no centre crop of that size")
 
 
 class Detector(Net):

@@ -67,6 +67,16 @@ class DataError(CaffejaxError):
     """A data source (LMDB, image list, HDF5 list, mean file) is missing or malformed."""
 
 
+class BlobProtoError(WeightsError, ValueError):
+    """A BlobProto whose values do not fill its shape (caffe.io). Also a ValueError, which is what pycaffe's
+    reshape raised (BVLC's own test_io expects it for a blob without a shape)."""
+
+
+class DatumError(DataError, ValueError):
+    """A Datum whose pixels do not fill its channels x height x width (caffe.io). Also a ValueError, as pycaffe's
+    reshape raised."""
+
+
 class DataSourceUnavailable(DataError):
     """A data layer's source (LMDB, list file, HDF5 list) cannot be opened, so its top shapes are unknown."""
 

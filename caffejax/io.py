@@ -3,20 +3,33 @@
 Behaviour follows BVLC's python/caffe/io.py, with Pillow and NumPy in place of scikit-image and SciPy:
 
 - ``load_image`` gives float32 H x W x 3 RGB in [0, 1] (or H x W x 1 with ``color=False``), as
-  ``skimage.img_as_float(skimage.io.imread(...))`` does.
+  ``skimage.img_as_float(skimage.io.imread(...))`` does with scikit-image 0.13's PIL reader (BVLC's io.py of 2017
+  ran on it): CMYK becomes RGB, LA becomes RGBA, palette images their colours, and ``as_grey`` drops alpha (today's
+  scikit-image reads CMYK's raw channels, LA as 2 channels and a TIFF palette's indices, and blends alpha onto white).
 - ``resize_image`` is skimage's ``resize(order=1, mode='constant')`` (pixel-centre mapping, zeros beyond the
   border, output clipped to the input's range, no anti-aliasing) for 1- and 3-channel images, and
-  ``scipy.ndimage.zoom`` (corner-aligned) for others. Orders 0 (nearest) and 1 (linear) are supported.
+  ``scipy.ndimage.zoom`` (corner-aligned; an integer image rounded as scipy rounds) for others. Orders 0 (nearest)
+  and 1 (linear) are supported.
 
-One deliberate difference: ``Transformer.preprocess`` never scales the caller's array in place (pycaffe's
-does when the input is already float32 and needs no resize or channel swap).
+Deliberate differences:
+
+- ``Transformer.preprocess`` never scales the caller's array in place (pycaffe's does when the input is already
+  float32 and needs no resize or channel swap).
+- Where pycaffe let a numpy error through, caffejax names the problem: data that does not fit a Transformer's
+  settings and crops that do not fit in ``oversample`` raise ``ShapeError``; a BlobProto or Datum whose values do not
+  fill its shape raises ``BlobProtoError`` / ``DatumError``, which are also the ``ValueError`` pycaffe raised.
+- A BlobProto or Datum with a negative dim is refused: pycaffe's reshape happened to take one -1 as "infer it".
+- ``blobproto_to_array`` reads ``double_data`` when the blob holds it, as Caffe's ``Blob::FromProto`` does (pycaffe's
+  read only ``data``); ``Transformer.set_mean`` takes any array-like (pycaffe's needed an ndarray).
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from caffejax.errors import UnsupportedError
+from caffejax.errors import BlobProtoError, DatumError, ShapeError, UnsupportedError, WeightsError
 from caffejax.frontend import caffemodel
 from caffejax.proto import caffe_pb2
 
@@ -25,7 +38,11 @@ from caffejax.proto import caffe_pb2
 
 def blobproto_to_array(blob, return_diff: bool = False) -> np.ndarray:
     """A BlobProto's data (or diff) as a float64 array of its shape (legacy 4-D when num/channels/... are set)."""
-    return caffemodel.blobproto_to_array(blob, return_diff).astype(np.float64)
+    try:
+        array = caffemodel.blobproto_to_array(blob, return_diff)
+    except WeightsError as error:
+        raise BlobProtoError(str(error)) from error
+    return array.astype(np.float64)
 
 
 def array_to_blobproto(arr, diff=None):
@@ -69,8 +86,13 @@ def datum_to_array(datum) -> np.ndarray:
     """A Datum's pixels as a C x H x W array (uint8 from ``data``, float64 from ``float_data``); not its label."""
     shape = (datum.channels, datum.height, datum.width)
     if len(datum.data):
-        return np.frombuffer(datum.data, dtype=np.uint8).reshape(shape).copy()
-    return np.array(datum.float_data).astype(float).reshape(shape)
+        pixels, field = np.frombuffer(datum.data, dtype=np.uint8).copy(), "data bytes"  # writable, as fromstring's
+    else:
+        pixels, field = np.array(datum.float_data).astype(float), "float_data values"
+    needed = math.prod(shape)  # exact; a negative dim is refused (pycaffe's reshape took a -1 as "infer")
+    if pixels.size != needed or min(shape) < 0:
+        raise DatumError(f"Datum holds {pixels.size} {field} but its shape {shape} needs {needed}")
+    return pixels.reshape(shape)
 
 
 # ---- pre-processing --------------------------------------------------------------------------------------
@@ -99,6 +121,12 @@ class Transformer:
         """An H' x W' x K image as the K x H x W array to write into input ``in_``."""
         self.__check_input(in_)
         caffe_in = np.array(data, dtype=np.float32)
+        try:
+            return self._preprocessed(in_, caffe_in)
+        except (ValueError, IndexError) as error:  # numpy's axes / index / broadcast errors: the data does not fit
+            raise self._misfit(in_, "preprocess", caffe_in.shape, error) from error
+
+    def _preprocessed(self, in_, caffe_in):
         transpose = self.transpose.get(in_)
         channel_swap = self.channel_swap.get(in_)
         raw_scale = self.raw_scale.get(in_)
@@ -120,9 +148,16 @@ class Transformer:
         return caffe_in
 
     def deprocess(self, in_, data):
-        """Invert :meth:`preprocess` (squeezing the batch axis of a single blob)."""
+        """Invert :meth:`preprocess`. Every axis of size 1 is squeezed first, as pycaffe does (meant for the batch
+        axis of a single blob; a single-channel blob with a transpose or mean set does not fit once squeezed)."""
         self.__check_input(in_)
         decaf_in = data.copy().squeeze()
+        try:
+            return self._deprocessed(in_, decaf_in)
+        except (ValueError, IndexError) as error:
+            raise self._misfit(in_, "deprocess", np.shape(data), error, squeezed=decaf_in.shape) from error
+
+    def _deprocessed(self, in_, decaf_in):
         transpose = self.transpose.get(in_)
         channel_swap = self.channel_swap.get(in_)
         raw_scale = self.raw_scale.get(in_)
@@ -139,6 +174,16 @@ class Transformer:
         if transpose is not None:
             decaf_in = decaf_in.transpose(np.argsort(transpose))
         return decaf_in
+
+    def _misfit(self, in_, method, data_shape, error, squeezed=None) -> ShapeError:
+        """The typed error for data that does not fit the input's settings (pycaffe let numpy's error through)."""
+        mean = self.mean.get(in_)
+        data = f"data of shape {tuple(data_shape)}"
+        if squeezed is not None and squeezed != tuple(data_shape):
+            data += f" (squeezed to {squeezed})"
+        return ShapeError(f"Transformer.{method}('{in_}'): {data} does not fit the input {self.inputs[in_]} with "
+                          f"transpose {self.transpose.get(in_)}, channel_swap {self.channel_swap.get(in_)}, "
+                          f"mean of shape {None if mean is None else np.shape(mean)}: {error}")
 
     def set_transpose(self, in_, order):
         """The axis order taking the input image to K x H x W (e.g. (2, 0, 1) for H x W x K)."""
@@ -162,6 +207,7 @@ class Transformer:
     def set_mean(self, in_, mean):
         """The mean to subtract: one value per channel (K,) or an image (K x H x W, or H x W)."""
         self.__check_input(in_)
+        mean = np.asarray(mean)  # pycaffe needed an ndarray (a list raised AttributeError)
         ms = mean.shape
         if mean.ndim == 1:
             if ms[0] != self.inputs[in_][1]:
@@ -252,17 +298,15 @@ def resize_image(im, new_dims, interp_order: int = 1) -> np.ndarray:
     return resized_im.astype(np.float32)
 
 
-def _interpolate(a: np.ndarray, axis: int, src: np.ndarray, order: int, zero_outside: bool) -> np.ndarray:
-    """Sample ``a`` along ``axis`` at the (fractional) source positions ``src``."""
+def _interpolate(a: np.ndarray, axis: int, src: np.ndarray, order: int) -> np.ndarray:
+    """Sample ``a`` along ``axis`` at the (fractional) source positions ``src``, zero beyond the border."""
     n = a.shape[axis]
     shape = [1] * a.ndim
     shape[axis] = len(src)
 
     def take(index):
         values = np.take(a, np.clip(index, 0, n - 1), axis=axis)
-        if zero_outside:
-            values = values * ((index >= 0) & (index < n)).reshape(shape)
-        return values
+        return values * ((index >= 0) & (index < n)).reshape(shape)
 
     if order == 0:
         return take(np.floor(src + 0.5).astype(np.int64))
@@ -277,26 +321,62 @@ def _resize_pixel_centres(im: np.ndarray, new_dims, order: int) -> np.ndarray:
     for axis, size in enumerate(new_dims):
         n = im.shape[axis]
         src = (np.arange(size) + 0.5) * (n / size) - 0.5
-        out = _interpolate(out, axis, src, order, zero_outside=True)
+        out = _interpolate(out, axis, src, order)
     return np.clip(out, 0.0, 1.0)
 
 
 def _zoom_corners(im: np.ndarray, new_dims, order: int) -> np.ndarray:
-    """scipy.ndimage.zoom(im, new_dims / old_dims + (1,), order): first and last pixels map onto each other."""
-    out = im.astype(np.float64)
-    for axis, wanted in enumerate(new_dims):
-        n = im.shape[axis]
-        size = int(round(n * (wanted / n)))
-        src = np.arange(size) * ((n - 1) / (size - 1)) if size > 1 else np.zeros(size)
-        out = _interpolate(out, axis, src, order, zero_outside=False)
-    return out.astype(im.dtype)
+    """scipy.ndimage.zoom(im, new_dims / old_dims + (1,), order): first and last pixels map onto each other.
+
+    Summed as scipy sums, bit for bit: each neighbour's value times its row weight times its column weight, so
+    that an integer image rounds its exact halves the same way."""
+    values = im.astype(np.float64)
+    row_taps, col_taps = (_corner_taps(n, wanted, order) for n, wanted in zip(im.shape[:2], new_dims))
+    out = 0.0
+    for rows, row_weights in row_taps:
+        for cols, col_weights in col_taps:
+            neighbours = values[rows][:, cols]
+            out = out + neighbours * _along(row_weights, 0, values.ndim) * _along(col_weights, 1, values.ndim)
+    return _as_dtype_rounded(out, im.dtype)
+
+
+def _corner_taps(n: int, wanted: int, order: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The (source indices, weights) pairs scipy's corner-aligned zoom reads along one axis: one for nearest, two
+    for linear, whose second weight is 1 minus the first (as scipy computes it, not the fraction itself)."""
+    size = int(round(n * (wanted / n)))
+    src = np.arange(size) * ((n - 1) / (size - 1)) if size > 1 else np.zeros(size)
+    if order == 0:
+        return [(np.floor(src + 0.5).astype(np.int64), np.ones(size))]
+    low = np.floor(src).astype(np.int64)
+    low_weight = 1.0 - (src - low)
+    return [(low, low_weight), (np.minimum(low + 1, n - 1), 1.0 - low_weight)]
+
+
+def _along(weights: np.ndarray, axis: int, ndim: int) -> np.ndarray:
+    """``weights`` shaped to broadcast along ``axis`` of an ``ndim``-dimensional array."""
+    shape = [1] * ndim
+    shape[axis] = -1
+    return weights.reshape(shape)
+
+
+def _as_dtype_rounded(values: np.ndarray, dtype) -> np.ndarray:
+    """``values`` as ``dtype`` the way scipy.ndimage stores interpolated values: into an integer type rounded half
+    away from zero and clipped to its range (a plain cast would truncate: 135.9 would be 135, not scipy's 136)."""
+    dtype = np.dtype(dtype)
+    if not np.issubdtype(dtype, np.integer):
+        return values.astype(dtype)
+    limits = np.iinfo(dtype)
+    return np.clip(np.trunc(values + np.copysign(0.5, values)), limits.min, limits.max).astype(dtype)
 
 
 def oversample(images, crop_dims) -> np.ndarray:
     """The four corner crops and the centre crop of each H x W x K image, then the same five mirrored:
     (10 * N) x h x w x K."""
+    if len(images) == 0:
+        raise ShapeError("oversample: no images to crop")
     im_shape = np.array(images[0].shape)
     crop_dims = np.array(crop_dims)
+    _check_crop_dims(crop_dims)
     im_center = im_shape[:2] / 2.0
     h_indices = (0, im_shape[0] - crop_dims[0])
     w_indices = (0, im_shape[1] - crop_dims[1])
@@ -310,9 +390,19 @@ def oversample(images, crop_dims) -> np.ndarray:
     crops_ix = np.tile(crops_ix, (2, 1))
     crops = np.empty((10 * len(images), crop_dims[0], crop_dims[1], im_shape[-1]), dtype=np.float32)
     ix = 0
-    for im in images:
-        for crop in crops_ix:
-            crops[ix] = im[crop[0]:crop[2], crop[1]:crop[3], :]
-            ix += 1
+    for n, im in enumerate(images):
+        try:
+            for crop in crops_ix:
+                crops[ix] = im[crop[0]:crop[2], crop[1]:crop[3], :]
+                ix += 1
+        except (ValueError, IndexError) as error:  # a crop larger than the image, or not an H x W x K image
+            raise ShapeError(f"oversample: image {n} of shape {np.shape(im)} does not hold the {crop_dims.tolist()} "
+                             f"crops placed by the first image's shape {tuple(im_shape)}: {error}") from error
         crops[ix - 5:ix] = crops[ix - 5:ix, :, ::-1, :]  # flip for mirrors
     return crops
+
+
+def _check_crop_dims(crop_dims) -> None:
+    """pycaffe's oversample failed on these with a numpy index or allocation error."""
+    if crop_dims.shape != (2,) or (crop_dims < 0).any():
+        raise ShapeError(f"oversample: crop_dims {crop_dims.tolist()} is not a (height, width)")

@@ -59,6 +59,16 @@ def test_oversampled_prediction_is_the_mean_over_ten_crops(lenet_classifier):
     np.testing.assert_allclose(lenet_classifier.predict([image])[0], direct, rtol=1e-5, atol=1e-7)
 
 
+def test_image_dims_smaller_than_the_net_input_is_a_shape_error():
+    classifier = caffe.Classifier(*LENET, image_dims=(27, 30))  # LeNet's input is 28 x 28
+    digit = drawn_one()
+    # pycaffe failed with numpy broadcast errors, in the centre crop's copy and in oversample
+    with pytest.raises(caffe.ShapeError, match=r"image_dims \(27, 30\) is smaller than the net's input \(28, 28\)"):
+        classifier.predict([digit], oversample=False)
+    with pytest.raises(caffe.ShapeError, match="oversample"):
+        classifier.predict([digit], oversample=True)
+
+
 TINY = '''name: "tiny"
 layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 2 dim: 3 dim: 6 dim: 6 } } }
 layer { name: "fc" type: "InnerProduct" bottom: "data" top: "fc"

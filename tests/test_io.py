@@ -34,6 +34,20 @@ def test_legacy_4d_blobproto_reads_num_channels_height_width():
     np.testing.assert_array_equal(caffe.io.blobproto_to_array(blob), np.arange(1, 7).reshape(1, 2, 1, 3))
 
 
+def test_blobproto_whose_values_do_not_fill_its_shape_is_a_value_error():
+    # BVLC's python/caffe/test/test_io.py (test_no_shape, test_scalar): no shape holds one value, and pycaffe's
+    # reshape raised ValueError for more; caffejax's error is a WeightsError and that ValueError.
+    blob = caffe_pb2.BlobProto()
+    blob.data.extend([0.0] * 100)
+    with pytest.raises(ValueError, match="100 values"):
+        caffe.io.blobproto_to_array(blob)
+    with pytest.raises(caffe.WeightsError):
+        caffe.io.blobproto_to_array(blob)
+    scalar = caffe_pb2.BlobProto()
+    scalar.data.append(123)
+    assert caffe.io.blobproto_to_array(scalar) == 123
+
+
 def test_blobprotovector_string_round_trip():
     arrays = [np.ones((2, 2), np.float32), np.arange(3, dtype=np.float32)]
     serialized = caffe.io.arraylist_to_blobprotovector_str(arrays)
@@ -59,6 +73,19 @@ def test_datum_round_trip_uint8_and_float():
     np.testing.assert_array_equal(caffe.io.datum_to_array(datum), values)
     with pytest.raises(ValueError):
         caffe.io.array_to_datum(np.zeros((2, 2)))
+
+
+def test_datum_whose_pixels_do_not_fill_its_shape_is_a_data_error():
+    datum = caffe.io.array_to_datum(np.zeros((2, 3, 4), np.uint8))
+    datum.height = 4  # 24 bytes for a 2 x 4 x 4 shape: pycaffe's reshape raised a bare ValueError
+    with pytest.raises(caffe.DataError, match="24 data bytes .* needs 32"):
+        caffe.io.datum_to_array(datum)
+    with pytest.raises(ValueError):
+        caffe.io.datum_to_array(datum)
+    floats = caffe.io.array_to_datum(np.zeros((1, 2, 2), np.float32))
+    floats.channels = -1  # pycaffe's reshape took -1 as "infer"; a negative dim is a corrupted datum
+    with pytest.raises(caffe.DataError, match="float_data"):
+        caffe.io.datum_to_array(floats)
 
 
 # ---- Transformer -------------------------------------------------------------------------------------------------
@@ -109,6 +136,26 @@ def test_transformer_rejects_what_pycaffe_rejects():
     np.testing.assert_array_equal(t.mean["data"], np.ones((3, 4, 5)))
 
 
+def test_set_mean_takes_a_list():
+    t = caffe.io.Transformer({"data": (1, 3, 2, 2)})
+    t.set_transpose("data", (2, 0, 1))
+    t.set_mean("data", [1.0, 2.0, 3.0])  # pycaffe's mean.shape raised AttributeError
+    np.testing.assert_array_equal(t.preprocess("data", np.zeros((2, 2, 3), np.float32))[:, 0, 0], [-1, -2, -3])
+
+
+def test_data_that_does_not_fit_the_transformer_is_a_shape_error():
+    t = imagenet_style_transformer()
+    gray = np.zeros((4, 5, 1), np.float32)  # pycaffe: IndexError from the channel swap
+    with pytest.raises(caffe.ShapeError, match=r"preprocess\('data'\): data of shape \(4, 5, 1\)"):
+        t.preprocess("data", gray)
+    single_channel = caffe.io.Transformer({"data": (1, 1, 4, 5)})
+    single_channel.set_transpose("data", (2, 0, 1))
+    blob = single_channel.preprocess("data", gray)[np.newaxis]
+    # pycaffe's deprocess squeezes the channel axis too, then its transpose raised a bare ValueError
+    with pytest.raises(caffe.ShapeError, match=r"squeezed to \(4, 5\)"):
+        single_channel.deprocess("data", blob)
+
+
 # ---- images --------------------------------------------------------------------------------------------------------
 
 def test_load_image_gives_float_rgb_in_unit_range(tmp_path):
@@ -149,6 +196,28 @@ def test_resize_image_matches_scipy_ndimage():
     two_channels = rng.random((5, 7, 2)).astype(np.float32)
     np.testing.assert_allclose(caffe.io.resize_image(two_channels, (8, 3)),
                                ndimage.zoom(two_channels, (8 / 5, 3 / 7, 1), order=1), rtol=1e-5, atol=1e-6)
+
+
+def test_resize_image_rounds_integer_images_as_scipy_zoom():
+    im = np.array([[[208, 33], [96, 156]]], np.uint8)  # 2 channels: scipy.ndimage.zoom's path
+    got = caffe.io.resize_image(im, (1, 7))
+    # scipy.ndimage.zoom(im, (1, 3.5, 1), order=1)'s result: rounded, not truncated (170.67 is 171), and the tie
+    # 33 * 5/6 + 156 / 6 = 53.5 is 53, as scipy sums it with its weights (1 - 1/6, and 1 minus that).
+    np.testing.assert_array_equal(got[0, :, 0], [208, 189, 171, 152, 133, 115, 96])
+    np.testing.assert_array_equal(got[0, :, 1], [33, 53, 74, 95, 115, 136, 156])
+
+
+def test_oversample_crops_that_do_not_fit_are_a_shape_error():
+    im = np.zeros((4, 4, 1), np.float32)
+    with pytest.raises(caffe.ShapeError, match="image 0 of shape"):
+        caffe.io.oversample([im], (5, 2))  # pycaffe: a bare numpy broadcast error
+    with pytest.raises(caffe.ShapeError, match=r"image 1 of shape \(2, 4, 1\)"):
+        caffe.io.oversample([im, im[:2]], (2, 2))  # the crops are placed by the first image's shape
+    with pytest.raises(caffe.ShapeError, match="crop_dims"):
+        caffe.io.oversample([im], (2, -1))
+    # A size-1 axis broadcasts across a larger crop in pycaffe, so that still works.
+    column = np.arange(2, dtype=np.float32).reshape(2, 1, 1)
+    np.testing.assert_array_equal(caffe.io.oversample([column], (1, 3))[0, :, :, 0], [[0, 0, 0]])
 
 
 def test_oversample_takes_corners_centre_and_their_mirrors():
