@@ -5,13 +5,29 @@ A layer's map is (axis, scale a, shift b): output coordinate i corresponds to in
 every spatial axis from ``axis`` on (axis None: any; the map of a point-wise layer is (None, 1, 0)). Maps
 compose along a path of layers and invert for the way back; ``coord_map_from_to`` walks back from both tops
 to a common ancestor. The arithmetic is pycaffe's, element-wise over the spatial axes (NumPy arrays).
+
+Differences from pycaffe, on purpose:
+
+- The walk visits each top once, following the first path that reaches it, depth first: pycaffe's answer
+  where two paths disagree (an Eltwise of differently placed inputs) depended on the order of a set, and
+  following every path took time exponential in the number of residual blocks.
+- A Pooling's kernel is read from ``pooling_param`` too (pycaffe's conv_params says so, but read only
+  ``convolution_param`` and failed with a KeyError); a global pooling has no map, like an InnerProduct
+  (pycaffe: KeyError).
+- Legacy ``kernel_h``-style fields are refused inside ``convolution_param``/``pooling_param`` as well as at
+  the top level (pycaffe looked only at the top level and mapped such a layer as if they were not there).
+- ``crop`` also works when only Crop and pass-through layers lie between the tops (pycaffe's scale there is a
+  Python number, and its check ``(a == 1).all()`` failed).
+- Errors are typed: UnsupportedError for legacy fields (pycaffe: AssertionError), SchemaError for a missing
+  kernel_size (KeyError), ShapeError for per-axis values that disagree on the number of axes (NumPy's
+  ValueError) and for crop's checks (AssertionError), GraphError for tops that do not meet (RuntimeError).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from caffejax.errors import CaffejaxError, GraphError, ShapeError
+from caffejax.errors import CaffejaxError, GraphError, SchemaError, ShapeError, UnsupportedError
 from caffejax.net_spec import Top, layers as L
 
 # Layers whose output coordinate i is input coordinate i (pycaffe's list).
@@ -27,20 +43,45 @@ class AxisMismatchException(CaffejaxError):
     """Two maps along a path start at different axes."""
 
 
+LEGACY_SPATIAL_KEYS = {"pad_h", "pad_w", "kernel_h", "kernel_w", "stride_h", "stride_w"}
+
+
+def _spatial_message(fn) -> dict:
+    """The keyword arguments holding a layer's kernel: its own parameter message given as a dict, else the
+    top-level ones (pycaffe read only ``convolution_param``; a Pooling's is ``pooling_param``)."""
+    key = "pooling_param" if fn.type_name == "Pooling" else "convolution_param"
+    return fn.params.get(key, fn.params)
+
+
 def conv_params(fn) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
     """(axis, stride, extent of the dilated kernel, pad) of a Convolution, Deconvolution, Im2col or Pooling,
-    from its ``convolution_param`` (or ``pooling_param``) or its top-level keyword arguments."""
-    params = fn.params.get("convolution_param", fn.params.get("pooling_param", fn.params))
-    legacy = {"pad_h", "pad_w", "kernel_h", "kernel_w", "stride_h", "stride_w"} & set(params)
+    from its ``convolution_param`` (or ``pooling_param``) or its top-level keyword arguments.
+
+    A global pooling has no map (:class:`UndefinedMapException`); legacy ``kernel_h``-style fields anywhere in
+    the arguments and a missing kernel_size are errors, as pycaffe stopped there too (assert, KeyError):
+    skipping such a layer would let the walk report a wrong or a misleading answer."""
+    params = _spatial_message(fn)
+    legacy = LEGACY_SPATIAL_KEYS & (set(params) | set(fn.params))
     if legacy:
-        raise UndefinedMapException(f"{fn.type_name}: coordinate maps take kernel_size/stride/pad, not the "
-                                    f"legacy {sorted(legacy)}")
+        raise UnsupportedError(f"{fn.type_name}: coordinate maps take kernel_size/stride/pad, not the legacy "
+                               f"{sorted(legacy)}")
+    if params.get("global_pooling", False):
+        raise UndefinedMapException(f"a global {fn.type_name} has no coordinate map")
     if "kernel_size" not in params:
-        raise UndefinedMapException(f"{fn.type_name} without kernel_size has no coordinate map here")
-    kernel = np.array(params["kernel_size"], ndmin=1)
-    dilation = np.array(params.get("dilation", 1), ndmin=1)
-    return (params.get("axis", 1), np.array(params.get("stride", 1), ndmin=1), (kernel - 1) * dilation + 1,
-            np.array(params.get("pad", 0), ndmin=1))
+        raise SchemaError(f"{fn.type_name} without kernel_size: no coordinate map can be computed")
+    spatial = {name: np.array(params.get(name, default), ndmin=1)
+               for name, default in (("kernel_size", None), ("stride", 1), ("pad", 0), ("dilation", 1))}
+    _check_axis_counts(f"{fn.type_name}'s kernel_size/stride/pad/dilation", spatial.values())
+    extent = (spatial["kernel_size"] - 1) * spatial["dilation"] + 1
+    return params.get("axis", 1), spatial["stride"], extent, spatial["pad"]
+
+
+def _check_axis_counts(what: str, values) -> None:
+    """Values given per spatial axis must agree on how many axes there are (one value applies to all); pycaffe
+    failed on a mismatch with NumPy's bare broadcast ValueError."""
+    counts = sorted({np.size(v) for v in values} - {1})
+    if len(counts) > 1:
+        raise ShapeError(f"{what} give different numbers of spatial axes: {counts}")
 
 
 def crop_params(fn) -> tuple[int, np.ndarray]:
@@ -70,6 +111,7 @@ def compose(base_map: tuple, next_map: tuple) -> tuple:
     """``base_map`` followed by ``next_map``: the scales multiply, the further shift is scaled by the first."""
     ax1, a1, b1 = base_map
     ax2, a2, b2 = next_map
+    _check_axis_counts("the maps along the path", (a1, b1, a2, b2))
     if ax1 is None:
         ax = ax2
     elif ax2 is None or ax1 == ax2:
@@ -94,7 +136,9 @@ def _mapped_bottoms(top: Top) -> tuple:
 
 def _walk_back(start: Top):
     """Every top reachable backwards from ``start`` through mapped layers, with the map from it to ``start``,
-    in the order they are reached (pycaffe's walk, without its set's arbitrary order)."""
+    depth first. Each top is visited once, with the map of the first path that reaches it (pycaffe's walk gave
+    one of the paths' maps too, which one depending on its set's order); following every path took time
+    exponential in the number of residual blocks (Eltwise(x, f(x))) above the tops."""
     maps, frontier = {start: (None, 1, 0)}, [start]
     while frontier:
         top = frontier.pop()
@@ -104,8 +148,10 @@ def _walk_back(start: Top):
         except UndefinedMapException:
             continue
         for bottom in _mapped_bottoms(top):
-            maps[bottom] = compose(maps[top], step)
-            frontier.append(bottom)
+            mapped = compose(maps[top], step)  # on every edge, as pycaffe: maps that do not compose raise
+            if bottom not in maps:
+                maps[bottom] = mapped
+                frontier.append(bottom)
 
 
 def coord_map_from_to(top_from: Top, top_to: Top) -> tuple:

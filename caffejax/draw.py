@@ -3,11 +3,19 @@
 Layers are records (convolutions red, pooling orange, inner products purple, in-place layers green, the
 rest blue), blobs octagons; an edge from a layer to its top is labelled with the layer's output count
 (num_output, or the batch size of a Data layer). ``phase`` keeps only the layers the net has in that phase
-(caffejax applies Caffe's whole NetState rule, as the net would be built).
+(caffejax applies Caffe's whole NetState rule, as the net would be built: pycaffe compared only the phase,
+and read a rule without one, such as ``include { stage: "deploy" }``, as TRAIN).
 
 caffejax writes the Graphviz DOT text itself and renders it with Graphviz's ``dot`` program (as pydot
 would); ``.dot``/``.gv``/``.raw`` files get the DOT text and need nothing installed. :func:`get_pydot_graph`
 returns a ``pydot.Dot`` for code that wants one, and needs pydot.
+
+Other differences from pycaffe's drawing, on purpose: every blob is an octagon (pycaffe lost the style of a
+blob last mentioned as a top, the loss for one, and drew it as a plain ellipse); the net is upgraded as Caffe
+would first (pycaffe drew only ``layer``: nothing of a V1 net, and no layer for ``input:`` fields, which
+caffejax draws as the Input layer Caffe makes of them); record labels escape ``{}|<>``; rankdir must be one
+of LR, RL, TB, BT; :func:`get_pydot_graph`'s node names are ``layer <name> (<type>)`` and ``blob <name>``
+with pycaffe's text as their labels (pycaffe used the label as the name).
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ import os
 import shutil
 import subprocess
 
-from caffejax.errors import CaffejaxError, UnsupportedError
+from caffejax.errors import CaffejaxError, LrMultError, UnsupportedError
 from caffejax.fileio import atomic_write
 from caffejax.frontend.build import load_net_param
 from caffejax.frontend.filter_net import filter_net, make_state
@@ -59,7 +67,10 @@ def layer_lr_mult(layer) -> tuple[float, float]:
     """The lr_mult of a Convolution, Deconvolution or InnerProduct's weights and bias (1 where unset)."""
     if layer.type not in _LEARNING_TYPES:
         raise ValueError(f"{layer.type} layers do not have a learning rate multiplier")
-    mults = [spec.lr_mult if spec.HasField("lr_mult") else 1.0 for spec in layer.param[:2]]
+    if len(layer.param) > 2:  # Caffe refuses such a net too
+        raise LrMultError(f"layer '{layer.name}' (type {layer.type}) has {len(layer.param)} param specs; its "
+                          "learnable blobs are only weights and bias")
+    mults = [spec.lr_mult if spec.HasField("lr_mult") else 1.0 for spec in layer.param]
     return tuple(mults + [1.0] * (2 - len(mults)))
 
 
@@ -75,7 +86,8 @@ def layer_label(layer, rankdir: str, display_lrm: bool = False) -> str:
     elif layer.type == "Pooling":
         p = layer.pooling_param
         method = caffe_pb2.PoolingParameter.PoolMethod.Name(p.pool)
-        label = (f"{layer.name}{sep}({method} {layer.type}){sep}kernel size: {p.kernel_size}{sep}"
+        # BVLC master writes "(Pooling MAX)"; "(MAX Pooling)" was pycaffe's older (rc) label
+        label = (f"{layer.name}{sep}({layer.type} {method}){sep}kernel size: {p.kernel_size}{sep}"
                  f"stride: {p.stride}{sep}pad: {p.pad}")
     else:
         label = f"{layer.name}{sep}({layer.type})"
@@ -188,9 +200,18 @@ def draw_net_to_file(caffe_net, filename: str, rankdir: str = "LR", phase: int |
     atomic_write(filename, draw_net(caffe_net, rankdir, ext, phase, display_lrm))
 
 
+def get_layer_label(layer, rankdir: str, display_lrm: bool = False) -> str:
+    """pycaffe's ``get_layer_label``: :func:`layer_label` as pycaffe returns it, ready to be a pydot node name
+    (double-quoted, line breaks as the two characters backslash and n)."""
+    return '"%s"' % layer_label(layer, rankdir, display_lrm).replace("\n", "\\n")
+
+
+def get_edge_label(layer) -> str:
+    """pycaffe's ``get_edge_label``: :func:`edge_label`, with ``'""'`` (an empty DOT string) for no label."""
+    return edge_label(layer) or '""'
+
+
 # pycaffe's names for the pieces above.
-get_layer_label = layer_label
-get_edge_label = edge_label
 get_layer_lr_mult = layer_lr_mult
 choose_color_by_layertype = layer_color
 

@@ -43,6 +43,11 @@ class SchemaError(CaffejaxError):
     """A field or value is not allowed by caffe.proto or by Caffe's rules (e.g. include with exclude)."""
 
 
+class LrMultError(SchemaError, ValueError):
+    """A learning layer with more param specs than learnable blobs (caffe.draw's display_lrm). Also a ValueError,
+    which is what pycaffe's get_layer_lr_mult raised ("Could not parse the learning rate multiplier")."""
+
+
 class UnsupportedError(CaffejaxError):
     """A feature caffejax knows of but does not run (e.g. a Python layer that was not allowed)."""
 

@@ -13,6 +13,15 @@ Names follow pycaffe: a :class:`NetSpec` names each top after the attribute it w
 layer after its first top; anything unnamed is ``<Type><count>`` (``Convolution1``). :func:`to_proto`
 without a NetSpec names everything that way.
 
+Differences from pycaffe, on purpose. Values pycaffe fails on (IndexError, TypeError, AttributeError) are
+taken: a tuple is a list, an empty list leaves a repeated field empty, a protobuf message is copied into a
+message field, and a list mixing dicts with values or messages is assigned item by item. A dict for a scalar
+field is refused even when empty (pycaffe silently drops an empty one; it is always a slip). Errors pycaffe
+leaves bare are :class:`SchemaError` or :class:`GraphError` naming the layer, field or NetSpec value (a
+repeated scalar field given a dict, a top an in-place layer does not have, a tuple of tops or a Function
+where a top is needed). A NetSpec's missing attribute raises AttributeError (pycaffe: KeyError), so hasattr,
+copy and pickle work.
+
 Example (pycaffe's LeNet)::
 
     from caffejax import layers as L, params as P
@@ -31,7 +40,7 @@ from typing import Any
 
 from google.protobuf import message
 
-from caffejax.errors import SchemaError
+from caffejax.errors import GraphError, SchemaError
 from caffejax.proto import caffe_pb2
 
 __all__ = ["NetSpec", "Top", "Function", "layers", "params", "to_proto", "assign_proto", "param_name_dict"]
@@ -72,6 +81,8 @@ def assign_proto(proto: message.Message, name: str, value: Any) -> None:
             target = getattr(proto, name)
             for item in items:
                 if isinstance(item, dict):
+                    if not is_message:
+                        raise SchemaError(f"{where}.{name} is a repeated scalar field, got a dict")
                     _assign_dict(target.add(), item)
                 elif is_message and isinstance(item, message.Message):
                     target.add().CopyFrom(item)
@@ -80,9 +91,9 @@ def assign_proto(proto: message.Message, name: str, value: Any) -> None:
         elif isinstance(value, dict):
             if not is_message:
                 raise SchemaError(f"{where}.{name} is a scalar field, got a dict")
-            sub = getattr(proto, name)
-            sub.SetInParent()  # an empty dict still marks the message present, as protobuf text would
-            _assign_dict(sub, value)
+            # As in pycaffe, only the fields set mark the message present: an empty dict leaves it unset (a
+            # Scale's filler={} keeps Caffe's identity default instead of becoming a present, zero filler).
+            _assign_dict(getattr(proto, name), value)
         elif is_message:
             if not isinstance(value, message.Message):
                 raise SchemaError(f"{where}.{name} is a message ({field.message_type.name}); give a dict")
@@ -166,7 +177,7 @@ class Function:
         bottom_names = []
         for bottom in self.inputs:
             bottom._to_proto(layers, names, autonames)
-            bottom_names.append(layers[bottom.fn].top[bottom.n])
+            bottom_names.append(_top_name(layers[bottom.fn], bottom))
         layer = caffe_pb2.LayerParameter(type=self.type_name)
         layer.bottom.extend(bottom_names)
         if self.in_place:
@@ -191,6 +202,31 @@ class Function:
         except SchemaError as e:
             raise SchemaError(f"layer '{layer.name}' (type {self.type_name}): argument {key}={value!r}: {e}") \
                 from None
+
+
+def _top_name(layer: caffe_pb2.LayerParameter, top: Top) -> str:
+    """The name ``top`` has in its layer's proto. An in-place layer has only its bottoms as tops, so a later
+    top of it (``ntop`` above its bottom count) names no blob: pycaffe failed there with a bare IndexError."""
+    if top.n >= len(layer.top):
+        in_place = f" (in place over {len(layer.bottom)} bottom(s))" if top.fn.in_place else ""
+        raise GraphError(f"layer '{layer.name}' (type {layer.type}) has {len(layer.top)} top(s){in_place}: its top "
+                         f"{top.n} cannot be a bottom")
+    return layer.top[top.n]
+
+
+def _check_top(value, what: str, functions_too: bool = False) -> None:
+    """Refuse, before pycaffe's bare AttributeError, a value that is not a layer's top (e.g. the tuple of tops
+    an ``ntop=2`` layer returns); a NetSpec also holds layers without tops (``ntop=0``)."""
+    allowed = (Top, Function) if functions_too else (Top,)
+    if isinstance(value, allowed):
+        return
+    if isinstance(value, tuple):
+        hint = " (a layer with ntop > 1 returns a tuple: assign each top, n.a, n.b = L.Slice(..., ntop=2))"
+    elif isinstance(value, Function):
+        hint = f" (the {value.type_name} layer was made with ntop=0: it has no top)"
+    else:
+        hint = ""
+    raise GraphError(f"{what} is a {type(value).__name__}, not a layer's top{hint}")
 
 
 class NetSpec:
@@ -224,9 +260,12 @@ class NetSpec:
         return list(self.tops.values())
 
     def update(self, name: str, params: dict) -> None:
+        _check_top(self.tops[name], f"NetSpec value '{name}'", functions_too=True)
         self.tops[name]._update(params)
 
     def to_proto(self) -> caffe_pb2.NetParameter:
+        for name, top in self.tops.items():
+            _check_top(top, f"NetSpec value '{name}'", functions_too=True)
         names = {top: name for name, top in self.tops.items()}
         autonames: collections.Counter = collections.Counter()
         layers: collections.OrderedDict = collections.OrderedDict()
@@ -241,7 +280,8 @@ def to_proto(*tops: Top) -> caffe_pb2.NetParameter:
     """A NetParameter with every layer needed to compute ``tops``; all names generated."""
     layers: collections.OrderedDict = collections.OrderedDict()
     autonames: collections.Counter = collections.Counter()
-    for top in tops:
+    for index, top in enumerate(tops):
+        _check_top(top, f"to_proto argument {index}")
         top.fn._to_proto(layers, {}, autonames)
     net = caffe_pb2.NetParameter()
     net.layer.extend(layers.values())

@@ -83,3 +83,52 @@ def test_maps_compose_and_invert_and_refuse_what_they_cannot_map():
         coord_map.crop(n.pool, n.data)
     with pytest.raises(caffejax.GraphError, match="share coordinates"):
         coord_map.crop(L.ReLU(n.data), n.data)
+
+
+def test_the_walk_is_linear_in_the_graph_and_still_checks_every_edge(monkeypatch):
+    """Residual blocks (Eltwise(x, f(x))) double the paths back to the data each time: following every path
+    (4096 here) made a ResNet-101's 33 blocks take hours. pycaffe's answer for this net is (1, 1, 0); each
+    layer's map is asked for once."""
+    n = NetSpec()
+    n.data = L.Input(shape=dict(dim=[1, 1, 32, 32]))
+    x = L.Convolution(n.data, kernel_size=3, pad=1, num_output=1)
+    for _ in range(12):
+        x = L.Eltwise(x, L.ReLU(L.Convolution(x, kernel_size=3, pad=1, num_output=1)))
+    calls = []
+    real_coord_map = coord_map.coord_map
+    monkeypatch.setattr(coord_map, "coord_map", lambda fn: calls.append(fn) or real_coord_map(fn))
+    ax, a, b = coord_map.coord_map_from_to(x, n.data)
+    assert ax == 1 and a == pytest.approx(1) and b == pytest.approx(0)
+    assert len(calls) == len(set(calls)) <= 4 * 12 + 2
+    # A top reached again is not walked again, but the edge to it is still composed: pycaffe raises here.
+    n.crop = L.Crop(n.data, n.data, axis=3)
+    n.elt = L.Eltwise(L.Convolution(n.crop, kernel_size=1, num_output=1), n.data)
+    with pytest.raises(coord_map.AxisMismatchException):
+        coord_map.coord_map_from_to(n.elt, n.data)
+
+
+def test_layers_pycaffe_cannot_map_raise_typed_errors_instead_of_being_skipped():
+    """pycaffe stops with an AssertionError or KeyError on legacy kernel_h-style fields and on a missing
+    kernel_size; treated as unmapped layers the walk reported that the tops 'do not meet'. Per-axis values
+    that disagree on the number of axes were NumPy's bare ValueError."""
+    n = NetSpec()
+    n.data = L.Input(shape=dict(dim=[1, 1, 8, 8]))
+    n.legacy = L.Convolution(n.data, kernel_h=3, kernel_w=3, num_output=1)
+    with pytest.raises(caffejax.UnsupportedError, match=r"legacy \['kernel_h', 'kernel_w'\]"):
+        coord_map.coord_map_from_to(n.legacy, n.data)
+    n.nested = L.Pooling(n.data, pooling_param=dict(kernel_size=2, stride_h=2, stride_w=2))
+    with pytest.raises(caffejax.UnsupportedError, match="legacy"):
+        coord_map.coord_map_from_to(n.nested, n.data)
+    n.kernelless = L.Convolution(n.data, num_output=1)
+    with pytest.raises(caffejax.SchemaError, match="without kernel_size"):
+        coord_map.coord_map_from_to(n.kernelless, n.data)
+    n.axes = L.Convolution(n.data, kernel_size=[3, 3], stride=[1, 1, 1], num_output=1)
+    with pytest.raises(caffejax.ShapeError, match=r"different numbers of spatial axes: \[2, 3\]"):
+        coord_map.coord_map_from_to(n.axes, n.data)
+    n.conv3d = L.Convolution(n.data, kernel_size=[3, 3, 3], num_output=1)
+    n.up = L.Deconvolution(n.conv3d, kernel_size=[2, 2], stride=[2, 2], num_output=1)
+    with pytest.raises(caffejax.ShapeError, match="maps along the path"):
+        coord_map.coord_map_from_to(n.up, n.data)
+    n.global_pool = L.Pooling(n.data, global_pooling=True)  # no map, as an InnerProduct
+    with pytest.raises(caffejax.GraphError, match="do not meet"):
+        coord_map.coord_map_from_to(n.global_pool, n.data)

@@ -9,7 +9,7 @@ import pytest
 
 import caffejax
 import caffejax.draw as draw
-from caffejax.errors import CaffejaxError, UnsupportedError
+from caffejax.errors import CaffejaxError, SchemaError, UnsupportedError
 from caffejax.frontend.prototxt import parse_net_text
 from conftest import BUNDLED, MODELS
 
@@ -35,7 +35,8 @@ def test_dot_text_has_every_layer_and_blob(lenet):
     for blob in {b for layer in lenet.layer for b in list(layer.bottom) + list(layer.top)}:
         assert blob in labels
     assert 'label="conv1\\n(Convolution)\\nkernel size: 5\\nstride: 1\\npad: 0"' in text
-    assert 'label="pool1\\n(MAX Pooling)\\nkernel size: 2\\nstride: 2\\npad: 0"' in text
+    # BVLC master's pooling label: "(Pooling MAX)" (pycaffe before 1.0 wrote "(MAX Pooling)")
+    assert 'label="pool1\\n(Pooling MAX)\\nkernel size: 2\\nstride: 2\\npad: 0"' in text
     assert '"layer conv1 (Convolution)" -> "blob conv1" [label="20"]' in text  # edges carry num_output
     assert '"layer mnist (Data)" -> "blob data" [label="Batch 64"]' in text
     assert "rankdir=LR" in text
@@ -113,9 +114,32 @@ def test_display_lrm_shows_the_learning_layers_multipliers(tmp_path):
         draw.get_layer_lr_mult(net.layer[0])
     assert draw.choose_color_by_layertype("Pooling") == "#FF9900" and draw.choose_color_by_layertype("X") == "#6495ED"
     assert draw.get_pooling_types_dict() == {0: "MAX", 1: "AVE", 2: "STOCHASTIC"}
-    assert draw.get_layer_label(net.layer[1], "TB", display_lrm=True).endswith(" lr mult: 1.0, 2.0")
+    assert draw.get_layer_label(net.layer[1], "TB", display_lrm=True).endswith(' lr mult: 1.0, 2.0"')
     prototxt, out = tmp_path / "net.prototxt", tmp_path / "net.dot"
     prototxt.write_text(text)
     from caffejax.cli import main
     assert main(["draw", str(prototxt), str(out), "--display_lrm"]) == 0
     assert out.read_text().count("lr mult") == 2
+
+
+def test_pycaffe_label_helpers_return_pycaffe_strings(lenet):
+    """pycaffe's get_layer_label returns a pydot node name: quoted, with backslash-n between the lines, and
+    get_edge_label '""' when there is no label (pycaffe's values for LeNet's conv1, pool1 and relu1)."""
+    conv1, pool1, relu1 = (next(layer for layer in lenet.layer if layer.name == name)
+                           for name in ("conv1", "pool1", "relu1"))
+    assert draw.get_layer_label(conv1, "LR") == '"conv1\\n(Convolution)\\nkernel size: 5\\nstride: 1\\npad: 0"'
+    assert draw.get_layer_label(pool1, "TB") == '"pool1 (Pooling MAX) kernel size: 2 stride: 2 pad: 0"'
+    assert draw.get_layer_label(relu1, "LR", display_lrm=True) == '"relu1\\n(ReLU)"'
+    assert draw.get_edge_label(conv1) == "20" and draw.get_edge_label(relu1) == '""'
+
+
+def test_display_lrm_refuses_more_than_two_param_specs():
+    """pycaffe's get_layer_lr_mult: "Could not parse the learning rate multiplier" for a third param spec (a
+    Convolution has weights and bias only; Caffe refuses the net too)."""
+    net = caffejax.to_proto(caffejax.layers.Convolution(caffejax.layers.Input(shape=dict(dim=[1, 1, 4, 4])),
+                                                        num_output=1, kernel_size=1, param=[{}, {}, {}]))
+    assert "(Convolution)" in draw.get_dot_text(net)
+    with pytest.raises(SchemaError, match="'Convolution1'.*3 param specs"):
+        draw.get_dot_text(net, display_lrm=True)
+    with pytest.raises(ValueError):  # what pycaffe raised
+        draw.get_layer_lr_mult(net.layer[1])

@@ -7,7 +7,7 @@ import pytest
 
 import caffejax
 from caffejax import layers as L, params as P
-from caffejax.errors import SchemaError
+from caffejax.errors import GraphError, SchemaError
 from caffejax.frontend.filter_net import filter_net, make_state
 from caffejax.frontend.prototxt import parse_net_text
 from caffejax.proto import caffe_pb2
@@ -174,3 +174,43 @@ def test_bad_arguments_name_the_layer_and_field():
         n.to_proto()
     with pytest.raises(TypeError, match="input 0 is not a Top"):
         L.ReLU("data")
+
+
+def test_an_empty_dict_leaves_a_message_unset_as_in_pycaffe():
+    """pycaffe's assign_proto sets nothing for ``filler={}``: the message stays absent, so Caffe's Scale keeps
+    its identity default (a present, empty filler would be a constant 0). pycaffe's text for this program:
+    scale_param holds bias_term only, and the Dropout has no dropout_param."""
+    n = caffejax.NetSpec()
+    n.data = L.Input(shape=dict(dim=[1, 2, 4, 4]))
+    n.scale = L.Scale(n.data, filler={}, bias_term=True)
+    n.drop = L.Dropout(n.scale, dropout_param=dict())
+    scale, drop = n.to_proto().layer[1:]
+    assert str(scale.scale_param) == "bias_term: true\n" and not scale.scale_param.HasField("filler")
+    assert not drop.HasField("dropout_param")
+
+
+def test_errors_pycaffe_left_bare_are_typed():
+    """Programs pycaffe fails on with a bare AttributeError or IndexError raise caffejax's errors, naming what
+    is wrong."""
+    n = caffejax.NetSpec()
+    n.data = L.Input(shape=dict(dim=[1, 2]))
+    n.conv = L.Convolution(n.data, kernel_size=dict(h=3))  # a dict for a repeated scalar field
+    with pytest.raises(SchemaError, match=r"layer 'conv'.*kernel_size is a repeated scalar field, got a dict"):
+        n.to_proto()
+
+    n = caffejax.NetSpec()
+    n.data = L.Input(shape=dict(dim=[1, 2]))
+    _, second = L.Dropout(n.data, ntop=2, in_place=True)  # in place: its only top is 'data'
+    n.relu = L.ReLU(second)
+    with pytest.raises(GraphError, match=r"'Dropout1' \(type Dropout\) has 1 top\(s\) \(in place.*top 1"):
+        n.to_proto()
+
+    n = caffejax.NetSpec()
+    n.data = L.Input(shape=dict(dim=[1, 2]))
+    n.pair = L.Slice(n.data, ntop=2)  # a tuple of tops where a top belongs
+    with pytest.raises(GraphError, match="NetSpec value 'pair' is a tuple.*assign each top"):
+        n.to_proto()
+    with pytest.raises(GraphError, match="NetSpec value 'pair' is a tuple"):
+        n.update("pair", dict(axis=1))
+    with pytest.raises(GraphError, match="to_proto argument 0 is a Function.*ntop=0"):
+        caffejax.to_proto(L.Silence(n.data, ntop=0))
