@@ -249,7 +249,7 @@ class Net:
         # Which value each blob's data came from (blob -> value id): a backward over part of the net recomputes
         # the inputs of its range whose blobs a layer in place has since overwritten (_recomputed_feed).
         self._blob_holds: dict[str, str] = dict(graph.blob_value)
-        self._pass_writes: dict[tuple[int, int], tuple[dict[str, str], tuple[str, ...]]] = {}
+        self._pass_writes: dict[tuple[int, int], tuple[dict[str, str], tuple[str, ...], tuple[str, ...]]] = {}
         old = getattr(self, "blobs", {})
         self.blobs: collections.OrderedDict[str, Blob] = collections.OrderedDict()
         for name in graph.blobs:
@@ -663,13 +663,7 @@ class Net:
         # tops Forward left; a pass over a Python layer hands back every value).
         self._recorded_tops.update((v, values[v]) for v in _python_top_values(layers) if v in values)
         self._state.update((v, values[out]) for layer in layers for v, out in zip(layer.state_in, layer.state_out))
-        final, overwritten = self._writes_of_pass(start, end)
-        if self._overwritten_inputs:  # what this pass made supersedes what an earlier pass read
-            for layer in layers:
-                for value in layer.top_values:
-                    self._overwritten_inputs.pop(value, None)
-        self._overwritten_inputs.update((value, env[value]) for value in overwritten if value in env)
-        self._blob_holds.update(final)
+        final = self._note_pass(start, end, env)
         for top, value in final.items():
             if value in values:
                 self.blobs[top]._data.set(values[value])
@@ -680,16 +674,22 @@ class Net:
                 self._param_blobs[(owner, i)]._data.set(value)
         return float(loss)
 
-    def _ran_whole_forward(self, env: Mapping[str, Any]) -> None:
-        """Bookkeeping after a program of another object ran the whole net's forward on the fed values ``env``
-        (a solver's step): the blobs hold a whole forward's values, as :meth:`_forward` notes for its passes."""
-        final, overwritten = self._writes_of_pass(0, len(self._graph.layers) - 1)
-        self._overwritten_inputs = {value: env[value] for value in overwritten if value in env}
+    def _note_pass(self, start: int, end: int, env: Mapping[str, Any]) -> dict[str, str]:
+        """Note what a forward over layers start..end that read ``env`` left (this net's passes, and a solver's
+        step over the whole net): which value each blob it wrote now holds, and what it read from blobs that a
+        layer of the pass then overwrote in place. Returns the blobs it wrote -> their values."""
+        final, overwritten, made = self._writes_of_pass(start, end)
+        if self._overwritten_inputs:  # what this pass made or read afresh supersedes what an earlier pass read
+            for value in made:
+                self._overwritten_inputs.pop(value, None)
+        self._overwritten_inputs.update((value, env[value]) for value in overwritten if value in env)
         self._blob_holds.update(final)
+        return final
 
-    def _writes_of_pass(self, start: int, end: int) -> tuple[dict[str, str], tuple[str, ...]]:
-        """What a forward over layers start..end leaves: each blob it writes -> the value the blob then holds, and
-        the values it reads from blobs that a layer of the pass then overwrites in place. Fixed per range."""
+    def _writes_of_pass(self, start: int, end: int) -> tuple[dict[str, str], tuple[str, ...], tuple[str, ...]]:
+        """What a forward over layers start..end leaves, fixed per range: each blob it writes -> the value the blob
+        then holds; the values it reads from blobs that a layer of the pass then overwrites in place; and every
+        value its layers make or feed."""
         writes = self._pass_writes.get((start, end))
         if writes is None:
             layers = self._program.layers_between(start, end)
@@ -703,7 +703,8 @@ class Net:
             read.update((value, blob) for layer in layers for blob, value in zip(layer.bottoms, layer.bottom_values)
                         if value not in produced)
             overwritten = tuple(value for value, blob in read.items() if final.get(blob, value) != value)
-            writes = self._pass_writes[(start, end)] = (final, overwritten)
+            made = tuple(value for layer in layers for value in layer.top_values)
+            writes = self._pass_writes[(start, end)] = (final, overwritten, made)
         return writes
 
     @staticmethod

@@ -448,7 +448,7 @@ class Solver:
                       if blob not in blobs and value not in fed and value not in pulled}
         read = {**fed, **{v: a[0] for v, a in pulled.items()}}
         net._defer_blobs(0, len(graph.layers) - 1, unreturned, before, read, key, fold=0)
-        net._ran_whole_forward(read)
+        net._note_pass(0, len(graph.layers) - 1, read)
         net._state.update(state)
         return loss, norm
 
