@@ -106,3 +106,14 @@ def at_location(error: CaffejaxError, where: str) -> CaffejaxError:
     located = type(error)(f"{where}: {error}")
     located.layer, located.located = error.layer, True
     return located
+
+
+class InputArraysError(DataError, RuntimeError):
+    """Arrays net.set_input_arrays cannot take: not NumPy arrays, not float32, not C contiguous. Also a
+    RuntimeError, which is what pycaffe's set_input_arrays raised (boost.python's std::runtime_error)."""
+
+
+class InputArraysShapeError(ShapeError, RuntimeError):
+    """Arrays net.set_input_arrays cannot take for their shapes: not 4-D, not the MemoryData layer's channels x
+    height x width, different numbers of data and labels, or a number that is no multiple of batch_size. Also a
+    RuntimeError, as pycaffe raised."""

@@ -142,6 +142,33 @@ def test_single_top_has_no_labels_and_float_data_datums_are_read(tmp_path):
     np.testing.assert_array_equal(net.blobs["data"].data, np.stack([values * 2, values * 2]))
 
 
+def test_datums_of_varying_shape_reshape_the_batch_like_caffes_test_reshape(tmp_path):
+    """test_data_layer.cpp's TestReshape: with batch_size 1 each forward takes the shape of its own Datum."""
+    values = []
+    for i in range(5):
+        shape = (2, i % 2 + 1, i % 4 + 1)
+        values.append(raw_datum(np.arange(np.prod(shape), dtype=np.uint8).reshape(shape), i))
+    net = caffejax.Net(data_net(write_lmdb(tmp_path / "db", values), batch_size=1), caffejax.TEST)
+    for i, batch in enumerate(batches(net, 5)):
+        shape = (2, i % 2 + 1, i % 4 + 1)
+        assert batch["data"].shape == (1,) + shape and batch["label"][0] == i
+        np.testing.assert_array_equal(batch["data"][0].ravel(), np.arange(np.prod(shape)))
+
+
+def test_force_color_and_force_gray_together_are_ignored_for_raw_datums(raw_db, images):
+    """Caffe checks the pair only when it decodes an encoded Datum; a raw Datum is read as it is."""
+    net = caffejax.Net(data_net(raw_db, "force_color: true force_gray: true", batch_size=1), caffejax.TEST)
+    net.forward()
+    np.testing.assert_array_equal(net.blobs["data"].data[0], images[0])
+
+
+def test_force_color_and_force_gray_together_are_rejected_for_encoded_datums(tmp_path):
+    rgb = np.zeros((2, 2, 3), np.uint8)
+    db = write_lmdb(tmp_path / "db", [caffe_pb2.Datum(data=png_bytes(rgb), encoded=True).SerializeToString()])
+    with pytest.raises(SchemaError, match="force_color and force_gray"):
+        caffejax.Net(data_net(db, "force_color: true force_gray: true", batch_size=1), caffejax.TEST)
+
+
 # ---- transform_param ------------------------------------------------------------------------------------------
 
 def test_test_phase_takes_the_centre_crop_and_the_mean_file_under_it(tmp_path, raw_db, images):
@@ -217,6 +244,17 @@ def test_transformer_draws_mirror_before_the_crop_offsets():
     mirror, h, w = draws.integers(2), draws.integers(3), draws.integers(3)
     want = image[:, h:h + 2, w:w + 2].astype(np.float32)
     np.testing.assert_array_equal(out, want[:, :, ::-1] if mirror else want)
+
+
+def test_test_phase_mirrors_at_random_but_always_takes_the_centre_crop():
+    """test_data_transformer.cpp's TestCropMirrorTest: mirror flips a coin in TEST too; the crop stays centred."""
+    param = caffe_pb2.TransformationParameter(crop_size=2, mirror=True)
+    image = np.arange(3 * 4 * 5, dtype=np.uint8).reshape(3, 4, 5)
+    transformer = transform.DataTransformer(param, caffejax.TEST, np.random.default_rng(0))
+    centre = image[:, 1:3, 1:3].astype(np.float32)  # offsets (4-2)/2 = 1 and (5-2)/2 = 1
+    outs = [transformer(image) for _ in range(20)]
+    assert all(np.array_equal(o, centre) or np.array_equal(o, centre[:, :, ::-1]) for o in outs)
+    assert any(np.array_equal(o, centre) for o in outs) and any(np.array_equal(o, centre[:, :, ::-1]) for o in outs)
 
 
 # ---- encoded Datums -----------------------------------------------------------------------------------------
@@ -344,11 +382,11 @@ def write_images(folder, count: int, size=(H, W)):
     return rgbs
 
 
-def image_data_net(list_file, root: str, params: str = "", transform_param: str = "") -> str:
+def image_data_net(list_file, root: str, params: str = "", transform_param: str = "", batch_size: int = 2) -> str:
     return f'''name: "images"
 layer {{ name: "images" type: "ImageData" top: "data" top: "label"
   transform_param {{ {transform_param} }}
-  image_data_param {{ source: "{list_file}" root_folder: "{root}" batch_size: 2 {params} }} }}
+  image_data_param {{ source: "{list_file}" root_folder: "{root}" batch_size: {batch_size} {params} }} }}
 '''
 
 
@@ -396,6 +434,38 @@ def test_image_data_missing_image_is_a_data_error(tmp_path):
     net = caffejax.Net(image_data_net(list_file, f"{tmp_path}/"), caffejax.TEST)
     with pytest.raises(DataError, match="missing.png"):
         net.forward()
+
+
+def test_image_list_labels_are_read_like_atoi():
+    """atoi skips only C whitespace and reads only ASCII digits; glibc saturates at a long, then keeps 32 bits."""
+    from caffejax.data.image_data import parse_list
+
+    text = "a.png \u00a05\nb.png \u0663\nc c.png \t-7x\nd.png 4294967297\ne.png\n"
+    assert parse_list(text) == [("a.png", 0), ("b.png", 0), ("c c.png", -7), ("d.png", 1), ("e.png", 0)]
+
+
+def test_image_list_lines_end_at_newline_only(tmp_path):
+    """std::getline ends a line at "\n" only: a "\r" inside a line is part of the path."""
+    name = "a\rb.png"
+    rgb = np.random.default_rng(5).integers(0, 256, (2, 3, 3), dtype=np.uint8)
+    optional("PIL.Image").fromarray(rgb).save(tmp_path / "x.png")
+    os.rename(tmp_path / "x.png", tmp_path / name)
+    (tmp_path / "list.txt").write_bytes(f"{name} 3\n".encode())
+    net = caffejax.Net(image_data_net(tmp_path / "list.txt", f"{tmp_path}/"), caffejax.TEST)
+    net.forward()
+    assert net.blobs["label"].data.tolist() == [3, 3]
+    np.testing.assert_array_equal(net.blobs["data"].data[0], rgb[:, :, ::-1].transpose(2, 0, 1))
+
+
+def test_image_data_images_of_varying_size_reshape_each_batch(tmp_path):
+    """test_image_data_layer.cpp's TestReshape: with batch_size 1 each batch takes its image's size."""
+    for i, size in enumerate([(3, 4), (5, 2)]):
+        optional("PIL.Image").fromarray(np.full(size + (3,), i, np.uint8)).save(tmp_path / f"im{i}.png")
+    (tmp_path / "list.txt").write_text("im0.png 0\nim1.png 1\n")
+    net = caffejax.Net(image_data_net(tmp_path / "list.txt", f"{tmp_path}/", batch_size=1), caffejax.TEST)
+    got = batches(net, 3)
+    assert [b["data"].shape for b in got] == [(1, 3, 3, 4), (1, 3, 5, 2), (1, 3, 3, 4)]
+    assert [b["label"].tolist() for b in got] == [[0], [1], [0]]
 
 
 def test_resize_linear_follows_opencv_pixel_centres():
@@ -455,6 +525,34 @@ def test_hdf5_data_shuffle_visits_every_row_each_pass(tmp_path):
     assert sorted(got[0] + got[1]) == list(range(6)) and sorted(got[2] + got[3]) == list(range(6))
 
 
+def hdf5_net(list_file, tops=("data",), batch_size: int = 2) -> str:
+    tops_text = " ".join(f'top: "{t}"' for t in tops)
+    return f'''layer {{ name: "h5" type: "HDF5Data" {tops_text}
+  hdf5_data_param {{ source: "{list_file}" batch_size: {batch_size} }} }}'''
+
+
+def test_hdf5_list_splits_names_at_c_whitespace_only_and_takes_any_bytes(tmp_path):
+    """The list is read with ``std::istream >> std::string``: U+00A0 is part of a name, and names need not be
+    UTF-8."""
+    names = ["a\u00a0b.h5", os.fsdecode(b"\xff.h5")]
+    for i, name in enumerate(names):
+        with optional("h5py").File(tmp_path / name, "w") as f:
+            f["data"] = np.full((1, 2), i, np.float32)
+    (tmp_path / "list.txt").write_bytes(b"\n".join(os.fsencode(tmp_path / name) for name in names))
+    net = caffejax.Net(hdf5_net(tmp_path / "list.txt"), caffejax.TEST)
+    net.forward()
+    np.testing.assert_array_equal(net.blobs["data"].data, [[0, 0], [1, 1]])
+
+
+def test_hdf5_dataset_that_is_a_dangling_link_is_a_data_error(tmp_path):
+    h5py = optional("h5py")
+    with h5py.File(tmp_path / "a.h5", "w") as f:
+        f["data"] = h5py.SoftLink("/nowhere")
+    (tmp_path / "list.txt").write_text(str(tmp_path / "a.h5"))
+    with pytest.raises(DataError, match="dataset 'data' cannot be opened"):
+        caffejax.Net(hdf5_net(tmp_path / "list.txt"), caffejax.TEST)
+
+
 # ---- MemoryData ----------------------------------------------------------------------------------------------------
 
 MEMORY = '''name: "memory"
@@ -494,6 +592,16 @@ def test_set_input_arrays_checks_like_pycaffe():
                              caffejax.TEST)
     with pytest.raises(caffejax.CaffejaxError, match="MemoryDataLayer"):
         input_net.set_input_arrays(good, labels)
+
+
+def test_set_input_arrays_errors_are_runtime_errors_as_in_pycaffe():
+    """pycaffe's checks throw std::runtime_error, which boost.python raises as RuntimeError."""
+    net = caffejax.Net(MEMORY, caffejax.TEST)
+    labels = np.zeros(2, np.float32)
+    for data in (np.zeros((2, 1, 2, 3)), np.zeros((2, 1, 2), np.float32), np.zeros((3, 1, 2, 3), np.float32),
+                 np.zeros((2, 1, 3, 2), np.float32).transpose(0, 1, 3, 2)):
+        with pytest.raises(RuntimeError):
+            net.set_input_arrays(data, labels)
 
 
 # ---- WindowData ------------------------------------------------------------------------------------------------------
@@ -542,6 +650,64 @@ def test_window_data_context_pad_leaves_the_outside_of_the_image_zero(tmp_path):
 def test_window_file_with_bad_foreground_class_is_rejected(tmp_path):
     (tmp_path / "windows.txt").write_text("# 0\nx.png\n3 4 4\n1\n0 0.9 0 0 1 1\n")
     with pytest.raises(DataError, match="foreground"):
+        caffejax.Net(window_net(tmp_path / "windows.txt", ""), caffejax.TRAIN)
+
+
+def test_window_image_index_is_a_position_in_the_listed_images(tmp_path):
+    """Caffe looks a window's image up as image_database_[image_index]: the images in the file's order, whatever
+    number follows their '#'."""
+    for name, value in (("first.png", 50), ("second.png", 150)):
+        optional("PIL.Image").fromarray(np.full((4, 4, 3), value, np.uint8)).save(tmp_path / name)
+    (tmp_path / "windows.txt").write_text("# 1\nfirst.png\n3 4 4\n1\n1 0.9 0 0 3 3\n"
+                                          "# 0\nsecond.png\n3 4 4\n1\n0 0.1 0 0 3 3\n")
+    net = caffejax.Net(window_net(tmp_path / "windows.txt", f'root_folder: "{tmp_path}/"', "crop_size: 4"),
+                       caffejax.TRAIN)
+    net.forward()
+    np.testing.assert_array_equal(net.blobs["label"].data, [0, 0, 1, 1])
+    # The background window ('# 0') is on the first listed image, the foreground one ('# 1') on the second.
+    np.testing.assert_array_equal(net.blobs["data"].data[:2], 50)
+    np.testing.assert_array_equal(net.blobs["data"].data[2:], 150)
+
+
+def test_window_image_index_past_the_listed_images_is_a_data_error(tmp_path):
+    (tmp_path / "windows.txt").write_text("# 1\nx.png\n3 4 4\n1\n1 0.9 0 0 3 3\n")
+    with pytest.raises(DataError, match="refers to image 1.*lists 1 images"):
+        caffejax.Net(window_net(tmp_path / "windows.txt", ""), caffejax.TRAIN)
+
+
+def test_window_channels_of_images_but_the_last_are_not_used(tmp_path):
+    """Every image is read in colour; only the last listed image's channels shape the data top (R-CNN's window
+    files list gray images with 1 channel)."""
+    optional("PIL.Image").fromarray(np.full((4, 4), 80, np.uint8)).save(tmp_path / "gray.png")
+    (tmp_path / "windows.txt").write_text("# 0\ngray.png\n1 4 4\n1\n1 0.9 0 0 3 3\n"
+                                          "# 1\ngray.png\n3 4 4\n1\n0 0.1 0 0 3 3\n")
+    net = caffejax.Net(window_net(tmp_path / "windows.txt", f'root_folder: "{tmp_path}/"', "crop_size: 4"),
+                       caffejax.TRAIN)
+    assert net.blobs["data"].shape == (4, 3, 4, 4)
+    net.forward()
+    np.testing.assert_array_equal(net.blobs["data"].data, 80)
+    (tmp_path / "windows.txt").write_text("# 0\ngray.png\n3 4 4\n1\n1 0.9 0 0 3 3\n"
+                                          "# 1\ngray.png\n1 4 4\n1\n0 0.1 0 0 3 3\n")
+    with pytest.raises(DataError, match="last image.*1 channels"):
+        caffejax.Net(window_net(tmp_path / "windows.txt", ""), caffejax.TRAIN)
+
+
+def test_window_file_is_read_as_istream_reads_it(tmp_path):
+    """Tokens end at C whitespace only (a path may hold U+00A0), and numbers are what ``>> int`` and
+    ``>> float`` take whole ("1_0", "nan" and non-ASCII digits are not numbers)."""
+    name = "my\u00a0scene.png"
+    optional("PIL.Image").fromarray(np.full((4, 4, 3), 9, np.uint8)).save(tmp_path / name)
+    (tmp_path / "windows.txt").write_text(f"# 0\n{name}\n3 4 4\n2\n1 0.9 0 0 3 3\n0 .1e0 0 0 3 3\n")
+    net = caffejax.Net(window_net(tmp_path / "windows.txt", f'root_folder: "{tmp_path}/"', "crop_size: 4"),
+                       caffejax.TRAIN)
+    net.forward()
+    np.testing.assert_array_equal(net.blobs["data"].data, 9)
+    for bad in ("1_0", "\u0663"):
+        (tmp_path / "windows.txt").write_text(f"# 0\n{name}\n3 4 4\n1\n1 0.9 0 0 {bad} 3\n")
+        with pytest.raises(DataError, match="expected int"):
+            caffejax.Net(window_net(tmp_path / "windows.txt", ""), caffejax.TRAIN)
+    (tmp_path / "windows.txt").write_text(f"# 0\n{name}\n3 4 4\n1\n1 nan 0 0 3 3\n")
+    with pytest.raises(DataError, match="'nan', expected float"):
         caffejax.Net(window_net(tmp_path / "windows.txt", ""), caffejax.TRAIN)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import threading
 import weakref
 import zlib
@@ -42,6 +43,28 @@ def require_source(layer, path: str, base_dir: str | None, what: str) -> str:
         raise layer_error(DataSourceUnavailable, layer.name, layer.type, f"{what} '{path}' not found (looked at "
                           f"{places})")
     return found
+
+
+# What C's isspace() is true for in the "C" locale: the only separators Caffe's ``std::istream >>`` and ``atoi``
+# know. Python's str.split() and re's \s also split at Unicode spaces (U+00A0, U+2003, U+001C, ...).
+C_WHITESPACE = " \t\n\v\f\r"
+_C_TOKEN = re.compile(f"[^{C_WHITESPACE}]+")
+_C_ATOI = re.compile(f"[{C_WHITESPACE}]*([+-]?[0-9]+)")
+
+
+def c_tokens(text: str) -> list[str]:
+    """``text`` cut into words as ``std::istream >> std::string`` reads them (at runs of C whitespace)."""
+    return _C_TOKEN.findall(text)
+
+
+def c_atoi(text: str) -> int:
+    """glibc's atoi: leading C whitespace, a sign, ASCII digits (0 when there are none); a value past a long
+    saturates (strtol) and is then cut to an int's 32 bits."""
+    match = _C_ATOI.match(text)
+    if match is None:
+        return 0
+    value = max(-(2**63), min(2**63 - 1, int(match.group(1))))
+    return (value + 2**31) % 2**32 - 2**31
 
 
 def layer_rng(layer, phase: int) -> np.random.Generator:

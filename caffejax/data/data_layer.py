@@ -32,10 +32,20 @@ def _transformer(layer, phase: int, base_dir: str | None) -> DataTransformer:
 
 def datum_image(value: bytes, read_mode: str, where: str) -> tuple[np.ndarray, int]:
     """A serialized Datum as (C x H x W image, label): uint8 for raw or encoded data, float32 for float_data."""
+    return datum_pixels(parse_datum(value, where), read_mode, where)
+
+
+def parse_datum(value: bytes, where: str):
+    from caffejax.proto import caffe_pb2
+
     try:
-        datum = _parse_datum(value)
+        return caffe_pb2.Datum.FromString(value)
     except message.DecodeError as e:
         raise DataError(f"{where}: not a valid Datum ({e})") from None
+
+
+def datum_pixels(datum, read_mode: str, where: str) -> tuple[np.ndarray, int]:
+    """A parsed Datum as (C x H x W image, label); ``read_mode`` decodes an encoded one."""
     if datum.encoded:
         return decode_image(datum.data, read_mode, where).transpose(2, 0, 1), datum.label
     shape = (datum.channels, datum.height, datum.width)
@@ -53,10 +63,11 @@ def datum_image(value: bytes, read_mode: str, where: str) -> tuple[np.ndarray, i
     return np.asarray(datum.float_data, np.float32).reshape(shape), datum.label
 
 
-def _parse_datum(value: bytes):
-    from caffejax.proto import caffe_pb2
-
-    return caffe_pb2.Datum.FromString(value)
+def _record_image(value: bytes, transformer: DataTransformer, where: str) -> tuple[np.ndarray, int]:
+    """One record as (image, label). Like Caffe, force_color/force_gray (and setting both) matter only for
+    encoded Datums: a raw Datum is read as it is."""
+    datum = parse_datum(value, where)
+    return datum_pixels(datum, transformer.read_mode() if datum.encoded else "unchanged", where)
 
 
 def top_shapes(layer, phase: int, base_dir: str | None):
@@ -68,7 +79,7 @@ def top_shapes(layer, phase: int, base_dir: str | None):
         db.close()
     batch_size = positive_batch_size(layer, layer.data_param.batch_size)
     transformer = _transformer(layer, phase, base_dir)
-    image, _ = datum_image(value, transformer.read_mode(), f"{db.where}: record {describe_key(key)}")
+    image, _ = _record_image(value, transformer, f"{db.where}: record {describe_key(key)}")
     shapes = [(batch_size,) + transformer.infer_shape(image.shape), (batch_size,)]
     return shapes[: len(layer.top)]
 
@@ -80,7 +91,6 @@ class _DatumBatches:
         self.db, self.transformer = db, transformer
         self.batch_size = positive_batch_size(layer, layer.data_param.batch_size)
         self.with_labels = len(layer.top) > 1
-        self.read_mode = transformer.read_mode()
         self._cursor = None
 
     def __call__(self) -> Batch:
@@ -90,7 +100,7 @@ class _DatumBatches:
         for _ in range(self.batch_size):
             key, value = next(self._cursor)
             where = f"{self.db.where}: record {describe_key(key)}"
-            image, label = datum_image(value, self.read_mode, where)
+            image, label = _record_image(value, self.transformer, where)
             item_shape = self.transformer.infer_shape(image.shape)
             if shape is None:
                 shape = item_shape  # the first record of each batch shapes it

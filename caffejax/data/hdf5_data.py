@@ -1,9 +1,10 @@
 """Caffe's HDF5DataLayer and HDF5OutputLayer (hdf5_data_layer.cpp, hdf5_output_layer.cpp).
 
-HDF5Data: ``source`` lists .h5 files (whitespace-separated names). Each file holds one dataset per top, named
-like the top, all with the same number of rows; rows are served in order (or a shuffled order, when
-``shuffle``), batches run across file boundaries, and after the last file the first comes again (the file
-order reshuffled when ``shuffle``). Values are read as float32; there is no transform_param.
+HDF5Data: ``source`` lists .h5 files (names separated by C whitespace, as ``std::istream >>`` reads them).
+Each file holds one dataset per top, named like the top, all with the same number of rows; rows are served in
+order (or a shuffled order, when ``shuffle``), batches run across file boundaries, and after the last file the
+first comes again (the file order reshuffled when ``shuffle``). Values are read as float32; there is no
+transform_param.
 
 HDF5Output writes its two bottoms to ``file_name`` as the float datasets ``data`` and ``label``, with Caffe's
 legacy 4-D shapes (num x channels x height x width, missing axes 1).
@@ -16,8 +17,8 @@ import os
 
 import numpy as np
 
-from caffejax.data.common import Batch, Prefetcher, layer_rng, lazy_import, positive_batch_size, require_source
-from caffejax.data.common import resolve_path
+from caffejax.data.common import Batch, Prefetcher, c_tokens, layer_rng, lazy_import, positive_batch_size
+from caffejax.data.common import require_source, resolve_path
 from caffejax.errors import DataError, DataSourceUnavailable, SchemaError, layer_error
 from caffejax.fileio import atomic_write
 
@@ -35,8 +36,8 @@ class _HDF5Files:
         self.tops = list(layer.top)
         self.shuffle = p.shuffle
         list_path = require_source(layer, p.source, base_dir, "HDF5 file list")
-        with open(list_path, encoding="utf-8") as f:
-            names = f.read().split()
+        with open(list_path, encoding="utf-8", errors="surrogateescape") as f:
+            names = c_tokens(f.read())
         if not names:
             raise DataError(f"{self.where}: Must have at least 1 HDF5 filename listed in '{list_path}'")
         list_dir = os.path.dirname(os.path.abspath(list_path))
@@ -105,7 +106,10 @@ class _HDF5Files:
         if top not in f:
             raise DataError(f"{self.where}: {path} has no dataset '{top}' (HDF5Data reads one dataset per top, "
                             f"named like the top; the file has {sorted(f.keys())})")
-        dataset = f[top]
+        try:
+            dataset = f[top]
+        except (KeyError, OSError) as e:  # a soft or external link that leads nowhere
+            raise DataError(f"{self.where}: {path}: dataset '{top}' cannot be opened ({e})") from None
         if not hasattr(dataset, "dtype") or dataset.dtype.kind not in "fiu":
             raise DataError(f"{self.where}: {path}: '{top}' is not a float or integer dataset")
         if dataset.ndim < 1:

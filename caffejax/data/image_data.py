@@ -1,41 +1,36 @@
 """Caffe's ImageDataLayer (image_data_layer.cpp): images named in a list file, one ``path label`` per line.
 
-Each line splits at its *last* space (paths may contain spaces; the label is read like C's atoi). Images
-are read as OpenCV would (BGR colour, or gray when ``is_color`` is false) from ``root_folder + path``,
-resized to new_height x new_width when both are set (cv::resize, INTER_LINEAR), then transformed. The list is
-walked in order, from a random start below ``rand_skip`` when set, reshuffled at every pass when ``shuffle``.
-Tops: images (shaped by the first image of each batch) and labels (batch_size).
+Lines end at ``\n`` only (std::getline) and each splits at its *last* space (paths may contain spaces); the
+label is read like C's atoi: after C whitespace, ASCII digits only. Blank lines are skipped (Caffe keeps them as
+images named "" and stops when it reaches one). Images are read as OpenCV would (BGR colour, or gray when
+``is_color`` is false) from ``root_folder + path``, resized to new_height x new_width when both are set
+(cv::resize, INTER_LINEAR), then transformed. The list is walked in order, from a random start below
+``rand_skip`` when set, reshuffled at every pass when ``shuffle``. Tops: images (shaped by the first image of
+each batch) and labels (batch_size).
 """
 
 from __future__ import annotations
 
 import os
-import re
 
 import numpy as np
 
-from caffejax.data.common import Batch, Prefetcher, layer_rng, positive_batch_size, require_source, resolve_path
+from caffejax.data.common import C_WHITESPACE, Batch, Prefetcher, c_atoi, layer_rng, positive_batch_size, require_source
+from caffejax.data.common import resolve_path
 from caffejax.data.images import read_image, resize_linear
 from caffejax.data.transform import DataTransformer
 from caffejax.errors import DataError, DataSourceUnavailable, SchemaError, layer_error
-
-_ATOI = re.compile(r"\s*([+-]?\d+)")
-
-
-def _atoi(text: str) -> int:
-    match = _ATOI.match(text)
-    return int(match.group(1)) if match else 0
 
 
 def parse_list(text: str) -> list[tuple[str, int]]:
     """The (path, label) pairs of a list file: each non-blank line split at its last space."""
     lines = []
     for line in text.split("\n"):
-        if not line.strip():
+        if not line.strip(C_WHITESPACE):
             continue
         pos = line.rfind(" ")
         # Without a space Caffe's substr(npos + 1) reads the whole line as the label and keeps it as the path.
-        lines.append((line, _atoi(line)) if pos < 0 else (line[:pos], _atoi(line[pos + 1:])))
+        lines.append((line, c_atoi(line)) if pos < 0 else (line[:pos], c_atoi(line[pos + 1:])))
     return lines
 
 
@@ -50,7 +45,8 @@ class _ImageList:
         self.where = f"layer '{layer.name}' (type {layer.type})"
         self.list_path = require_source(layer, p.source, base_dir, "image list")
         self.base_dirs = (base_dir, os.path.dirname(os.path.abspath(self.list_path)))
-        with open(self.list_path, encoding="utf-8", errors="surrogateescape") as f:
+        # newline="": a lone "\r" is part of a line for std::getline, not a line break.
+        with open(self.list_path, encoding="utf-8", errors="surrogateescape", newline="") as f:
             self.lines = parse_list(f.read())
         if not self.lines:
             raise DataError(f"{self.where}: image list '{self.list_path}' is empty")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from caffejax.errors import DataError, SchemaError, ShapeError, layer_error
+from caffejax.errors import DataError, InputArraysError, InputArraysShapeError, SchemaError, layer_error
 
 
 def top_shapes(layer, phase: int, base_dir: str | None):
@@ -35,27 +35,28 @@ class MemorySource:
         self._pos = 0
 
     def reset(self, data, labels) -> None:
-        """pycaffe's set_input_arrays checks, then MemoryDataLayer::Reset."""
+        """pycaffe's set_input_arrays checks (each a RuntimeError there, and here too), then
+        MemoryDataLayer::Reset."""
         if not isinstance(data, np.ndarray) or not isinstance(labels, np.ndarray):
-            raise DataError(f"{self.where}: set_input_arrays takes NumPy arrays")
+            raise InputArraysError(f"{self.where}: set_input_arrays takes NumPy arrays")
         if labels.ndim == 1:
             labels = np.ascontiguousarray(labels[:, np.newaxis, np.newaxis, np.newaxis])
         for name, array, dims in (("data array", data, self.item_shape), ("labels array", labels, (1, 1, 1))):
             if not array.flags.c_contiguous:
-                raise DataError(f"{self.where}: {name} must be C contiguous")
+                raise InputArraysError(f"{self.where}: {name} must be C contiguous")
             if array.ndim != 4:
-                raise ShapeError(f"{self.where}: {name} must be 4-d, got shape {array.shape}")
+                raise InputArraysShapeError(f"{self.where}: {name} must be 4-d, got shape {array.shape}")
             if array.dtype != np.float32:
-                raise DataError(f"{self.where}: {name} must be float32, got {array.dtype}")
+                raise InputArraysError(f"{self.where}: {name} must be float32, got {array.dtype}")
             if array.shape[1:] != dims:
-                raise ShapeError(f"{self.where}: {name} is {array.shape}; its channels x height x width must be "
-                                 f"{dims}")
+                raise InputArraysShapeError(f"{self.where}: {name} is {array.shape}; its channels x height x width "
+                                            f"must be {dims}")
         if data.shape[0] != labels.shape[0]:
-            raise ShapeError(f"{self.where}: data and labels must have the same first dimension ({data.shape[0]} "
-                             f"vs {labels.shape[0]})")
+            raise InputArraysShapeError(f"{self.where}: data and labels must have the same first dimension "
+                                        f"({data.shape[0]} vs {labels.shape[0]})")
         if data.shape[0] == 0 or data.shape[0] % self.batch_size:
-            raise ShapeError(f"{self.where}: first dimensions of input arrays must be a multiple of batch size "
-                             f"{self.batch_size}, got {data.shape[0]}")
+            raise InputArraysShapeError(f"{self.where}: first dimensions of input arrays must be a multiple of batch "
+                                        f"size {self.batch_size}, got {data.shape[0]}")
         self._data, self._labels, self._pos = data, labels, 0
 
     def next_batch(self) -> list[np.ndarray]:

@@ -100,7 +100,12 @@ class DataTransformer:
 
 
 def read_mean_file(path: str, base_dir: str | None, where: str) -> np.ndarray:
-    """A mean .binaryproto as C x H x W float32 (Caffe reads its legacy channels/height/width)."""
+    """A mean .binaryproto as C x H x W float32: the first image of a num x channels x height x width blob.
+
+    Deliberately lenient: a blob of fewer than 4 axes is read as its trailing axes, so a C x H x W blob (what
+    caffe.io.array_to_blobproto writes for one image) is one image. Caffe's legacy accessors would read it as
+    num=C, channels=H, height=W, width=1 and refuse it for not matching the image.
+    """
     from caffejax.data.common import resolve_path
     from caffejax.frontend.caffemodel import blobproto_to_array, read_blobproto
 

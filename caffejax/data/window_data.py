@@ -1,13 +1,17 @@
 """Caffe's WindowDataLayer (window_data_layer.cpp): R-CNN style windows cut out of images and warped to
 crop_size x crop_size.
 
-The window file repeats, whitespace-separated::
+The window file repeats, in tokens separated by C whitespace (as ``std::istream >>`` reads them)::
 
     # image_index
     image_path
     channels height width
     num_windows
     class_index overlap x1 y1 x2 y2      (num_windows lines; pixel coordinates, inclusive)
+
+A window's image is found by position: image_index n is the (n+1)-th image the file lists, whatever number
+follows its ``#``. Every image is read in colour; the channels listed for the last image shape the data top
+(so they must be 3), those listed for the others are not used, nor are the heights and widths.
 
 A window with overlap >= fg_threshold is foreground (its class must be > 0); one with overlap < bg_threshold
 is background (label 0); others are dropped. Each batch draws batch_size - int(batch_size * fg_fraction)
@@ -22,10 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import numpy as np
 
-from caffejax.data.common import Batch, Prefetcher, layer_rng, positive_batch_size, require_source, resolve_path
+from caffejax.data.common import Batch, Prefetcher, c_tokens, layer_rng, positive_batch_size, require_source
+from caffejax.data.common import resolve_path
 from caffejax.data.images import decode_image, read_image, resize_linear
 from caffejax.data.transform import read_mean_file
 from caffejax.errors import DataError, SchemaError, layer_error
@@ -44,44 +50,56 @@ class Window:
 
 @dataclasses.dataclass
 class WindowFile:
-    images: list[tuple[str, tuple[int, int, int]]]  # (path, (channels, height, width)) by image_index
+    images: list[tuple[str, tuple[int, int, int]]]  # (path, (channels, height, width)) in the file's order
     foreground: list[Window]
     background: list[Window]
     channels: int  # of the last image listed: Caffe shapes the data top with it
 
 
+# What ``std::istream >> int`` and ``>> float`` take as a whole token (Python's int() and float() also take
+# "1_0", "nan", "inf" and non-ASCII digits).
+_C_INT = re.compile(r"[+-]?[0-9]+")
+_C_FLOAT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+
+
 def parse_window_file(text: str, root_folder: str, fg_threshold: float, bg_threshold: float,
                       where: str) -> WindowFile:
-    tokens = text.split()
+    """The images and the foreground/background windows of a window file.
+
+    As in Caffe, a window's ``image_index`` is a position in the list of images, in the order the file lists
+    them: the number after ``#`` is not matched against the other images' numbers. An index past the list is
+    an error (Caffe would read outside its image list).
+    """
+    tokens = c_tokens(text)
     position = 0
 
-    def take(kind):
+    def take(kind: str) -> str:
         nonlocal position
         if position >= len(tokens):
-            raise DataError(f"{where}: window file ends early (expected {kind.__name__} at token {position + 1})")
+            raise DataError(f"{where}: window file ends early (expected {kind} at token {position + 1})")
         token = tokens[position]
         position += 1
-        try:
-            return kind(token)
-        except ValueError:
-            raise DataError(f"{where}: window file token {position} is '{token}', expected {kind.__name__}") from None
+        pattern = {"int": _C_INT, "float": _C_FLOAT}.get(kind)
+        if pattern is not None and not pattern.fullmatch(token):
+            raise DataError(f"{where}: window file token {position} is '{token}', expected {kind}")
+        return token
+
+    def take_int() -> int:
+        return int(take("int"))
 
     if len(tokens) < 2:
         raise DataError(f"{where}: Window file is empty")
-    images, foreground, background = {}, [], []
-    channels = 0
+    images, foreground, background = [], [], []
     while position < len(tokens):
-        hashtag = take(str)
+        hashtag = take("'#'")
         if hashtag != "#":
             raise DataError(f"{where}: window file token {position} is '{hashtag}', expected '#'")
-        image_index = take(int)
-        path = root_folder + take(str)
-        size = (take(int), take(int), take(int))
-        channels = size[0]
-        images[image_index] = (path, size)
-        for _ in range(take(int)):
-            label, overlap = take(int), np.float32(take(float))
-            window = Window(image_index, label, float(overlap), take(int), take(int), take(int), take(int))
+        image_index = take_int()
+        path = root_folder + take("image path")
+        images.append((path, (take_int(), take_int(), take_int())))
+        for _ in range(take_int()):
+            label, overlap = take_int(), np.float32(take("float"))
+            window = Window(image_index, label, float(overlap), take_int(), take_int(), take_int(), take_int())
             if overlap >= np.float32(fg_threshold):
                 if label <= 0:
                     raise DataError(f"{where}: foreground window of image {image_index} has class {label}; "
@@ -89,11 +107,12 @@ def parse_window_file(text: str, root_folder: str, fg_threshold: float, bg_thres
                 foreground.append(window)
             elif overlap < np.float32(bg_threshold):
                 background.append(dataclasses.replace(window, label=0, overlap=0.0))
-    ordered = [images.get(i) for i in range(len(images))]
-    if None in ordered:
-        raise DataError(f"{where}: image indices must run 0, 1, 2, ... (Caffe looks images up by index); got "
-                        f"{sorted(images)}")
-    return WindowFile(ordered, foreground, background, channels)
+    for window in foreground + background:
+        if not 0 <= window.image_index < len(images):
+            raise DataError(f"{where}: a window of image '# {window.image_index}' refers to image "
+                            f"{window.image_index}, but the file lists {len(images)} images (Caffe takes the "
+                            "number as a position in the list: 0, 1, 2, ...)")
+    return WindowFile(images, foreground, background, images[-1][1][0])
 
 
 def _c_round(x) -> int:
@@ -220,7 +239,7 @@ class _WindowSampler:
 
 
 def _load_window_file(layer, base_dir: str | None) -> WindowFile:
-    """The layer's window file, parsed and checked (crop_size set, every image read in colour)."""
+    """The layer's window file, parsed and checked (crop_size set, the data top 3 channels deep)."""
     p, t = layer.window_data_param, layer.transform_param
     if t.crop_size <= 0:
         raise layer_error(SchemaError, layer.name, layer.type, "transform_param.crop_size must be positive")
@@ -228,10 +247,12 @@ def _load_window_file(layer, base_dir: str | None) -> WindowFile:
     where = f"layer '{layer.name}' (type {layer.type}): {path}"
     with open(path, encoding="utf-8", errors="surrogateescape") as f:
         windows = parse_window_file(f.read(), p.root_folder, p.fg_threshold, p.bg_threshold, where)
-    for image_path, (channels, _, _) in windows.images:
-        if channels != 3:
-            raise DataError(f"{where}: {image_path} is listed with {channels} channels; WindowData reads every "
-                            "image in colour (3 channels)")
+    if windows.channels != 3:
+        # Only the last image's channels count: they shape the data top, into which Caffe writes every image
+        # in colour (3 channels); a gray image listed earlier with 1 channel is read in colour all the same.
+        image_path = windows.images[-1][0]
+        raise DataError(f"{where}: the last image, {image_path}, is listed with {windows.channels} channels, "
+                        "which shape the data top; WindowData reads every image in colour (3 channels)")
     return windows
 
 
