@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -493,3 +494,176 @@ def test_console_script_smoke():
     done = subprocess.run([exe, "draw", "/nonexistent.prototxt", "x.dot"], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 1 and done.stderr.strip() == "caffejax: error: /nonexistent.prototxt: no such model file"
+
+
+# ---- checked against BVLC's tools/*.cpp ----------------------------------------------------------------------
+
+def test_train_weights_flag_replaces_the_solvers_weights(tmp_path, capsys, monkeypatch):
+    """caffe.cpp's train clears the solver's `weights` for -snapshot, and replaces them with -weights (caffejax
+    loaded the solver's files too: a missing one failed a resume, and their layers overrode the fillers)."""
+    monkeypatch.chdir(tmp_path)
+    small_solver(tmp_path)
+    own = caffejax.Net(str(tmp_path / "net.prototxt"), caffejax.TRAIN)
+    own.params["ip"][0].data[...] = 9
+    own.save(str(tmp_path / "solvers_own.caffemodel"))
+    # Weights for another net: finetuning from them leaves every layer here to its filler.
+    (tmp_path / "other.caffemodel").write_bytes(caffe_pb2.NetParameter(name="other").SerializeToString())
+    solver = tmp_path / "solver.prototxt"
+    common = f'net: "net.prototxt"\nlr_policy: "fixed"\nsnapshot_prefix: "{tmp_path}/snap"\n'
+    solver.write_text(common + 'weights: "solvers_own.caffemodel"\nbase_lr: 0\nmax_iter: 1\n')
+    status, err = run(["train", "-solver", solver, "-weights", "other.caffemodel"], capsys)
+    assert status == 0, err
+    assert "Finetuning from other.caffemodel" in err and "solvers_own" not in err
+    trained = caffejax.Net(str(tmp_path / "net.prototxt"), str(tmp_path / "snap_iter_1.caffemodel"), caffejax.TRAIN)
+    np.testing.assert_array_equal(trained.params["ip"][0].data, 0.5)  # the filler's, not the solver's file's
+
+    solver.write_text(common + 'weights: "gone.caffemodel"\nbase_lr: 0.1\nmax_iter: 2\n')
+    status, err = run(["train", "-solver", solver, "-snapshot", "snap_iter_1.solverstate"], capsys)
+    assert status == 0, err
+    assert (tmp_path / "snap_iter_2.caffemodel").is_file() and "gone.caffemodel" not in err
+
+
+def test_train_level_flag_always_sets_the_train_state(tmp_path, capsys, monkeypatch):
+    """caffe.cpp sets train_state.level from -level, 0 when not given, over the solver file's own train_state."""
+    monkeypatch.chdir(tmp_path)
+    solver = small_solver(tmp_path)
+    net = (tmp_path / "net.prototxt").read_text()
+    # A second loss only at level >= 1: the train net has it only when -level is 1.
+    extra = ('layer { name: "loss2" type: "EuclideanLoss" bottom: "ip" bottom: "target" top: "loss2" '
+             'include { min_level: 1 } }\n')
+    (tmp_path / "net.prototxt").write_text(net + extra)
+    solver.write_text(solver.read_text() + "train_state { level: 1 }\n")
+    status, err = run(["train", "-solver", solver], capsys)
+    assert status == 0, err
+    assert "loss2" not in err and re.search(r"Iteration 0 .* loss = 2\.25$", err, re.M)
+    status, err = run(["train", "-solver", solver, "-level", "1"], capsys)
+    assert status == 0 and re.search(r"Iteration 0 .* loss = 4\.5$", err, re.M), err
+
+
+def test_test_sums_outputs_in_float32_like_caffe(tmp_path, capsys):
+    """caffe.cpp's test adds the batches' outputs and losses in float: 1e8 + 1 - 1e8 is 0 there, and its mean
+    prints as 0 (caffejax summed in double and printed 0.333333)."""
+    h5py = pytest.importorskip("h5py")
+    with h5py.File(tmp_path / "rows.h5", "w") as f:
+        f.create_dataset("x", data=np.array([[1e8], [1], [-1e8]], np.float32))
+    (tmp_path / "list.txt").write_text(f"{tmp_path / 'rows.h5'}\n")
+    (tmp_path / "net.prototxt").write_text(
+        f'layer {{ name: "rows" type: "HDF5Data" top: "x" hdf5_data_param {{ source: "{tmp_path / "list.txt"}" '
+        'batch_size: 1 } }\n'
+        'layer { name: "copy" type: "Power" bottom: "x" top: "y" loss_weight: 2 }\n')
+    caffejax.Net(str(tmp_path / "net.prototxt"), caffejax.TEST).save(str(tmp_path / "w.caffemodel"))
+    status, err = run(["test", "-model", tmp_path / "net.prototxt", "-weights", tmp_path / "w.caffemodel",
+                       "-iterations", "3"], capsys)
+    assert status == 0, err
+    assert re.findall(r"Batch \d, y = (\S+)", err) == ["1e+08", "1", "-1e+08"]
+    assert re.search(r"Loss: (\S+)$", err, re.M).group(1) == "0"
+    assert re.search(r"^\S+ \S+ y = (.*)$", err, re.M).group(1) == "0 (* 2 = 0 loss)"  # after the glog prefix
+
+
+def test_device_query_takes_the_gpu_flag(capsys):
+    """Caffe's documented `caffe device_query -gpu 0` (caffejax refused -gpu there)."""
+    status, err = run(["device_query", "-gpu", "0"], capsys)
+    assert status == 0 and "Querying GPUs 0" in err and "Device 0:" in err, err
+    status, err = run(["device_query", "-gpu", "999"], capsys)
+    assert status == 1 and len(error_lines(err)) == 1 and "-gpu 999: no such device" in err
+
+
+def test_convert_imageset_reads_gflags_booleans(images, capsys):
+    """gflags' spellings of a boolean: -shuffle=true, --gray=false, -noencoded (argparse refused them)."""
+    root, pixels = images
+    status, err = run(["convert_imageset", "-shuffle=true", "--gray=false", "-noencoded", "--check_size=1",
+                       f"{root}/", root / "list.txt", root / "db"], capsys)
+    assert status == 0, err
+    assert "Shuffling data" in err
+    records = read_lmdb(root / "db")
+    assert sorted(key[9:] for key, _ in records) == sorted(pixels)
+    assert all(caffe_pb2.Datum.FromString(value).channels == 3 for _, value in records)
+    status, err = run(["convert_imageset", "-gray=maybe", f"{root}/", root / "list.txt", root / "db2"], capsys)
+    assert status == 1 and error_lines(err) == [err.strip()] and "illegal value 'maybe'" in err
+
+
+def test_convert_imageset_keys_count_blank_lines(images, capsys):
+    """A blank line is a line to convert_imageset (its image is not found): the lines after it keep their
+    numbers in the keys."""
+    root, pixels = images
+    names = list(pixels)
+    (root / "blank.txt").write_text(f"{names[0]} 0\n\n{names[1]} 1\n")
+    status, err = run(["convert-imageset", f"{root}/", root / "blank.txt", root / "db"], capsys)
+    assert status == 0, err
+    assert "A total of 3 images." in err
+    assert [key for key, _ in read_lmdb(root / "db")] == [f"00000000_{names[0]}", f"00000002_{names[1]}"]
+
+
+def test_compute_image_mean_channel_means_sum_like_caffe(tmp_path, capsys):
+    """compute_image_mean adds a channel's means one by one into a float: the logged mean_value is that sum's,
+    to its 6th digit (NumPy's pairwise sum printed 86.1716 here, Caffe 86.1715)."""
+    lmdb = pytest.importorskip("lmdb")
+    rng = np.random.default_rng(3)
+    images = rng.integers(0, 256, (3, 1, 128, 128), dtype=np.uint8)
+    env = lmdb.open(str(tmp_path / "db"), map_size=1 << 24)
+    with env.begin(write=True) as txn:
+        for i, image in enumerate(images):
+            datum = caffe_pb2.Datum(channels=1, height=128, width=128, data=image.tobytes(), label=0)
+            txn.put(f"{i:08d}".encode(), datum.SerializeToString())
+    env.close()
+    status, err = run(["compute_image_mean", tmp_path / "db", tmp_path / "mean.binaryproto"], capsys)
+    assert status == 0, err
+    mean = images.astype(np.float32).sum(axis=0, dtype=np.float32) / np.float32(3)
+    total = np.float32(0)
+    for value in mean.ravel():  # caffe: mean_values[c] += sum_blob.data(dim * c + i)
+        total = np.float32(total + value)
+    caffe_line = f"{float(total / np.float32(128 * 128)):g}"
+    assert re.search(r"mean_value channel \[0\]: (\S+)$", err, re.M).group(1) == caffe_line
+    np.testing.assert_array_equal(blobproto_to_array(read_blobproto(str(tmp_path / "mean.binaryproto")))[0], mean)
+
+
+def _signalling_solver(tmp_path, monkeypatch, signal_name: str, at_forward: int):
+    """A solver whose net's Python data layer sends this process ``signal_name`` in its ``at_forward``-th
+    forward (during iteration at_forward - 1), as a user pressing Ctrl-C or a `kill -HUP` would."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "caffejax_test_cli_signals.py").write_text(
+        "import os, signal\nimport caffejax\n\n\nclass Rows(caffejax.Layer):\n"
+        "    def setup(self, bottom, top):\n        self.name, at = self.param_str.split(':')\n"
+        "        self.at, self.calls = int(at), 0\n\n"
+        "    def reshape(self, bottom, top):\n        top[0].reshape(2, 3)\n\n"
+        "    def forward(self, bottom, top):\n        self.calls += 1\n"
+        "        if self.calls == self.at:\n            os.kill(os.getpid(), getattr(signal, self.name))\n"
+        "        top[0].data[...] = [[1, 2, 3], [4, 5, 6]]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "net.prototxt").write_text(
+        'layer { name: "rows" type: "Python" top: "x" python_param { module: "caffejax_test_cli_signals" '
+        f'layer: "Rows" param_str: "{signal_name}:{at_forward}" }} }}\n'
+        'layer { name: "ip" type: "InnerProduct" bottom: "x" top: "y" inner_product_param { num_output: 2 } }\n'
+        'layer { name: "loss" type: "EuclideanLoss" bottom: "y" bottom: "y" top: "loss" }\n')
+    (tmp_path / "solver.prototxt").write_text('net: "net.prototxt" base_lr: 0.01 lr_policy: "fixed" max_iter: 6 '
+                                              'snapshot_prefix: "snap"')
+    return ["train", "-solver", "solver.prototxt", "--allow-python-layers"]
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="SIGHUP is POSIX")
+def test_train_acts_on_sigint_and_sighup_as_caffe_train_does(tmp_path, capsys, monkeypatch):
+    """caffe train's -sigint_effect (default stop) and -sighup_effect (default snapshot): the solver finishes
+    the iteration the signal came in, then stops with its final snapshot, or snapshots and goes on."""
+    argv = _signalling_solver(tmp_path, monkeypatch, "SIGINT", 3)
+    status, err = run(argv, capsys)
+    assert status == 0 and "Optimization stopped early." in err, err
+    assert sorted(p.name for p in tmp_path.glob("snap_iter_*.caffemodel")) == ["snap_iter_3.caffemodel"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back after training
+
+    for p in tmp_path.glob("snap_iter_*"):
+        p.unlink()
+    argv = _signalling_solver(tmp_path, monkeypatch, "SIGHUP", 3)
+    status, err = run(argv, capsys)
+    assert status == 0 and "Optimization stopped early." not in err, err
+    assert sorted(p.name for p in tmp_path.glob("snap_iter_*.caffemodel")) == ["snap_iter_3.caffemodel",
+                                                                               "snap_iter_6.caffemodel"]
+
+    for p in tmp_path.glob("snap_iter_*"):
+        p.unlink()
+    argv = _signalling_solver(tmp_path, monkeypatch, "SIGINT", 3)
+    status, err = run(argv + ["-sigint_effect", "none"], capsys)
+    assert status == 0 and "Optimization stopped early." not in err, err
+    assert sorted(p.name for p in tmp_path.glob("snap_iter_*.caffemodel")) == ["snap_iter_6.caffemodel"]
+
+    status, err = run(argv + ["-sighup_effect", "halt"], capsys)
+    assert status == 1 and "invalid choice: 'halt'" in err and len(error_lines(err)) == 1, err

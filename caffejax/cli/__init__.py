@@ -31,10 +31,49 @@ class UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports a usage problem as one line and exit code 1, like every other bad input."""
+    """argparse that reports a usage problem as one line and exit code 1, like every other bad input; and reads
+    the boolean flags added by :func:`add_gflags_bool` as gflags does."""
+
+    gflags_bools: frozenset[str] = frozenset()
 
     def error(self, message: str):
         raise UsageError(f"{message} (see '{self.prog} --help')")
+
+    def parse_known_args(self, args=None, namespace=None):
+        if args is not None and self.gflags_bools:
+            args = _gflags_bool_args(list(args), self.gflags_bools, self.error)
+        return super().parse_known_args(args, namespace)
+
+
+# gflags' spellings of a boolean flag's value (case-insensitive).
+GFLAGS_TRUE, GFLAGS_FALSE = ("true", "t", "yes", "y", "1"), ("false", "f", "no", "n", "0")
+
+
+def add_gflags_bool(parser: _Parser, name: str, help: str) -> None:
+    """A boolean flag spelled as gflags reads one: ``-NAME``, ``--NAME``, ``-NAME=true|false`` (or 1/0, yes/no)
+    and ``-noNAME``; Caffe's scripts write all of these (``convert_imageset --shuffle=true``)."""
+    parser.add_argument(f"-{name}", f"--{name}", dest=name, action="store_true", help=help)
+    parser.add_argument(f"-no{name}", f"--no{name}", dest=name, action="store_false", help=argparse.SUPPRESS)
+    parser.gflags_bools = parser.gflags_bools | {name}
+
+
+def _gflags_bool_args(args: list[str], names, error) -> list[str]:
+    """``-NAME=VALUE`` of a boolean flag as ``-NAME`` or ``-noNAME`` (argparse takes no value for a switch)."""
+    out = []
+    for i, arg in enumerate(args):
+        if arg == "--":
+            return out + args[i:]
+        flag, eq, value = arg.partition("=")
+        name = flag.lstrip("-")
+        if eq and flag.startswith("-") and len(flag) - len(name) <= 2 and name in names:
+            if value.lower() in GFLAGS_TRUE:
+                arg = f"-{name}"
+            elif value.lower() in GFLAGS_FALSE:
+                arg = f"-no{name}"
+            else:
+                error(f"argument -{name}: illegal value '{value}' specified for bool flag (use true or false)")
+        out.append(arg)
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:

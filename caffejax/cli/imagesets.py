@@ -17,6 +17,7 @@ import random
 
 import numpy as np
 
+from caffejax.cli import add_gflags_bool
 from caffejax.errors import CaffejaxError, DataError, UnsupportedError
 
 log = logging.getLogger("caffejax")
@@ -36,15 +37,13 @@ def add_commands(commands, parents) -> None:
     p.add_argument("root_folder", metavar="ROOTFOLDER", help="the folder the listed paths start from")
     p.add_argument("list_file", metavar="LISTFILE", help="'path label' lines")
     p.add_argument("db_name", metavar="DB_NAME", help="the database to create (must not exist)")
-    p.add_argument("-gray", "--gray", action="store_true", help="treat images as grayscale ones")
-    p.add_argument("-shuffle", "--shuffle", action="store_true",
-                   help="randomly shuffle the order of images and their labels")
+    add_gflags_bool(p, "gray", help="treat images as grayscale ones")
+    add_gflags_bool(p, "shuffle", help="randomly shuffle the order of images and their labels")
     p.add_argument("-backend", "--backend", default="lmdb", help="the database backend: lmdb (default)")
     p.add_argument("-resize_width", "--resize_width", type=int, default=0, help="width images are resized to")
     p.add_argument("-resize_height", "--resize_height", type=int, default=0, help="height images are resized to")
-    p.add_argument("-check_size", "--check_size", action="store_true",
-                   help="check that all the datum have the same size")
-    p.add_argument("-encoded", "--encoded", action="store_true", help="store the encoded image in the datum")
+    add_gflags_bool(p, "check_size", help="check that all the datum have the same size")
+    add_gflags_bool(p, "encoded", help="store the encoded image in the datum")
     p.add_argument("-encode_type", "--encode_type", default="",
                    help="what type to encode the image as ('png', 'jpg', ...); implies --encoded")
     p.set_defaults(run=convert_imageset)
@@ -78,8 +77,6 @@ def _check_backend(backend: str) -> None:
 # ---- convert-imageset -------------------------------------------------------------------------------------
 
 def convert_imageset(args) -> int:
-    from caffejax.data.image_data import parse_list
-
     _check_backend(args.backend)
     encoding = args.encode_type.lower().lstrip(".")
     encoded = args.encoded or bool(encoding)
@@ -89,7 +86,7 @@ def convert_imageset(args) -> int:
         raise CaffejaxError("--check_size compares raw pixel counts; it cannot be used with --encoded")
     try:
         with open(args.list_file, encoding="utf-8", errors="surrogateescape") as f:
-            lines = parse_list(f.read())
+            lines = _list_lines(f.read())
     except OSError as e:
         raise DataError(f"{args.list_file}: cannot read the list file: {e.strerror}") from None
     if args.shuffle:
@@ -133,6 +130,18 @@ def convert_imageset(args) -> int:
     finally:
         env.close()
     return 0
+
+
+def _list_lines(text: str) -> list[tuple[str, int]]:
+    """convert_imageset's list: a (path, label) per line std::getline reads, blank ones too (parse_list skips
+    them). Caffe fails to read a blank line's image and goes on, but the line still takes its number, which is
+    in the keys of the lines after it."""
+    from caffejax.data.image_data import parse_list
+
+    rows = text.split("\n")
+    if rows and not rows[-1]:
+        rows.pop()  # the end of the last line, not a line
+    return [(parse_list(row) or [(row[:row.rfind(" ")] if " " in row else row, 0)])[0] for row in rows]
 
 
 def _seed() -> int:
@@ -236,6 +245,11 @@ def compute_image_mean(args) -> int:
         blob.data.extend(mean.ravel().tolist())
         atomic_write(args.output_file, blob.SerializeToString())
     log.info("Number of channels: %d", channels)
+    dim = np.float32(height * width)
     for c in range(channels):
-        log.info("mean_value channel [%d]: %s", c, f"{float(mean[c].sum(dtype=np.float32)) / (height * width):g}")
+        # Caffe adds the channel's values one by one into a float and divides that by the pixel count in float:
+        # cumsum sums in that order (np.sum's pairwise sum is closer to the true mean, so it printed another
+        # 6th digit for big images).
+        channel_sum = np.cumsum(mean[c].ravel(), dtype=np.float32)[-1]
+        log.info("mean_value channel [%d]: %s", c, f"{float(channel_sum / dim):g}")
     return 0

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
+import threading
 import time as clock
 from typing import Callable
 
@@ -34,6 +36,11 @@ def add_commands(commands, parents) -> None:
     p.add_argument("--devices", type=int, default=1, metavar="N",
                    help="train data-parallel on the first N devices JAX sees (default 1); each device runs the "
                         "prototxt's batch, as caffe train -gpu 0,1,... does")
+    _flag(p, "sigint_effect", default="stop", choices=SIGNAL_EFFECTS,
+          help="what a SIGINT (Ctrl-C) does while training: stop (after the current iteration, with a final "
+               "snapshot; the default), snapshot, or none (ignored)")
+    _flag(p, "sighup_effect", default="snapshot", choices=SIGNAL_EFFECTS,
+          help="what a SIGHUP does while training: snapshot (the default), stop or none")
     _gpu_flag(p)
     _debug_nans_flag(p)
     _python_layers_flag(p)
@@ -61,7 +68,8 @@ def add_commands(commands, parents) -> None:
     _gpu_flag(p)
     _python_layers_flag(p)
 
-    command("device-query", device_query, "show the devices JAX can use", aliases=["device_query"])
+    p = command("device-query", device_query, "show the devices JAX can use", aliases=["device_query"])
+    _gpu_flag(p)
 
     p = command("draw", draw, "draw a net's graph",
                 "Draw a net (python/draw_net.py): the image format is OUT's extension (.png, .svg, .pdf; .dot "
@@ -196,7 +204,15 @@ def _g(value) -> str:
 # ---- train ------------------------------------------------------------------------------------------------
 
 def train(args) -> int:
-    from caffejax.runtime.solver import get_solver, read_solver_param
+    """Caffe's train. As there, the flags rewrite the solver's settings before the solver is made: -level and
+    -stage its ``train_state`` (the level always, so a solver file's train_state level gives way to -level's
+    default 0), -weights replaces its ``weights`` field and -snapshot clears it (the state's learned net is
+    what the training resumes from).
+
+    Differs from Caffe: with no -stage, Caffe's train adds one empty stage (boost::split of ""), which only a
+    rule naming ``stage: ""`` could notice; caffejax adds none.
+    """
+    from caffejax.runtime.solver import read_solver_param, solver_for
 
     if args.snapshot and args.weights:
         raise CaffejaxError("give -snapshot to resume training or -weights to finetune, but not both")
@@ -206,71 +222,124 @@ def train(args) -> int:
     if gpus > 1 and args.devices == 1:
         args.devices = gpus
     devices = args.devices if args.devices > 1 else None  # data-parallel, as caffe train --gpu 0,1,...
-    stages = _stages(args)
-    if args.level or stages:
-        # Caffe's train sets the solver's train_state from -level and -stage.
-        param, _ = read_solver_param(args.solver)
-        param.train_state.level = args.level
-        param.train_state.stage.extend(stages)
-        solver = get_solver(param, devices=devices, allow_python_layers=args.allow_python_layers)
-    else:
-        solver = get_solver(args.solver, devices=devices, allow_python_layers=args.allow_python_layers)
+    if not args.solver:
+        raise CaffejaxError("Need a solver definition to train (-solver)")
+    param, path = read_solver_param(args.solver)
+    param.train_state.level = args.level
+    param.train_state.stage.extend(_stages(args))
+    if args.snapshot or args.weights:
+        param.ClearField("weights")
+    if args.weights:
+        # One entry holding the comma-separated list, as Caffe adds it; the solver's LoadNetWeights splits it
+        # and copies each file into the train and test nets.
+        names = [w.strip() for w in args.weights.split(",") if w.strip()]
+        if not names:
+            raise CaffejaxError(f"-weights '{args.weights}' names no caffemodel")
+        param.weights.append(",".join(names))
+    solver = solver_for(param, path, devices, allow_python_layers=args.allow_python_layers)
     solver.debug_nans = args.debug_nans
     if args.snapshot:
         log.info("Resuming from %s", args.snapshot)
         solver.restore(args.snapshot)
-    elif args.weights:
-        for weights in (w.strip() for w in args.weights.split(",") if w.strip()):
-            log.info("Finetuning from %s", weights)
-            solver.net.copy_from(weights)
-            for test_net in solver.test_nets:
-                test_net.copy_from(weights)
     log.info("Starting Optimization")
-    solver.solve()  # logs "Optimization Done." as Caffe's train does
+    with SignalActions(args.sigint_effect, args.sighup_effect) as actions:
+        if actions.installed:
+            solver.set_action_function(actions)
+        solver.solve()
+    log.info("Optimization Done.")  # after a stop too, as caffe train says it
     return 0
+
+
+SIGNAL_EFFECTS = ("stop", "snapshot", "none")
+
+
+class SignalActions:
+    """caffe.cpp's SignalHandler: while training, SIGINT and SIGHUP are noted instead of acted on at once, and
+    the solver, asking after each iteration (its action function), gets the effect the flags give them.
+
+    Differs from Caffe: a second SIGINT before the solver has seen the first raises KeyboardInterrupt, so an
+    iteration that takes long can still be cut short. Nothing is installed outside the main thread (Python
+    handles signals there only) or over several processes, where one process stopping alone would leave the
+    others waiting in a collective; there Ctrl-C interrupts as in any Python program.
+    """
+
+    def __init__(self, sigint_effect: str, sighup_effect: str):
+        self.effects = {signal.SIGINT: sigint_effect}
+        if hasattr(signal, "SIGHUP"):  # not on Windows
+            self.effects[signal.SIGHUP] = sighup_effect
+        self._pending: set[int] = set()
+        self._previous: dict[int, object] = {}
+        self.installed = False
+
+    def __enter__(self) -> "SignalActions":
+        import jax
+
+        if threading.current_thread() is threading.main_thread() and jax.process_count() == 1:
+            for signum in self.effects:
+                self._previous[signum] = signal.signal(signum, self._note)
+            self.installed = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)  # None: not set from Python
+        self._previous.clear()
+        self.installed = False
+
+    def _note(self, signum: int, frame) -> None:
+        if signum == signal.SIGINT and signum in self._pending and self.effects[signum] != "none":
+            raise KeyboardInterrupt
+        self._pending.add(signum)
+
+    def __call__(self) -> str:
+        """The effect of a signal received since the last call (SIGHUP's first, as Caffe's CheckForSignals),
+        or "none"."""
+        for signum in (getattr(signal, "SIGHUP", None), signal.SIGINT):
+            if signum in self._pending:
+                self._pending.discard(signum)
+                return self.effects[signum]
+        return "none"
 
 
 # ---- test -------------------------------------------------------------------------------------------------
 
 def test(args) -> int:
-    """Caffe's test: forward -iterations times; log every output element per batch, then their means."""
+    """Caffe's test: forward -iterations times; log every output element per batch, then their means.
+
+    The sums, means and weighted losses are float32, as caffe.cpp keeps them: what it prints is rounded from
+    those (summing 1e8, 1 and -1e8 gives 0 there, not 1)."""
     iterations = _positive_iterations(args)
     _use_gpu_flag(args)
     net = _make_net(args)
     log.info("Running for %d iterations.", iterations)
-    totals, loss = None, 0.0
+    totals, loss = None, np.float32(0)
     for i in range(iterations):
         net.forward()
-        loss += _net_loss(net)
+        loss += np.float32(net._last_loss)  # Net::Forward's loss
         scores = _output_scores(net)
         for name, score in scores:
             log.info("Batch %d, %s = %s", i, name, _g(score))
-        values = np.asarray([score for _, score in scores], np.float64)
+        values = np.asarray([score for _, score in scores], np.float32)
         if totals is None:
             totals = values
         elif values.shape != totals.shape:
             raise CaffejaxError(f"batch {i}: the outputs changed size ({values.size} values, {totals.size} before); "
                                 "test needs the same output shapes on every batch")
         else:
-            totals += values
-    log.info("Loss: %s", _g(loss / iterations))
+            totals = totals + values
+    log.info("Loss: %s", _g(loss / np.float32(iterations)))
     weights = net.blob_loss_weights
     for (name, _), total in zip(scores, totals):
-        mean = total / iterations
-        suffix = f" (* {_g(weights[name])} = {_g(weights[name] * mean)} loss)" if weights[name] else ""
+        mean = total / np.float32(iterations)
+        weight = np.float32(weights[name])
+        suffix = f" (* {_g(weight)} = {_g(weight * mean)} loss)" if weight else ""
         log.info("%s = %s%s", name, _g(mean), suffix)
     return 0
 
 
-def _output_scores(net) -> list[tuple[str, float]]:
+def _output_scores(net) -> list[tuple[str, np.float32]]:
     """Every element of every output blob, in Caffe's order (outputs by name, then elements)."""
-    return [(name, float(value)) for name in net.outputs for value in np.asarray(net.blobs[name].data).ravel()]
-
-
-def _net_loss(net) -> float:
-    """Net::Forward's loss after a forward: the sum over loss tops of loss_weight * sum(top)."""
-    return sum(weight * float(np.sum(net.blobs[blob].data)) for blob, weight in net.blob_loss_weights.items()
-               if weight)
+    return [(name, value) for name in net.outputs for value in np.asarray(net.blobs[name].data, np.float32).ravel()]
 
 
 # ---- time -------------------------------------------------------------------------------------------------
@@ -287,7 +356,7 @@ def time(args) -> int:
     net = _make_net(args)
     log.info("Performing Forward")
     net.forward()  # also pulls a batch into the data layers' tops, which the timed programs then read
-    log.info("Initial loss: %s", _g(_net_loss(net)))
+    log.info("Initial loss: %s", _g(np.float32(net._last_loss)))
 
     graph, program = net.graph, net._program
     params = net.param_arrays()
@@ -427,9 +496,20 @@ def _layer_times(program, layer, params, env, layouts, key, iterations: int) -> 
 # ---- device-query -----------------------------------------------------------------------------------------
 
 def device_query(args) -> int:
+    """Caffe's device_query (``caffe device_query -gpu 0``): the devices -gpu names, by their index among JAX's
+    devices, or all of them. Differs from Caffe: without -gpu it lists every device (Caffe lists none)."""
     import jax
 
-    for device in jax.devices():
+    devices = jax.devices()
+    ids = getattr(args, "gpu", None)
+    if ids is not None and ids != "all":
+        log.info("Querying GPUs %s", ",".join(map(str, ids)))
+        missing = [i for i in ids if i >= len(devices)]
+        if missing:
+            raise CaffejaxError(f"-gpu {','.join(map(str, missing))}: no such device; JAX sees {len(devices)} "
+                                f"({', '.join(f'{d.id}: {d.device_kind}' for d in devices)})")
+        devices = [devices[i] for i in ids]
+    for device in devices:
         log.info("Device %d: %s (%s)", device.id, device.device_kind, device.platform)
     return 0
 

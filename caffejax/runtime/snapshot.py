@@ -101,14 +101,17 @@ def write_state_binary(path: str, state: SolverStateData) -> None:
 
 
 def write_state_hdf5(path: str, state: SolverStateData) -> None:
-    """SGDSolver::SnapshotSolverStateToHDF5: scalar ``iter``/``current_step``, ``learned_net``, ``history/<i>``."""
+    """SGDSolver::SnapshotSolverStateToHDF5: ``iter``, ``learned_net``, ``current_step``, ``history/<i>``.
+
+    The ints are 1-D datasets of one element, as Caffe's hdf5_save_int makes them (H5LTmake_dataset_int with
+    rank 1), not scalars."""
     def fill(f):
-        f.create_dataset("iter", data=np.int32(state.iter))
+        f.create_dataset("iter", data=np.array([state.iter], np.int32))
         if state.learned_net is not None:
             name = state.learned_net.encode()
             # H5LTmake_dataset_string: a fixed-size, NUL-terminated string (Caffe reads it into a C buffer).
             f.create_dataset("learned_net", data=np.array(name, dtype=f"S{len(name) + 1}"))
-        f.create_dataset("current_step", data=np.int32(state.current_step))
+        f.create_dataset("current_step", data=np.array([state.current_step], np.int32))
         history = f.create_group("history")
         for i, array in enumerate(state.history):
             history.create_dataset(str(i), data=np.asarray(array, np.float32))
@@ -164,10 +167,20 @@ def _read_state_hdf5(path: str) -> SolverStateData:
                 if str(i) not in group:
                     raise SolverError(f"{path}: history/{i} is missing")
                 history.append(hdf5_blob(h5py, group[str(i)], f"{path}: history/{i}"))
-            return SolverStateData(iter=int(f["iter"][()]), current_step=int(f["current_step"][()]),
+            return SolverStateData(iter=_hdf5_int(f, "iter", path), current_step=_hdf5_int(f, "current_step", path),
                                    history=history, learned_net=learned_net)
     except (OSError, RuntimeError, KeyError, ValueError, TypeError, WeightsError) as e:
         raise SolverError(f"{path}: cannot read HDF5 solver state (corrupted or truncated?): {e}") from None
+
+
+def _hdf5_int(f, name: str, path: str) -> int:
+    """hdf5_load_int (H5LTread_dataset_int): the one int of a dataset, which Caffe writes 1-D, of shape (1,)
+    (a scalar, as caffejax wrote before, reads too)."""
+    values = np.asarray(f[name][()]).ravel()
+    if values.size != 1 or values.dtype.kind not in "iu":
+        raise SolverError(f"{path}: '{name}' should be one integer, got {values.size} value(s) of type "
+                          f"{values.dtype}")
+    return int(values[0])
 
 
 def resolve_learned_net(learned_net: str, state_path: str) -> str:

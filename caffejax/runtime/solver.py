@@ -8,7 +8,11 @@ Solver::Step does (solver.cpp, sgd_solver.cpp and the per-type ``*_solver.cpp``)
 3. ApplyUpdate: the learning rate (host side, caffejax.runtime.lr_policy), ClipGradients on the accumulated
    diff, then per learnable blob Normalize (diff /= iter_size), Regularize (L2 or L1 weight decay times
    decay_mult), ComputeUpdateValue (the solver type's rule and its history), and ``data -= diff``.
-4. ``++iter``; snapshot every ``snapshot`` iterations.
+4. ``++iter``; snapshot every ``snapshot`` iterations, or when the action function asks for one (below).
+
+An action function (Caffe's SetActionFunction; :meth:`Solver.set_action_function`) is asked after every
+iteration and before every test batch: ``"snapshot"`` snapshots, ``"stop"`` ends the training there (solve()
+still takes its final snapshot). ``caffejax train`` hooks it to SIGINT and SIGHUP as ``caffe train`` does.
 
 Steps 1-3 of one iteration are ONE jitted XLA program, ``(params, history, fed blobs, pulled batches, key,
 rate scalars) -> (params, history, loss, update values, blob values)``, built on
@@ -39,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from caffejax.errors import CaffejaxError, DataError, NumericalError, SolverError, UnsupportedError
+from caffejax.errors import CaffejaxError, DataError, NumericalError, SolverError, UnsupportedError, WeightsError
 from caffejax.frontend.build import load_net_param
 from caffejax.frontend.ir import Graph
 from caffejax.frontend.prototxt import locate_layer_error, locate_solver_error, parse_solver_text
@@ -107,7 +111,14 @@ def get_solver(source, devices: Devices | None = None, *, allow_python_layers: b
     with several GPUs: see caffejax.runtime.distributed. ``allow_python_layers``: the train and test nets may
     hold ``Python`` layers, which import and run their modules (only for a model you trust; see ``Net``).
     """
-    param, path = read_solver_param(source)
+    return solver_for(*read_solver_param(source), devices, allow_python_layers=allow_python_layers)
+
+
+def solver_for(param: caffe_pb2.SolverParameter, path: str | None, devices: Devices | None = None, *,
+               allow_python_layers: bool = False) -> "Solver":
+    """The solver ``param`` describes, read from the file ``path`` (None for a message made in code): the files
+    it names are looked for beside ``path`` too, and its errors name ``path``'s lines. For a solver file whose
+    settings are changed before the solver is made (as ``caffe train``'s flags do)."""
     cls = SOLVER_TYPES.get(param.type)
     if cls is None:
         raise locate_solver_error(SolverError(f"Unknown solver type: '{param.type}' (known types: "
@@ -169,6 +180,8 @@ class Solver:
         self._losses: collections.deque = collections.deque(maxlen=self.param.average_loss)
         self._callbacks: list[tuple[Any, Any]] = []  # pycaffe's add_callback: (on_start, on_gradients_ready)
         self._progress: _Progress | None = None
+        self._action_function = None  # set_action_function
+        self._requested_early_exit = False
 
     # -- set-up (Solver::Init) -------------------------------------------------------------------------------
     def _check_param(self) -> None:
@@ -529,15 +542,44 @@ class Solver:
         return norm
 
     # -- the loop (Solver::Step / Solve) ------------------------------------------------------------------------
+    # -- action requests (Solver::GetRequestedAction) -----------------------------------------------------------
+    ACTIONS = ("none", "snapshot", "stop")
+
+    def set_action_function(self, function) -> None:
+        """Solver::SetActionFunction: ``function()`` is asked after every iteration and before every test batch
+        and returns ``"none"``, ``"snapshot"`` (snapshot now) or ``"stop"`` (end the training: step() returns
+        and solve() takes its final snapshot and says "Optimization stopped early."). None removes it."""
+        if function is not None and not callable(function):
+            raise CaffejaxError(f"set_action_function takes a function returning one of {self.ACTIONS}, got "
+                                f"{function!r}")
+        self._action_function = function
+
+    def _requested_action(self) -> str:
+        if self._action_function is None:
+            return "none"
+        action = self._action_function()
+        if action not in self.ACTIONS:
+            raise CaffejaxError(f"the solver's action function returned {action!r}; it must return one of "
+                                f"{self.ACTIONS}")
+        return action
+
+    @property
+    def requested_early_exit(self) -> bool:
+        """Whether the action function stopped the last step() or solve() early."""
+        return self._requested_early_exit
+
     def step(self, iters: int) -> None:
         """Run ``iters`` training iterations (testing, displaying and snapshotting on the way)."""
         p = self.param
         stop_iter = self.iter + int(iters)
         self._losses = collections.deque(maxlen=p.average_loss)
+        self._requested_early_exit = False
         timer, iterations_last = time.perf_counter(), self.iter
         while self.iter < stop_iter:
             if p.test_interval and self.iter % p.test_interval == 0 and (self.iter > 0 or p.test_initialization):
                 self.test_all()
+                if self._requested_early_exit:
+                    break  # a stop asked for while testing
             rate = self._learning_rate()
             start_params = self.net.param_arrays() if self.debug_nans else None
             with self.net._python_layers, DeviceMemoryErrors(self.net.graph):
@@ -558,10 +600,14 @@ class Solver:
                 self._say("Iteration %d, lr = %s", self.iter, _g(rate))
                 self._log_clipping(norm)
             self.iter += 1
-            if p.snapshot and self.iter % p.snapshot == 0 and self._is_root_process:
+            request = self._requested_action()
+            if (p.snapshot and self.iter % p.snapshot == 0 or request == "snapshot") and self._is_root_process:
                 self.snapshot()
             if self._progress is not None:
                 self._progress.update(self.iter)
+            if request == "stop":
+                self._requested_early_exit = True
+                break
 
     def _check_finite(self, loss, start_params) -> None:
         """debug_nans: raise NumericalError naming where NaN/Inf first appeared in this iteration."""
@@ -594,6 +640,9 @@ class Solver:
             self._progress = None
         if p.snapshot_after_train and (not p.snapshot or self.iter % p.snapshot != 0) and self._is_root_process:
             self.snapshot()
+        if self._requested_early_exit:
+            self._say("Optimization stopped early.")
+            return
         if self._displays(self.iter):
             self.net.forward()  # only to display the loss of the final weights
             self._losses.append(self.net._last_loss)
@@ -619,7 +668,13 @@ class Solver:
 
     # -- testing (Solver::Test) ------------------------------------------------------------------------------------
     def test_all(self) -> list[list[float]]:
-        return [self.test(i) for i in range(len(self.test_nets))]
+        """Test every test net, in order; a stop requested while testing skips the nets after it."""
+        scores, self._requested_early_exit = [], False
+        for i in range(len(self.test_nets)):
+            if self._requested_early_exit:
+                break
+            scores.append(self.test(i))
+        return scores
 
     def test(self, test_net_id: int = 0) -> list[float]:
         """Score test net ``test_net_id`` over test_iter batches; returns the mean of every output element."""
@@ -630,6 +685,15 @@ class Solver:
         iters = p.test_iter[test_net_id]
         totals, loss = None, np.float32(0)
         for _ in range(iters):
+            # One request per batch: Caffe asks until the answer is "none", which never ends for a function that
+            # always asks for a snapshot; a second pending signal is seen at the next batch instead.
+            request = self._requested_action()
+            if request == "snapshot" and self._is_root_process:
+                self.snapshot()
+            if request == "stop":
+                self._requested_early_exit = True
+                self._say("Test interrupted.")
+                return self.mean_scores[test_net_id]
             test_net.forward()
             if p.test_compute_loss:
                 loss += np.float32(test_net._last_loss)
@@ -706,7 +770,11 @@ class Solver:
                 blobs.append(jax.device_put(np.asarray(array, np.float32).reshape(learnable.shape)))
             history.append(tuple(blobs))
         if state.learned_net:
-            self.net.copy_from(snapshots.resolve_learned_net(state.learned_net, state_file))
+            model_file = snapshots.resolve_learned_net(state.learned_net, state_file)
+            try:
+                self.net.copy_from(model_file)
+            except WeightsError as e:  # the model file's own message, said to come from this state
+                raise type(e)(f"{state_file}: its learned_net: {e}") from None
         self.iter, self.current_step, self._history = state.iter, state.current_step, history
 
     # -- pycaffe odds and ends ----------------------------------------------------------------------------------
