@@ -277,6 +277,26 @@ def test_training_log_lines(caplog, batches_layer):
     assert not any(line.startswith("Iteration 1") for line in lines)
 
 
+def test_the_displayed_loss_is_smoothed_with_caffes_running_update(caplog, batches_layer):
+    """Solver::UpdateSmoothedLoss in float: a running mean, then smoothed += (new - oldest) / average_loss.
+    After losses 1e8, 1, 1 (average_loss 2) Caffe shows 0, not the mean of the last two (1): 1e8 + 1 is 1e8
+    in float, and the update then takes 1e8 / 2 back off 5e7."""
+    param = caffe_pb2.SolverParameter(type="SGD", base_lr=0.05, lr_policy="fixed", display=1, average_loss=2,
+                                      max_iter=4)
+    param.net_param.CopyFrom(parse_net_text(REGRESSION_NET))
+    solver = caffejax.get_solver(param)
+    losses = iter([1e8, 1.0, 1.0, 7.0])
+    solver._train_iteration = lambda rate: (np.float32(next(losses)), None)
+    caplog.set_level(logging.INFO, logger="caffejax")
+    solver.step(3)
+    shown = [r.getMessage().rsplit("loss = ", 1)[1] for r in caplog.records
+             if r.getMessage().startswith("Iteration ") and "iter/s" in r.getMessage()]
+    assert shown == ["1e+08", "5e+07", "0"]
+    assert solver.smoothed_loss == 0.0
+    solver.step(1)  # a new step() starts a new window
+    assert solver.smoothed_loss == 7.0
+
+
 # ---- learning-rate policies --------------------------------------------------------------------------------
 
 def _solver_param(**fields) -> caffe_pb2.SolverParameter:

@@ -30,7 +30,6 @@ prototxt's batch and the diffs are averaged before ApplyUpdate (caffejax.runtime
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import math
@@ -177,7 +176,7 @@ class Solver:
                                         for l in self._learnables]
         self._spare = None  # the weights the last iteration started from: _spare_weights
         self._programs: dict[Any, Any] = {}
-        self._losses: collections.deque = collections.deque(maxlen=self.param.average_loss)
+        self._losses = SmoothedLoss(self.param.average_loss)
         self._callbacks: list[tuple[Any, Any]] = []  # pycaffe's add_callback: (on_start, on_gradients_ready)
         self._progress: _Progress | None = None
         self._action_function = None  # set_action_function
@@ -572,7 +571,7 @@ class Solver:
         """Run ``iters`` training iterations (testing, displaying and snapshotting on the way)."""
         p = self.param
         stop_iter = self.iter + int(iters)
-        self._losses = collections.deque(maxlen=p.average_loss)
+        self._losses = SmoothedLoss(p.average_loss)
         self._requested_early_exit = False
         timer, iterations_last = time.perf_counter(), self.iter
         while self.iter < stop_iter:
@@ -589,7 +588,7 @@ class Solver:
                     jax.block_until_ready(loss)  # a Python layer's failure surfaces here, as its typed error
             if self.debug_nans:
                 self._check_finite(loss, start_params)
-            self._losses.append(loss)
+            self._losses.add(loss)
             if self._displays(self.iter):
                 lapse = time.perf_counter() - timer
                 per_s = (self.iter - iterations_last) / (lapse or 1)
@@ -645,7 +644,7 @@ class Solver:
             return
         if self._displays(self.iter):
             self.net.forward()  # only to display the loss of the final weights
-            self._losses.append(self.net._last_loss)
+            self._losses.add(self.net._last_loss)
             self._say("Iteration %d, loss = %s", self.iter, _g(self.smoothed_loss))
         if p.test_interval and self.iter % p.test_interval == 0:
             self.test_all()
@@ -653,10 +652,9 @@ class Solver:
 
     @property
     def smoothed_loss(self) -> float:
-        """UpdateSmoothedLoss: the mean loss of the last ``average_loss`` iterations of this step() call."""
-        if not self._losses:
-            return 0.0
-        return float(np.mean(np.asarray([float(l) for l in self._losses], np.float32)))
+        """The loss of the last ``average_loss`` iterations of this step() call, averaged as Caffe's
+        UpdateSmoothedLoss does (:class:`SmoothedLoss`)."""
+        return self._losses.value
 
     @property
     def _is_root_process(self) -> bool:
@@ -1026,6 +1024,49 @@ def _ensure_log_output() -> None:
     log.addHandler(handler)
     if log.level == logging.NOTSET:
         log.setLevel(logging.INFO)
+
+
+class SmoothedLoss:
+    """Solver::UpdateSmoothedLoss in float32 (Caffe's Dtype): a running mean while fewer than ``average_loss``
+    losses have come, then a running update that swaps the oldest loss for the newest. Its rounding is
+    Caffe's: after losses 1e8, 1, 1 with average_loss 2 it shows 0 where the mean of the last two is 1.
+
+    Losses may be device arrays still being computed; they are read when the value is (or every 1024 of
+    them), so an iteration need not wait for the one before to finish.
+    """
+
+    FOLD_EVERY = 1024
+
+    def __init__(self, average_loss: int):
+        self.average_loss = int(average_loss)
+        self._window: list[np.float32] = []  # losses_
+        self._smoothed = np.float32(0)  # smoothed_loss_
+        self._count = 0  # losses folded in: iter_ - start_iter when the next one comes
+        self._pending: list[Any] = []
+
+    def add(self, loss) -> None:
+        self._pending.append(loss)
+        if len(self._pending) >= self.FOLD_EVERY:
+            self._fold()
+
+    @property
+    def value(self) -> float:
+        self._fold()
+        return float(self._smoothed)
+
+    def _fold(self) -> None:
+        for loss in self._pending:
+            loss = np.float32(loss)
+            if len(self._window) < self.average_loss:
+                self._window.append(loss)
+                size = np.float32(len(self._window))
+                self._smoothed = (self._smoothed * (size - np.float32(1)) + loss) / size
+            else:
+                index = self._count % self.average_loss
+                self._smoothed += (loss - self._window[index]) / np.float32(self.average_loss)
+                self._window[index] = loss
+            self._count += 1
+        self._pending.clear()
 
 
 class _Progress:
