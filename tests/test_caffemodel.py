@@ -162,6 +162,16 @@ def test_legacy_dims_win_over_shape(write_model_bytes):
     assert arr.shape == (1, 2, 1, 1)
 
 
+def test_blobs_shaped_by_the_legacy_fields_are_marked(write_model_bytes):
+    # Only those may match a net blob of fewer axes right-aligned (Blob::ShapeEquals); a 4-D shape.dim may not.
+    legacy = caffe_pb2.BlobProto(num=1, channels=1, height=1, width=2, data=[1, 2])
+    modern = caffe_pb2.BlobProto(data=[1, 2])
+    modern.shape.dim.extend([1, 1, 1, 2])
+    weights = read_weights(write_model_bytes(one_layer_model(modern.SerializeToString(), legacy.SerializeToString())))
+    assert [a.shape for a in weights.blobs["ip"]] == [(1, 1, 1, 2)] * 2
+    assert weights.legacy == {("ip", 1)} and weights.legacy_shaped("ip", 1) and not weights.legacy_shaped("ip", 0)
+
+
 def test_partial_legacy_dims_default_to_zero(write_model_bytes):
     blob = caffe_pb2.BlobProto(num=3)  # channels/height/width unset: 0, so the blob is empty
     arr = read_weights(write_model_bytes(one_layer_model(blob.SerializeToString()))).blobs["ip"][0]

@@ -41,6 +41,12 @@ class Weights:
     blobs: dict[str, list[np.ndarray | None]]
     path: str
     is_hdf5: bool = False  # HDF5 files leave out shared blobs: their lists hold None there
+    # (layer name, blob index) of the blobs whose shape came from the legacy num/channels/height/width fields:
+    # only those may match a net blob of fewer axes right-aligned (Blob::ShapeEquals); see legacy_shaped().
+    legacy: set[tuple[str, int]] = dataclasses.field(default_factory=set)
+
+    def legacy_shaped(self, layer: str, index: int) -> bool:
+        return (layer, index) in self.legacy
 
 
 def blob_shape(blob: caffe_pb2.BlobProto) -> tuple[int, ...]:
@@ -190,21 +196,23 @@ def _read_binary(buf: memoryview, path: str) -> Weights:
     net = caffe_pb2.NetParameter()
     net_rest = bytearray()
     blobs: dict[str, list[np.ndarray]] = {}
+    legacy: set[tuple[str, int]] = set()
     for number, wire, a, b, field_start in _fields(buf, 0, len(buf)):
         if wire == _LEN and number in (_NET_LAYER, _NET_LAYERS_V1):
             v1 = number == _NET_LAYERS_V1
             layer_bytes, blob_ranges = _split_layer(buf, a, b, v1)
             layer = (net.layers if v1 else net.layer).add()
             layer.MergeFromString(layer_bytes)
-            layer_blobs = _layer_blobs(buf, blob_ranges, path, layer.name)
+            layer_blobs, legacy_indices = _layer_blobs(buf, blob_ranges, path, layer.name)
             if layer.name in blobs and layer_blobs:
                 raise WeightsError(f"{path}: layer '{layer.name}' appears twice with weights")
             if layer_blobs or layer.name not in blobs:
                 blobs[layer.name] = layer_blobs
+                legacy.update((layer.name, i) for i in legacy_indices)
         else:
             net_rest += buf[field_start:b]
     net.MergeFromString(bytes(net_rest))
-    return Weights(net=net, blobs=blobs, path=path)
+    return Weights(net=net, blobs=blobs, path=path, legacy=legacy)
 
 
 def _split_layer(buf: memoryview, start: int, end: int, v1: bool) -> tuple[bytes, list[tuple[int, int]]]:
@@ -222,21 +230,29 @@ def _split_layer(buf: memoryview, start: int, end: int, v1: bool) -> tuple[bytes
     return bytes(rest), blobs
 
 
-def _layer_blobs(buf: memoryview, ranges: list[tuple[int, int]], path: str, layer_name: str) -> list[np.ndarray]:
-    """The layer's blobs as arrays (views into ``buf`` where possible); errors name the file, layer and blob."""
-    arrays = []
+def _layer_blobs(buf: memoryview, ranges: list[tuple[int, int]], path: str,
+                 layer_name: str) -> tuple[list[np.ndarray], list[int]]:
+    """The layer's blobs as arrays (views into ``buf`` where possible), and the indices of those shaped by the
+    legacy 4-D fields; errors name the file, layer and blob."""
+    arrays, legacy = [], []
     for i, (a, b) in enumerate(ranges):
         try:
-            arrays.append(_blob_array(buf, a, b))
+            arr = _plain_blob_array(buf, a, b)
+            if arr is None:
+                arr = _any_blob_array(buf, a, b)
+                if arr.ndim == 4 and _has_legacy_dims(buf, a, b):
+                    legacy.append(i)
+            arrays.append(arr)
         except (IndexError, ValueError, message.DecodeError) as e:
             raise WeightsError(f"{path}: layer '{layer_name}', blob {i}: {e} (corrupted or truncated caffemodel?)") \
                 from None
-    return arrays
+    return arrays, legacy
 
 
-def _blob_array(buf: memoryview, start: int, end: int) -> np.ndarray:
-    arr = _plain_blob_array(buf, start, end)
-    return arr if arr is not None else _any_blob_array(buf, start, end)
+def _has_legacy_dims(buf: memoryview, start: int, end: int) -> bool:
+    """Whether the BlobProto sets any of num/channels/height/width (Caffe's BlobProto has_num() || ...)."""
+    return any(number in (_BLOB_NUM, _BLOB_CHANNELS, _BLOB_HEIGHT, _BLOB_WIDTH) and wire == _VARINT
+               for number, wire, *_ in _fields(buf, start, end))
 
 
 _DATA_KEY, _SHAPE_KEY, _DIM_KEY = (_BLOB_DATA << 3) | _LEN, (_BLOB_SHAPE << 3) | _LEN, (1 << 3) | _LEN

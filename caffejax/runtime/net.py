@@ -126,6 +126,40 @@ def _with_program_errors(program, graph: Graph, source):
     return run
 
 
+def _constructor_arguments(args: tuple, phase, weights, level, stages):
+    """Net's positional arguments as pycaffe's two constructors take them: ``Net(file, weights, phase)``, and
+    ``Net(file, phase, level=0, stages=None, weights=None)``, whose ``level`` an int after the phase is. A path
+    after the phase is taken as the weights too (pycaffe refuses it). Returns (phase, weights, level, stages)."""
+    rest = list(args)
+    if rest and isinstance(rest[0], (str, os.PathLike)):
+        weights = os.fspath(rest.pop(0))
+        if len(rest) > 1:
+            raise TypeError(f"Net(): unexpected arguments {rest[1:]!r} after Net(prototxt, weights, phase)")
+        return (rest[0] if rest else phase), weights, level, stages
+    if rest:
+        phase = rest.pop(0)
+    later = iter(("level", "stages", "weights"))
+    for arg in rest:
+        if isinstance(arg, (str, os.PathLike)):
+            weights = os.fspath(arg)
+            continue
+        slot = next(later, None)
+        if slot == "level" and isinstance(arg, int) and not isinstance(arg, bool):
+            level = arg
+        elif slot in ("level", "stages") and isinstance(arg, (list, tuple)):
+            stages, later = arg, iter(("weights",))
+        else:
+            raise TypeError(f"Net(): unexpected argument {arg!r}; use Net(prototxt, phase, level=0, stages=(), "
+                            "weights=None) or Net(prototxt, weights, phase)")
+    return phase, weights, level, stages
+
+
+def _names_a_file(text: str) -> bool:
+    """Whether a string that is no existing file is meant as one's path rather than prototxt text: one line,
+    without the braces, quotes or ``field:`` every prototxt has (a Windows drive's colon is allowed)."""
+    return bool(text.strip()) and not any(c in text for c in '\n{"') and ":" not in os.path.basename(text)
+
+
 class Net:
     """A Caffe net.
 
@@ -143,18 +177,13 @@ class Net:
     def __init__(self, network, *args, phase: int | None = None, weights: str | None = None, level: int = 0,
                  stages: Sequence[str] = (), allow_python_layers: bool = False, dtype=np.float32,
                  debug_nans: bool = False, channels_last: bool = True):
-        for arg in args:
-            if isinstance(arg, (str, os.PathLike)):
-                weights = os.fspath(arg)
-            elif isinstance(arg, int):
-                phase = arg
-            else:
-                raise TypeError(f"Net(): unexpected argument {arg!r}; use Net(prototxt, phase) or "
-                                "Net(prototxt, weights, phase)")
+        phase, weights, level, stages = _constructor_arguments(args, phase, weights, level, stages)
         if phase not in (TRAIN, TEST):
             raise TypeError("Net() needs a phase: caffejax.TRAIN or caffejax.TEST")
         is_path = isinstance(network, os.PathLike) or (isinstance(network, str) and os.path.exists(network))
-        self._net_param = load_net_param(network, is_path=is_path if isinstance(network, (str, os.PathLike))
+        # A missing file is named as one (pycaffe's "Could not open file"), not parsed as prototxt text.
+        reads_file = is_path or (isinstance(network, str) and _names_a_file(network))
+        self._net_param = load_net_param(network, is_path=reads_file if isinstance(network, (str, os.PathLike))
                                          else None)
         self._base_dir = os.path.dirname(os.path.abspath(os.fspath(network))) if is_path else None
         self._source = network  # where layer errors are located (file:line), at build and at every reshape
@@ -934,10 +963,12 @@ class Net:
         if kwargs:
             if set(kwargs) != set(self.outputs):
                 raise CaffejaxError(f"top diff arguments {sorted(kwargs)} do not match net outputs {self.outputs}")
-            for name, diff in kwargs.items():
-                diff = np.asarray(diff)
-                if diff.shape[:1] != self.blobs[name].shape[:1]:
-                    raise ShapeError(f"diff for '{name}' has shape {diff.shape}; the blob is {self.blobs[name].shape}")
+            diffs_given = {name: np.asarray(diff) for name, diff in kwargs.items()}
+            for name, diff in diffs_given.items():  # all checked before any is written
+                expected = self.blobs[name].shape
+                if diff.shape != expected and (diff.shape[:1] != expected[:1] or not _broadcasts(diff.shape, expected)):
+                    raise ShapeError(f"diff for '{name}' has shape {diff.shape}; the blob is {expected}")
+            for name, diff in diffs_given.items():
                 self.blobs[name].diff[...] = diff
         # A fed blob resized since the last pass re-infers every shape here too, as it does for a forward.
         self._sync_shapes()
@@ -1021,16 +1052,11 @@ class Net:
             if source:
                 self._require_shapes([layer], f"take its weights from {path}",
                                      then=", on a Net built without weights, before copy_from")
-            # Caffe's HDF5 files skip shared blobs (their owner holds them): a gap is fine only there.
-            source = source + [None] * (len(layer.params) - len(source)) if weights.is_hdf5 else source
-            if len(source) != len(layer.params) or any(
-                    array is None and slot.is_owner for slot, array in zip(layer.params, source)):
-                raise WeightsError(f"{path}: layer '{layer.name}' has {len(source)} blobs in the file but "
-                                   f"{len(layer.params)} in the net (incompatible number of blobs)")
+            source = _blobs_for_layer(weights, layer)
             for i, (slot, array) in enumerate(zip(layer.params, source)):
                 if array is None:
                     continue
-                if not _shape_matches(slot.shape, array.shape):
+                if not _shape_matches(slot.shape, array.shape, weights.legacy_shaped(layer.name, i)):
                     raise WeightsError(
                         f"{path}: cannot copy param {i} weights from layer '{layer.name}'; shape mismatch: "
                         f"the file's blob is {tuple(array.shape)}, the net's is {tuple(slot.shape)}. To learn "
@@ -1046,19 +1072,25 @@ class Net:
     copy_trained_layers_from = copy_from
 
     def share_with(self, other: "Net") -> None:
-        """Net::ShareTrainedLayersWith: use ``other``'s param data (by layer name) instead of our own."""
-        for layer in self._graph.layers:
-            if layer.name not in other.params:
+        """Net::ShareTrainedLayersWith: each layer of ``other`` lends its blobs' data to our layer of its name;
+        ``other``'s layers we lack are ignored. As in Caffe, a matched pair must have as many blobs (a layer with
+        none against one with some is refused too) of equal shapes; all are checked before any is shared."""
+        ours = {layer.name: layer for layer in self._graph.layers}  # distinct: a repeated name is name#k
+        shared = []
+        for theirs in other.layers:
+            layer = ours.get(theirs.name)
+            if layer is None:
                 continue
-            theirs = other.params[layer.name]
-            if len(theirs) != len(layer.params):
-                raise WeightsError(f"cannot share layer '{layer.name}': {len(theirs)} blobs there, "
-                                   f"{len(layer.params)} here")
-            for slot, blob in zip(layer.params, theirs):
+            if len(theirs.blobs) != len(layer.params):
+                raise WeightsError(f"cannot share layer '{layer.name}': {len(theirs.blobs)} blobs there, "
+                                   f"{len(layer.params)} here (incompatible number of blobs)")
+            for i, (slot, blob) in enumerate(zip(layer.params, theirs.blobs)):
                 if tuple(blob.shape) != tuple(slot.shape):
-                    raise WeightsError(f"cannot share param {slot.index} of layer '{layer.name}': shape "
-                                       f"{blob.shape} there, {slot.shape} here")
-                self._param_blobs[slot.storage]._data = blob._data
+                    raise WeightsError(f"cannot share param {i} of layer '{layer.name}': shape "
+                                       f"{tuple(blob.shape)} there, {tuple(slot.shape)} here")
+                shared.append((slot.storage, blob))
+        for storage, blob in shared:
+            self._param_blobs[storage]._data = blob._data
 
     def to_proto(self):
         """Net::ToProto: the net's (filtered, split) layers with their current blobs, as a NetParameter."""
@@ -1089,11 +1121,36 @@ class Net:
         self.copy_from(path)
 
 
-def _shape_matches(net_shape, file_shape) -> bool:
-    """Caffe's ShapeEquals; legacy 4-D file blobs compare right-aligned (a bias stored as 1x1x1xN)."""
+def _blobs_for_layer(weights, layer) -> list:
+    """The file's blobs for ``layer``, one per learnable blob (None where an HDF5 file leaves out a shared one),
+    after Caffe's count checks: a binary file's layer has exactly the net layer's count (CopyTrainedLayersFrom);
+    an HDF5 file's no more, and may lack only blobs the layer shares with another (CopyTrainedLayersFromHDF5)."""
+    source, count, path = weights.blobs[layer.name], len(layer.params), weights.path
+    if not weights.is_hdf5:
+        if len(source) != count:
+            raise WeightsError(f"{path}: layer '{layer.name}' has {len(source)} blobs in the file but {count} in "
+                               "the net (incompatible number of blobs)")
+        return source
+    stored = [i for i, array in enumerate(source) if array is not None]
+    if len(source) > count:
+        raise WeightsError(f"{path}: layer '{layer.name}' has blobs {stored} in the file but {count} in the net "
+                           "(incompatible number of blobs)")
+    source = source + [None] * (count - len(source))
+    missing = [i for i, (slot, array) in enumerate(zip(layer.params, source)) if array is None and slot.is_owner]
+    if missing:
+        raise WeightsError(f"{path}: layer '{layer.name}' has no blob {missing[0]} in the file ('data/{layer.name}/"
+                           f"{missing[0]}'; it holds {stored} of the net's {count}); only blobs the layer shares "
+                           "with another may be left out (incompatible number of blobs)")
+    return source
+
+
+def _shape_matches(net_shape, file_shape, legacy: bool = False) -> bool:
+    """Caffe's Blob::ShapeEquals: the shapes are equal, or the file's blob is ``legacy`` (shaped by the old
+    num/channels/height/width fields of a binary BlobProto) and equals the net's right-aligned, padded with 1s
+    (a bias stored as 1x1x1xN). A new-style 4-D shape.dim, and an HDF5 dataset, must match exactly."""
     net_shape, file_shape = tuple(net_shape), tuple(file_shape)
     if net_shape == file_shape:
         return True
-    if len(file_shape) == 4 and len(net_shape) <= 4:
+    if legacy and len(net_shape) <= 4:
         return (1,) * (4 - len(net_shape)) + net_shape == file_shape
     return False
