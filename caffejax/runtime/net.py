@@ -29,6 +29,7 @@ from caffejax.lower.python_layer import PythonLayers
 from caffejax.lower.registry import TRAIN, TEST, get_rule
 from caffejax.runtime import mode
 from caffejax.runtime.blob import ArraySlot, Blob
+from caffejax.runtime.debug_info import log_backward, log_forward, log_inputs
 from caffejax.runtime.memory import DeviceMemoryErrors
 from caffejax.runtime.program_cache import describe_graph, jit_through_cache
 from caffejax.runtime.xla_options import compiler_options, matmul_flops
@@ -195,6 +196,8 @@ class Net:
             raise CaffejaxError(f"Net(dtype={self._dtype}) needs JAX's 64-bit mode: "
                                 "jax.config.update('jax_enable_x64', True) before building the net")
         self.debug_nans = debug_nans
+        # Caffe's debug_info (caffejax.runtime.debug_info): log every layer's blobs as a pass runs, layer by layer.
+        self.debug_info = bool(self._net_param.debug_info)
         self.channels_last = channels_last
         self._programs: dict[Any, NetProgram] = {}
         self._blob_index_map: tuple[Any, dict[str, int]] = (None, {})  # (graph, blob name -> index)
@@ -806,28 +809,36 @@ class Net:
         included. Without callbacks a pass is one program."""
         self._layer_callbacks["after_backward"].append(callback)
 
-    def _has_layer_callbacks(self) -> bool:
-        return any(self._layer_callbacks.values())
+    def _runs_layer_by_layer(self) -> bool:
+        """Whether a pass must stop after every layer: for layer callbacks, or to log debug_info."""
+        return self.debug_info or any(self._layer_callbacks.values())
 
     def _run_callbacks(self, when: str, index: int) -> None:
         for callback in self._layer_callbacks[when]:
             callback(index)
 
     def _forward_layer_by_layer(self, start: int, end: int) -> float:
-        """Caffe's ForwardFromTo with callbacks: layer by layer, the callbacks around each."""
+        """Caffe's ForwardFromTo with callbacks or debug_info: layer by layer, the callbacks around each."""
+        if self.debug_info:
+            log_inputs(self)
         loss = 0.0
         for i in range(start, end + 1):
             self._run_callbacks("before_forward", i)
             loss += self._forward(i, i, keep_inputs=True)
+            if self.debug_info:
+                log_forward(self, i)
             self._run_callbacks("after_forward", i)
         return loss
 
     def _backward_layer_by_layer(self, start: int, end: int) -> None:
-        """Caffe's BackwardFromTo with callbacks: layer by layer, top down, the callbacks around each."""
+        """Caffe's BackwardFromTo with callbacks or debug_info: layer by layer, top down, the callbacks around
+        each."""
         for i in range(start, end - 1, -1):
             self._run_callbacks("before_backward", i)
             if self._graph.layers[i].need_backward:
                 self._backward(i, i)
+                if self.debug_info:
+                    log_backward(self, i)
             self._run_callbacks("after_backward", i)
 
     def forward(self, blobs: Iterable[str] | None = None, start: str | None = None, end: str | None = None,
@@ -853,7 +864,7 @@ class Net:
                                      f"(reshape the blob first)")
                 self.blobs[name].data[...] = array
         with self._python_layers:
-            self._last_loss = (self._forward_layer_by_layer(start_ind, end_ind) if self._has_layer_callbacks()
+            self._last_loss = (self._forward_layer_by_layer(start_ind, end_ind) if self._runs_layer_by_layer()
                                else self._forward(start_ind, end_ind))
         if self.debug_nans:
             self._check_finite(outputs)
@@ -973,7 +984,7 @@ class Net:
         # A fed blob resized since the last pass re-infers every shape here too, as it does for a forward.
         self._sync_shapes()
         with self._python_layers:
-            if self._has_layer_callbacks():
+            if self._runs_layer_by_layer():
                 self._backward_layer_by_layer(start_ind, end_ind)
             else:
                 self._backward(start_ind, end_ind, returned=outputs)

@@ -50,6 +50,7 @@ from caffejax.frontend.upgrade import upgrade_solver_as_needed
 from caffejax.lower.registry import TEST, TRAIN, get_rule
 from caffejax.proto import caffe_pb2
 from caffejax.runtime import lr_policy, mode, snapshot as snapshots
+from caffejax.runtime.debug_info import log_param_norms
 from caffejax.runtime.distributed import DataParallel, Devices
 from caffejax.runtime.memory import DeviceMemoryErrors
 from caffejax.runtime.net import Net, _python_top_values, to_device
@@ -166,6 +167,10 @@ class Solver:
                 raise UnsupportedError(f"Python layers {python} run on the host, where one object serves every "
                                        f"device; train a net holding them on one device, not "
                                        f"{self._parallel.mesh.size}")
+            if self.param.debug_info:
+                raise UnsupportedError(f"debug_info with devices={devices!r}: it logs every layer's blobs between "
+                                       "layers, and data-parallel training runs one fused program; train with "
+                                       "debug_info without devices=")
             self._parallel.use_global_batch(self.net)
         self.iter = 0
         self.current_step = 0
@@ -278,6 +283,7 @@ class Solver:
             log.info("Creating test net (#%d) specified by %s", i,
                      field if field.endswith("_param") else f"{field} file: {value}")
             nets.append(self._make_net(net_param, merged_state(TEST, *states), source))
+            nets[-1].debug_info = p.debug_info  # InitTestNets: the solver's setting, whatever the net's
         return nets
 
     # -- the update rule (ComputeUpdateValue), overridden per solver type --------------------------------------
@@ -510,6 +516,8 @@ class Solver:
         for _ in range(self.param.iter_size):
             net.forward()
             net.backward()
+            if net.debug_info:
+                log_param_norms(net)  # the end of Net::Backward(), which ForwardBackward calls
             loss += net._last_loss
         for _, on_gradients_ready in self._callbacks:
             on_gradients_ready()
@@ -579,11 +587,13 @@ class Solver:
                 self.test_all()
                 if self._requested_early_exit:
                     break  # a stop asked for while testing
+            # Solver::Step: the solver's debug_info logs the train net's layers on display iterations only.
+            self.net.debug_info = p.debug_info and self._displays(self.iter)
             rate = self._learning_rate()
             start_params = self.net.param_arrays() if self.debug_nans else None
             with self.net._python_layers, DeviceMemoryErrors(self.net.graph):
                 loss, norm = (self._train_iteration_by_passes(rate)
-                              if self._callbacks or self.net._has_layer_callbacks() else self._train_iteration(rate))
+                              if self._callbacks or self.net._runs_layer_by_layer() else self._train_iteration(rate))
                 if any(layer.type == "Python" for layer in self.net.graph.layers):
                     jax.block_until_ready(loss)  # a Python layer's failure surfaces here, as its typed error
             if self.debug_nans:
