@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 import caffejax
-from caffejax.errors import CaffejaxError, DataError
+from caffejax.errors import CaffejaxError, DataError, ShapeError
 from caffejax.frontend.prototxt import parse_net_text
 from caffejax.proto import caffe_pb2
-from caffejax.runtime.distributed import DataShard, data_parallel_forward, deal_records, pass_batch
+from caffejax.runtime.distributed import DataShard, batch_mesh, data_parallel_forward, deal_records, pass_batch
 from caffejax.runtime.solver import read_solver_param
 from conftest import REFERENCE
 
@@ -239,6 +239,18 @@ def test_sharded_inference_equals_one_device():
         forward(data=data[:22], label=label[:22])
     with pytest.raises(CaffejaxError, match="fed blob"):
         forward(data=data)
+    # Rows that split evenly but do not fit each other: the error names the shapes fed, not only one device's
+    # (6 rows of data and 3 labels).
+    with pytest.raises(ShapeError, match=r"inputs of shapes \{'data': \(24, 2, 8, 8\), 'label': \(12,\)\} over 4 "
+                                         r"devices: .*\(3,\)"):
+        forward(data=data, label=label[:12])
+
+
+@pytest.mark.parametrize("devices", [2.5, "2", [0, 1], True, None])
+def test_refuses_devices_that_are_not_a_count_or_jax_devices(devices):
+    """Device ids, a float, a string or a bool were Python's TypeError/AttributeError (or, True, one device)."""
+    with pytest.raises(CaffejaxError, match="devices: give a number of devices or a list of jax devices"):
+        batch_mesh(devices)
 
 
 # ---- the data a pass reads (no devices needed) --------------------------------------------------------------------

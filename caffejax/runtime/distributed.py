@@ -27,7 +27,9 @@ solver.cpp's Step and sgd_solver.cpp's ApplyUpdate:
    ``random_seed + r``): the device's index is folded into the iteration's key.
 6. Data layers: Caffe's DataLayer gives record i to solver rank ``i mod N`` (DataReader, later
    DataLayer::Skip). In one process, caffejax pulls N prototxt batches per pass and deals their records out
-   the same way: device r gets records r, r + N, r + 2N, ...
+   the same way: device r gets records r, r + N, r + 2N, ... Deliberately for every data layer: in Caffe 1.0
+   only Data and HDF5Data skip the other ranks' records; ImageData, WindowData and MemoryData give every
+   GPU its own reader of the whole stream, so without shuffling the GPUs train on the same batch.
 7. The test nets run on one device, with the trained weights (Caffe tests on the root solver only).
 8. The loss shown is the mean of the devices' losses (Caffe shows the root solver's own loss).
 
@@ -67,13 +69,13 @@ same for any ``fn(weights, batch) -> blobs`` (an optimised inference program).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from caffejax.errors import CaffejaxError, DataError, UnsupportedError
+from caffejax.errors import CaffejaxError, DataError, ShapeError, UnsupportedError
 from caffejax.frontend.ir import Graph
 from caffejax.lower.optimize import layout_kernels
 from caffejax.lower.program import NetProgram
@@ -92,9 +94,10 @@ def batch_mesh(devices: Devices) -> Mesh:
     """A one-axis mesh named ``"batch"``: the first ``devices`` of ``jax.devices()``, or the devices given.
 
     Each process's devices are kept together (in process order), so a process's rows of the global batch are
-    one contiguous block.
+    one contiguous block. CaffejaxError for more devices than JAX sees, or for anything but a count or distinct
+    ``jax.Device`` objects (device ids, a float, a string, a bool).
     """
-    if isinstance(devices, (int, np.integer)):
+    if isinstance(devices, (int, np.integer)) and not isinstance(devices, bool):
         available = jax.devices()
         if not 1 <= devices <= len(available):
             hint = (" (on CPUs, set XLA_FLAGS=--xla_force_host_platform_device_count=N before jax is imported)"
@@ -103,7 +106,7 @@ def batch_mesh(devices: Devices) -> Mesh:
                                 f"device(s){hint}")
         chosen = list(available[:devices])
     else:
-        chosen = list(devices)
+        chosen = _listed_devices(devices)
         if not chosen or len(set(chosen)) != len(chosen):
             raise CaffejaxError(f"devices: give distinct jax devices, got {chosen!r}")
     chosen.sort(key=lambda d: d.process_index)  # stable: keeps the order within a process
@@ -114,6 +117,19 @@ def batch_mesh(devices: Devices) -> Mesh:
         raise CaffejaxError(f"devices: every process needs the same number of devices in the mesh, got {per_process} "
                             f"(devices per process index) for {jax.process_count()} processes")
     return Mesh(np.array(chosen), (AXIS,))
+
+
+def _listed_devices(devices) -> list[jax.Device]:
+    """``devices`` as a list of jax devices; CaffejaxError for anything else (a float, a string, device ids:
+    Python's own errors named neither the argument nor what it takes)."""
+    wrong = CaffejaxError(f"devices: give a number of devices or a list of jax devices (jax.devices()), got "
+                          f"{devices!r}")
+    if isinstance(devices, (str, bytes)) or not isinstance(devices, Iterable):
+        raise wrong
+    chosen = list(devices)
+    if not all(isinstance(device, jax.Device) for device in chosen):
+        raise wrong
+    return chosen
 
 
 def shard_batch(tree, mesh: Mesh, axis: int = 0):
@@ -394,7 +410,9 @@ def data_parallel_forward(net, devices: Devices, blobs: Sequence[str] = ()) -> C
     ``net.forward`` would on that share alone; the result maps the net's outputs (and ``blobs``) to arrays:
     per-example blobs concatenated along axis 0 (the rows of the input), batch-independent ones (a loss,
     Accuracy) averaged over the devices. The weights are read from the net on every call. Nothing is written
-    back into the net (not its blobs, nor BatchNorm statistics in TRAIN).
+    back into the net (not its blobs, nor BatchNorm statistics in TRAIN). Rows that do not split evenly over
+    the devices are a DataError (nothing is padded); shapes the net does not take, a ShapeError naming the
+    shapes fed as well as one device's.
     """
     mesh = batch_mesh(devices)
     local_devices = len(devices_of_this_process(mesh))
@@ -404,7 +422,11 @@ def data_parallel_forward(net, devices: Devices, blobs: Sequence[str] = ()) -> C
     programs: dict[Any, Callable] = {}
 
     def compile_for(shapes):
-        one_device, per_example = per_device_graph(net, shapes, local_devices)
+        try:
+            one_device, per_example = per_device_graph(net, shapes, local_devices)
+        except ShapeError as error:  # its shapes are one device's: name the global ones fed too
+            raise ShapeError(f"forward over devices: the net does not accept inputs of shapes {shapes} over "
+                             f"{local_devices} devices: {error}") from None
         program = NetProgram(one_device, layout_kernels(one_device) if net.channels_last else None)
         fed = one_device.fed
 
