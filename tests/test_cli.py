@@ -594,6 +594,20 @@ def test_convert_imageset_keys_count_blank_lines(images, capsys):
     assert [key for key, _ in read_lmdb(root / "db")] == [f"00000000_{names[0]}", f"00000002_{names[1]}"]
 
 
+def test_convert_imageset_lines_end_at_newline_only(images, capsys):
+    """std::getline splits the list at "\n" only: "a 0\rb 1" is one line, naming the image "a 0\rb" (not
+    found) with label 1; a "\r" before the "\n" stays in the label, which atoi stops at."""
+    root, pixels = images
+    names = list(pixels)
+    (root / "cr.txt").write_bytes(f"{names[0]} 0\r{names[1]} 1\n{names[2]} 2\r\n".encode())
+    status, err = run(["convert-imageset", f"{root}/", root / "cr.txt", root / "db"], capsys)
+    assert status == 0, err
+    assert "A total of 2 images." in err
+    records = read_lmdb(root / "db")
+    assert [key for key, _ in records] == [f"00000001_{names[2]}"]
+    assert caffe_pb2.Datum.FromString(records[0][1]).label == 2
+
+
 def test_compute_image_mean_channel_means_sum_like_caffe(tmp_path, capsys):
     """compute_image_mean adds a channel's means one by one into a float: the logged mean_value is that sum's,
     to its 6th digit (NumPy's pairwise sum printed 86.1716 here, Caffe 86.1715)."""

@@ -85,7 +85,8 @@ def convert_imageset(args) -> int:
     if encoded and args.check_size:
         raise CaffejaxError("--check_size compares raw pixel counts; it cannot be used with --encoded")
     try:
-        with open(args.list_file, encoding="utf-8", errors="surrogateescape") as f:
+        # newline="": std::getline ends a line at "\n" only.
+        with open(args.list_file, encoding="utf-8", errors="surrogateescape", newline="") as f:
             lines = _list_lines(f.read())
     except OSError as e:
         raise DataError(f"{args.list_file}: cannot read the list file: {e.strerror}") from None
@@ -141,7 +142,11 @@ def _list_lines(text: str) -> list[tuple[str, int]]:
     rows = text.split("\n")
     if rows and not rows[-1]:
         rows.pop()  # the end of the last line, not a line
-    return [(parse_list(row) or [(row[:row.rfind(" ")] if " " in row else row, 0)])[0] for row in rows]
+    lines = []
+    for row in rows:
+        parsed = parse_list(row)
+        lines.append(parsed[0] if parsed else (row, 0))  # a blank line: its image fails to read, as in Caffe
+    return lines
 
 
 def _seed() -> int:
