@@ -5,10 +5,12 @@ phase that take H x W x K images (as ``caffe.io.load_image`` gives them), prepro
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from caffejax import io as caffe_io
-from caffejax.errors import ShapeError, UnsupportedError
+from caffejax.errors import DetectorWindowError, ImageFileError, ShapeError, UnsupportedError
 from caffejax.lower.registry import TEST
 from caffejax.runtime.net import Net
 
@@ -79,7 +81,15 @@ class Classifier(Net):
 
 class Detector(Net):
     """Classify windows of images (R-CNN style): each window (ymin, xmin, ymax, xmax), optionally grown by
-    ``context_pad`` pixels of context filled with the mean, is warped to the net's input size."""
+    ``context_pad`` pixels of context filled with the mean, is warped to the net's input size.
+
+    Deliberate differences from pycaffe: a window's negative coordinates are clipped to the image (pycaffe's
+    numpy slicing wrapped them around to the far side); images for a one-channel net are loaded as gray
+    (pycaffe always loaded colour, which a one-channel net cannot take); bad windows and unreadable images
+    raise :class:`~caffejax.errors.DetectorWindowError` and :class:`~caffejax.errors.ImageFileError` where
+    pycaffe failed in numpy, skimage or an assert; context padding needs a square input wider than twice the
+    pad (pycaffe's crop "assumes square" and miscropped or failed otherwise).
+    """
 
     def __init__(self, model_file, pretrained_file, mean=None, input_scale=None, raw_scale=None,
                  channel_swap=None, context_pad=None):
@@ -90,10 +100,13 @@ class Detector(Net):
     def detect_windows(self, images_windows):
         """For (image filename, windows) pairs: a dict per window with its ``window``, ``prediction`` and
         ``filename``."""
+        # Listed once: pycaffe walked images_windows twice, so an iterator (a zip) gave no detections.
         images_windows = [(fname, list(windows)) for fname, windows in images_windows]
+        if not any(windows for _, windows in images_windows):
+            raise DetectorWindowError("Detector.detect_windows: no windows to detect in")
         window_inputs = []
         for image_fname, windows in images_windows:
-            image = caffe_io.load_image(image_fname).astype(np.float32)
+            image = self._load_image(image_fname)
             for window in windows:
                 window_inputs.append(self.crop(image, window))
         in_ = self.inputs[0]
@@ -111,49 +124,91 @@ class Detector(Net):
                 ix += 1
         return detections
 
+    def _load_image(self, image_fname) -> np.ndarray:
+        """The image as caffe.io loads it: colour, or gray for a net whose input has one channel."""
+        color = self.blobs[self.inputs[0]].data.shape[1] != 1
+        try:
+            return caffe_io.load_image(image_fname, color=color).astype(np.float32)
+        except OSError as error:  # a missing file, or PIL's UnidentifiedImageError
+            raise ImageFileError(f"Detector: cannot read image {image_fname!r}: {error}") from error
+
     def detect_selective_search(self, image_fnames):
-        raise UnsupportedError("Detector.detect_selective_search needs the external MATLAB selective search "
-                               "tool (selective_search_ijcv_with_python); compute windows yourself and call "
-                               "detect_windows")
+        """Detections over the Selective Search proposals of each image (R-CNN's ``selective_search_rcnn``),
+        computed by the external selective_search_ijcv_with_python package (which runs MATLAB)."""
+        try:
+            import selective_search_ijcv_with_python as selective_search
+        except ImportError:
+            raise UnsupportedError("Detector.detect_selective_search needs the selective search module "
+                                   "selective_search_ijcv_with_python (github.com/sergeyk/"
+                                   "selective_search_ijcv_with_python, which runs MATLAB); without it, compute "
+                                   "windows yourself and call detect_windows") from None
+        # Absolute paths, so MATLAB finds the files.
+        image_fnames = [os.path.abspath(f) for f in image_fnames]
+        windows_list = selective_search.get_windows(image_fnames, cmd="selective_search_rcnn")
+        return self.detect_windows(zip(image_fnames, windows_list))
 
     def crop(self, im, window):
-        """The window of ``im`` (H x W x K), with context padding when configured."""
-        window = np.asarray(window)
-        crop = im[int(window[0]):int(window[2]), int(window[1]):int(window[3])]
-        if self.context_pad:
-            box = window.copy()
-            crop_size = self.blobs[self.inputs[0]].width  # assumes square
-            scale = crop_size / (1. * crop_size - self.context_pad * 2)
-            # Crop a box + surrounding context.
-            half_h = (box[2] - box[0] + 1) / 2.
-            half_w = (box[3] - box[1] + 1) / 2.
-            center = (box[0] + half_h, box[1] + half_w)
-            scaled_dims = scale * np.array((-half_h, -half_w, half_h, half_w))
-            box = np.round(np.tile(center, 2) + scaled_dims)
-            full_h = box[2] - box[0] + 1
-            full_w = box[3] - box[1] + 1
-            scale_h = crop_size / full_h
-            scale_w = crop_size / full_w
-            pad_y = round(max(0, -box[0]) * scale_h)  # amount out-of-bounds
-            pad_x = round(max(0, -box[1]) * scale_w)
-            # Clip box to image dimensions.
-            im_h, im_w = im.shape[:2]
-            box = np.clip(box, 0., [im_h, im_w, im_h, im_w])
-            clip_h = box[2] - box[0] + 1
-            clip_w = box[3] - box[1] + 1
-            assert clip_h > 0 and clip_w > 0
-            crop_h = round(clip_h * scale_h)
-            crop_w = round(clip_w * scale_w)
-            if pad_y + crop_h > crop_size:
-                crop_h = crop_size - pad_y
-            if pad_x + crop_w > crop_size:
-                crop_w = crop_size - pad_x
-            # collect with context padding and place in input with mean padding
-            context_crop = im[int(box[0]):int(box[2]), int(box[1]):int(box[3])]
-            context_crop = caffe_io.resize_image(context_crop, (crop_h, crop_w))
-            crop = np.ones(self.crop_dims, dtype=np.float32) * self.crop_mean
-            crop[int(pad_y):int(pad_y + crop_h), int(pad_x):int(pad_x + crop_w)] = context_crop
+        """The window of ``im`` (H x W x K), with context padding when configured. Without context the window
+        is the slice [ymin:ymax, xmin:xmax]; with it, R-CNN's inclusive box [ymin..ymax, xmin..xmax]."""
+        window = self._checked_window(window)
+        if not self.context_pad:
+            ymin, xmin, ymax, xmax = (max(0, int(c)) for c in window)
+            crop = im[ymin:ymax, xmin:xmax]
+            if crop.shape[0] == 0 or crop.shape[1] == 0:
+                raise self._outside_error(window, im, "")
+            return crop
+        box = window.astype(np.float64)
+        crop_size = self.blobs[self.inputs[0]].width  # square (configure_crop checks)
+        scale = crop_size / (1. * crop_size - self.context_pad * 2)
+        # Crop a box + surrounding context.
+        half_h = (box[2] - box[0] + 1) / 2.
+        half_w = (box[3] - box[1] + 1) / 2.
+        center = (box[0] + half_h, box[1] + half_w)
+        scaled_dims = scale * np.array((-half_h, -half_w, half_h, half_w))
+        box = np.round(np.tile(center, 2) + scaled_dims)
+        full_h = box[2] - box[0] + 1
+        full_w = box[3] - box[1] + 1
+        scale_h = crop_size / full_h
+        scale_w = crop_size / full_w
+        pad_y = round(max(0, -box[0]) * scale_h)  # amount out-of-bounds
+        pad_x = round(max(0, -box[1]) * scale_w)
+        # Clip box to image dimensions.
+        im_h, im_w = im.shape[:2]
+        box = np.clip(box, 0., [im_h, im_w, im_h, im_w])
+        clip_h = box[2] - box[0] + 1
+        clip_w = box[3] - box[1] + 1
+        crop_h = round(clip_h * scale_h)
+        crop_w = round(clip_w * scale_w)
+        if pad_y + crop_h > crop_size:
+            crop_h = crop_size - pad_y
+        if pad_x + crop_w > crop_size:
+            crop_w = crop_size - pad_x
+        # collect with context padding and place in input with mean padding
+        context_crop = im[int(box[0]):int(box[2]), int(box[1]):int(box[3])]
+        if context_crop.shape[0] == 0 or context_crop.shape[1] == 0 or crop_h < 1 or crop_w < 1:
+            # pycaffe failed in its assert, or in skimage's resize of an empty crop or to an empty size
+            raise self._outside_error(window, im, f" with its context ({self.context_pad} pixels)")
+        context_crop = caffe_io.resize_image(context_crop, (crop_h, crop_w))
+        crop = np.ones(self.crop_dims, dtype=np.float32) * self.crop_mean
+        crop[int(pad_y):int(pad_y + crop_h), int(pad_x):int(pad_x + crop_w)] = context_crop
         return crop
+
+    @staticmethod
+    def _checked_window(window) -> np.ndarray:
+        """The window as an array of four coordinates in order (ymin <= ymax, xmin <= xmax)."""
+        coords = np.asarray(window)
+        if coords.shape != (4,) or not np.issubdtype(coords.dtype, np.number) or not np.isfinite(coords).all():
+            raise DetectorWindowError(f"Detector: a window is four finite numbers (ymin, xmin, ymax, xmax); "
+                                      f"got {window!r}")
+        if coords[0] > coords[2] or coords[1] > coords[3]:
+            raise DetectorWindowError(f"Detector: window {coords.tolist()} is out of order: it must be "
+                                      f"(ymin, xmin, ymax, xmax) with ymin <= ymax and xmin <= xmax")
+        return coords
+
+    @staticmethod
+    def _outside_error(window, im, context) -> DetectorWindowError:
+        return DetectorWindowError(f"Detector: window {window.tolist()}{context} has no pixel of the "
+                                   f"{im.shape[0]} x {im.shape[1]} image to crop (or too few for the net's input)")
 
     def configure_crop(self, context_pad):
         """The crop size in image layout, and the mean in unprocessed image space for context padding."""
@@ -163,14 +218,18 @@ class Detector(Net):
         self.crop_dims = np.array(self.blobs[in_].data.shape[1:])[inv_tpose]
         self.context_pad = context_pad
         if self.context_pad:
+            self._check_context_fits()
             transpose = self.transformer.transpose.get(in_)
             channel_order = self.transformer.channel_swap.get(in_)
             raw_scale = self.transformer.raw_scale.get(in_)
             # Padding context crops needs the mean in unprocessed input space.
             mean = self.transformer.mean.get(in_)
             if mean is not None:
+                # As floats (an integer mean could not be divided in place), with the channel axis an H x W
+                # mean lacks.
+                crop_mean = np.array(mean, dtype=np.float64).reshape((-1,) + mean.shape[-2:])
                 inv_transpose = [transpose[t] for t in transpose]
-                crop_mean = mean.copy().transpose(inv_transpose)
+                crop_mean = crop_mean.transpose(inv_transpose)
                 if channel_order is not None:
                     channel_order_inverse = [list(channel_order).index(i) for i in range(crop_mean.shape[2])]
                     crop_mean = crop_mean[:, :, channel_order_inverse]
@@ -179,3 +238,13 @@ class Detector(Net):
                 self.crop_mean = crop_mean
             else:
                 self.crop_mean = np.zeros(self.crop_dims, dtype=np.float32)
+
+    def _check_context_fits(self):
+        """Context padding warps each box to a square crop_size = the input's width, with context_pad pixels of
+        context on every side, so the input must be square and wider than twice the pad."""
+        height, width = self.blobs[self.inputs[0]].data.shape[2:]
+        if height != width:
+            raise ShapeError(f"Detector: context_pad needs a square input; the net's is {height} x {width}")
+        if 2 * self.context_pad >= width:
+            raise ShapeError(f"Detector: context_pad {self.context_pad} leaves no room for the window in the "
+                             f"net's {height} x {width} input (it must be under half the width)")

@@ -117,3 +117,14 @@ class InputArraysShapeError(ShapeError, RuntimeError):
     """Arrays net.set_input_arrays cannot take for their shapes: not 4-D, not the MemoryData layer's channels x
     height x width, different numbers of data and labels, or a number that is no multiple of batch_size. Also a
     RuntimeError, as pycaffe raised."""
+
+
+class DetectorWindowError(ShapeError, ValueError):
+    """Windows caffe.Detector cannot crop: none at all, not four coordinates, coordinates out of order, or a
+    window (grown by its context) with no pixel inside its image. Also a ValueError, which is what pycaffe's
+    numpy and skimage calls mostly raised for them."""
+
+
+class ImageFileError(DataError, OSError):
+    """An image file caffe.Detector cannot read (missing, or not an image). Also an OSError, which is what
+    pycaffe's caffe.io.load_image raised."""
