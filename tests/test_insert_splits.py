@@ -287,3 +287,52 @@ def test_dangling_bottom_names_layer_and_blob():
     """)
     with pytest.raises(GraphError, match=r"layer 'ip'.*'dtaa'.*bottom index 0"):
         insert_splits(source)
+
+
+def test_input_insertion_legacy_input_field():
+    # Caffe's InsertSplits itself handles the legacy net-level `input:` blobs (producer index -1, named
+    # 'input'): their Splits come first, before every layer, and the `input:` fields stay as they are.
+    source = """
+        name: 'TestNetwork'
+        input: 'data' input: 'label' input_dim: 10 input_dim: 3 input_dim: 227 input_dim: 227
+        input_dim: 10 input_dim: 1 input_dim: 1 input_dim: 1
+        layer { name: 'innerprod1' type: 'InnerProduct' bottom: 'data' top: 'innerprod1' }
+        layer { name: 'innerprod2' type: 'InnerProduct' bottom: 'data' top: 'innerprod2' }
+        layer { name: 'loss1' type: 'EuclideanLoss' bottom: 'innerprod1' bottom: 'label' }
+        layer { name: 'loss2' type: 'EuclideanLoss' bottom: 'innerprod2' bottom: 'label' }
+    """
+    expected = """
+        name: 'TestNetwork'
+        input: 'data' input: 'label' input_dim: 10 input_dim: 3 input_dim: 227 input_dim: 227
+        input_dim: 10 input_dim: 1 input_dim: 1 input_dim: 1
+        layer { name: 'data_input_0_split' type: 'Split' bottom: 'data'
+                top: 'data_input_0_split_0' top: 'data_input_0_split_1' }
+        layer { name: 'label_input_1_split' type: 'Split' bottom: 'label'
+                top: 'label_input_1_split_0' top: 'label_input_1_split_1' }
+        layer { name: 'innerprod1' type: 'InnerProduct' bottom: 'data_input_0_split_0' top: 'innerprod1' }
+        layer { name: 'innerprod2' type: 'InnerProduct' bottom: 'data_input_0_split_1' top: 'innerprod2' }
+        layer { name: 'loss1' type: 'EuclideanLoss' bottom: 'innerprod1' bottom: 'label_input_1_split_0' }
+        layer { name: 'loss2' type: 'EuclideanLoss' bottom: 'innerprod2' bottom: 'label_input_1_split_1' }
+    """
+    run_insertion_test(source, expected)
+
+
+def test_legacy_input_used_once_and_in_place_gets_no_input_split():
+    # A legacy input read once needs no Split; after an in-place layer the blob's producer is that layer.
+    source = """
+        name: 'TestNetwork'
+        input: 'data' input_dim: 1 input_dim: 3 input_dim: 4 input_dim: 4
+        layer { name: 'relu' type: 'ReLU' bottom: 'data' top: 'data' }
+        layer { name: 'ip1' type: 'InnerProduct' bottom: 'data' top: 'ip1' }
+        layer { name: 'ip2' type: 'InnerProduct' bottom: 'data' top: 'ip2' }
+    """
+    expected = """
+        name: 'TestNetwork'
+        input: 'data' input_dim: 1 input_dim: 3 input_dim: 4 input_dim: 4
+        layer { name: 'relu' type: 'ReLU' bottom: 'data' top: 'data' }
+        layer { name: 'data_relu_0_split' type: 'Split' bottom: 'data'
+                top: 'data_relu_0_split_0' top: 'data_relu_0_split_1' }
+        layer { name: 'ip1' type: 'InnerProduct' bottom: 'data_relu_0_split_0' top: 'ip1' }
+        layer { name: 'ip2' type: 'InnerProduct' bottom: 'data_relu_0_split_1' top: 'ip2' }
+    """
+    run_insertion_test(source, expected)

@@ -4,6 +4,8 @@ Caffe blobs have one diff, so a blob read by several layers gets a Split whose b
 The names are Caffe's, because users (and caffemodels, and the reference figures) see them:
 layer ``{blob}_{producer}_{top_index}_split`` with tops ``{blob}_{producer}_{top_index}_split_{k}``.
 An explicit nonzero loss_weight on a top counts as one more use: the Split carries it on its first top.
+Legacy net-level ``input:`` blobs count as the tops of a producer named ``input`` (index -1, as in Caffe); their
+Splits come first, before every layer.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ def insert_splits(net: caffe_pb2.NetParameter) -> caffe_pb2.NetParameter:
     source_of_bottom: dict[tuple[int, int], tuple[int, int]] = {}
     uses: dict[tuple[int, int], int] = {}
     loss_weight: dict[tuple[int, int], float] = {}
+    for j, blob in enumerate(net.input):
+        last_top[blob] = (-1, j)
     for i, layer in enumerate(net.layer):
         for j, blob in enumerate(layer.bottom):
             if blob not in last_top:
@@ -45,6 +49,23 @@ def insert_splits(net: caffe_pb2.NetParameter) -> caffe_pb2.NetParameter:
     result.CopyFrom(net)
     del result.layer[:]
     next_split: dict[tuple[int, int], int] = {}
+
+    def producer_name(index: int) -> str:
+        return "input" if index == -1 else net.layer[index].name
+
+    def add_split(producer: str, blob: str, top_index: int, count: int, weight: float) -> None:
+        split = result.layer.add()
+        split.name = split_layer_name(producer, blob, top_index)
+        split.type = "Split"
+        split.bottom.append(blob)
+        for k in range(count):
+            split.top.append(split_blob_name(producer, blob, top_index, k))
+            if weight:
+                split.loss_weight.append(weight if k == 0 else 0.0)
+
+    for j, blob in enumerate(net.input):
+        if uses.get((-1, j), 0) > 1:
+            add_split("input", blob, j, uses[(-1, j)], 0.0)
     for i, original in enumerate(net.layer):
         layer = result.layer.add()
         layer.CopyFrom(original)
@@ -52,21 +73,14 @@ def insert_splits(net: caffe_pb2.NetParameter) -> caffe_pb2.NetParameter:
             top = source_of_bottom[(i, j)]
             if uses.get(top, 0) > 1:
                 k = next_split.get(top, 0)
-                layer.bottom[j] = split_blob_name(net.layer[top[0]].name, blob, top[1], k)
+                layer.bottom[j] = split_blob_name(producer_name(top[0]), blob, top[1], k)
                 next_split[top] = k + 1
         for j, blob in enumerate(layer.top):
             top = (i, j)
             count = uses.get(top, 0)
             if count > 1:
                 weight = loss_weight.get(top, 0.0)
-                split = result.layer.add()
-                split.name = split_layer_name(layer.name, blob, j)
-                split.type = "Split"
-                split.bottom.append(blob)
-                for k in range(count):
-                    split.top.append(split_blob_name(layer.name, blob, j, k))
-                    if weight:
-                        split.loss_weight.append(weight if k == 0 else 0.0)
+                add_split(layer.name, blob, j, count, weight)
                 if weight:
                     del layer.loss_weight[:]
                     next_split[top] = next_split.get(top, 0) + 1
