@@ -19,6 +19,7 @@ import numpy as np
 
 from caffejax.cli import add_gflags_bool
 from caffejax.errors import CaffejaxError, DataError, UnsupportedError
+from caffejax.runtime.mode import log_float
 
 log = logging.getLogger("caffejax")
 
@@ -137,16 +138,14 @@ def _list_lines(text: str) -> list[tuple[str, int]]:
     """convert_imageset's list: a (path, label) per line std::getline reads, blank ones too (parse_list skips
     them). Caffe fails to read a blank line's image and goes on, but the line still takes its number, which is
     in the keys of the lines after it."""
-    from caffejax.data.image_data import parse_list
+    from caffejax.data.common import C_WHITESPACE
+    from caffejax.data.image_data import parse_line
 
     rows = text.split("\n")
     if rows and not rows[-1]:
         rows.pop()  # the end of the last line, not a line
-    lines = []
-    for row in rows:
-        parsed = parse_list(row)
-        lines.append(parsed[0] if parsed else (row, 0))  # a blank line: its image fails to read, as in Caffe
-    return lines
+    # A blank line keeps its place: its image (the line itself) fails to read, as in Caffe.
+    return [parse_line(row) if row.strip(C_WHITESPACE) else (row, 0) for row in rows]
 
 
 def _seed() -> int:
@@ -256,5 +255,5 @@ def compute_image_mean(args) -> int:
         # cumsum sums in that order (np.sum's pairwise sum is closer to the true mean, so it printed another
         # 6th digit for big images).
         channel_sum = np.cumsum(mean[c].ravel(), dtype=np.float32)[-1]
-        log.info("mean_value channel [%d]: %s", c, f"{float(channel_sum / dim):g}")
+        log.info("mean_value channel [%d]: %s", c, log_float(channel_sum / dim))
     return 0

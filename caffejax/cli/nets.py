@@ -14,6 +14,7 @@ from typing import Callable
 import numpy as np
 
 from caffejax.errors import CaffejaxError, ParseError
+from caffejax.runtime.mode import log_float
 
 log = logging.getLogger("caffejax")
 
@@ -196,11 +197,6 @@ def _positive_iterations(args) -> int:
     return args.iterations
 
 
-def _g(value) -> str:
-    """A number as Caffe's log prints a float (6 significant digits)."""
-    return f"{float(value):g}"
-
-
 # ---- train ------------------------------------------------------------------------------------------------
 
 def train(args) -> int:
@@ -308,6 +304,8 @@ def test(args) -> int:
 
     The sums, means and weighted losses are float32, as caffe.cpp keeps them: what it prints is rounded from
     those (summing 1e8, 1 and -1e8 gives 0 there, not 1)."""
+    from caffejax.runtime.solver import output_scores
+
     iterations = _positive_iterations(args)
     _use_gpu_flag(args)
     net = _make_net(args)
@@ -316,10 +314,10 @@ def test(args) -> int:
     for i in range(iterations):
         net.forward()
         loss += np.float32(net._last_loss)  # Net::Forward's loss
-        scores = _output_scores(net)
-        for name, score in scores:
-            log.info("Batch %d, %s = %s", i, name, _g(score))
-        values = np.asarray([score for _, score in scores], np.float32)
+        scores = output_scores(net)
+        for name, _, score in scores:
+            log.info("Batch %d, %s = %s", i, name, log_float(score))
+        values = np.asarray([score for _, _, score in scores], np.float32)
         if totals is None:
             totals = values
         elif values.shape != totals.shape:
@@ -327,19 +325,13 @@ def test(args) -> int:
                                 "test needs the same output shapes on every batch")
         else:
             totals = totals + values
-    log.info("Loss: %s", _g(loss / np.float32(iterations)))
-    weights = net.blob_loss_weights
-    for (name, _), total in zip(scores, totals):
+    log.info("Loss: %s", log_float(loss / np.float32(iterations)))
+    for (name, weight, _), total in zip(scores, totals):
         mean = total / np.float32(iterations)
-        weight = np.float32(weights[name])
-        suffix = f" (* {_g(weight)} = {_g(weight * mean)} loss)" if weight else ""
-        log.info("%s = %s%s", name, _g(mean), suffix)
+        weight = np.float32(weight)
+        suffix = f" (* {log_float(weight)} = {log_float(weight * mean)} loss)" if weight else ""
+        log.info("%s = %s%s", name, log_float(mean), suffix)
     return 0
-
-
-def _output_scores(net) -> list[tuple[str, np.float32]]:
-    """Every element of every output blob, in Caffe's order (outputs by name, then elements)."""
-    return [(name, value) for name in net.outputs for value in np.asarray(net.blobs[name].data, np.float32).ravel()]
 
 
 # ---- time -------------------------------------------------------------------------------------------------
@@ -356,7 +348,7 @@ def time(args) -> int:
     net = _make_net(args)
     log.info("Performing Forward")
     net.forward()  # also pulls a batch into the data layers' tops, which the timed programs then read
-    log.info("Initial loss: %s", _g(np.float32(net._last_loss)))
+    log.info("Initial loss: %s", log_float(np.float32(net._last_loss)))
 
     graph, program = net.graph, net._program
     params = net.param_arrays()
@@ -379,15 +371,16 @@ def time(args) -> int:
             log.info("%10s\tforward: fed from outside the program", layer.name)
             continue
         fwd, bwd = _layer_times(program, layer, params, env, layouts, key, iterations)
-        log.info("%10s\tforward: %s ms.", layer.name, _g(fwd * 1e3))
-        log.info("%10s\tbackward: %s", layer.name, f"{_g(bwd * 1e3)} ms." if bwd is not None else "none needed")
-    log.info("Average Forward pass (whole net, one compiled program): %s ms.", _g(whole_forward * 1e3))
-    log.info("Average Forward-Backward (whole net, one compiled program): %s ms.", _g(whole_forward_backward * 1e3))
+        log.info("%10s\tforward: %s ms.", layer.name, log_float(fwd * 1e3))
+        log.info("%10s\tbackward: %s", layer.name, f"{log_float(bwd * 1e3)} ms." if bwd is not None else "none needed")
+    log.info("Average Forward pass (whole net, one compiled program): %s ms.", log_float(whole_forward * 1e3))
+    log.info("Average Forward-Backward (whole net, one compiled program): %s ms.",
+             log_float(whole_forward_backward * 1e3))
     _log_program_profiles(graph, {"Forward pass": forward, "Forward-Backward": forward_backward},
                           (params, fed, key), iterations)
     if not any(net.blob_loss_weights.values()):
         log.info("The net has no loss, so its backward pass is empty.")
-    log.info("Total Time: %s ms.", _g(whole_forward_backward * iterations * 1e3))
+    log.info("Total Time: %s ms.", log_float(whole_forward_backward * iterations * 1e3))
     log.info("*** Benchmark ends ***")
     return 0
 
@@ -411,7 +404,7 @@ def _log_program_profiles(graph, programs, args, iterations: int) -> None:
             continue
         log.info("Whole net's %s, traced (%d run%s, %s ms each), by the layers each XLA operation computes "
                  "(layers joined by '+' are fused into one operation):", title, profile.runs,
-                 "s" if profile.runs != 1 else "", _g(profile.seconds * 1e3))
+                 "s" if profile.runs != 1 else "", log_float(profile.seconds * 1e3))
         for line in format_rows(profile):
             log.info("%s", line)
 
@@ -501,7 +494,7 @@ def device_query(args) -> int:
     import jax
 
     devices = jax.devices()
-    ids = getattr(args, "gpu", None)
+    ids = args.gpu
     if ids is not None and ids != "all":
         log.info("Querying GPUs %s", ",".join(map(str, ids)))
         missing = [i for i in ids if i >= len(devices)]

@@ -24,14 +24,14 @@ from caffejax.errors import DataError, DataSourceUnavailable, SchemaError, layer
 
 def parse_list(text: str) -> list[tuple[str, int]]:
     """The (path, label) pairs of a list file: each non-blank line split at its last space."""
-    lines = []
-    for line in text.split("\n"):
-        if not line.strip(C_WHITESPACE):
-            continue
-        pos = line.rfind(" ")
-        # Without a space Caffe's substr(npos + 1) reads the whole line as the label and keeps it as the path.
-        lines.append((line, c_atoi(line)) if pos < 0 else (line[:pos], c_atoi(line[pos + 1:])))
-    return lines
+    return [parse_line(line) for line in text.split("\n") if line.strip(C_WHITESPACE)]
+
+
+def parse_line(line: str) -> tuple[str, int]:
+    """One list line as (path, label), split at its last space."""
+    pos = line.rfind(" ")
+    # Without a space Caffe's substr(npos + 1) reads the whole line as the label and keeps it as the path.
+    return (line, c_atoi(line)) if pos < 0 else (line[:pos], c_atoi(line[pos + 1:]))
 
 
 class _ImageList:

@@ -21,6 +21,8 @@ import logging
 
 import numpy as np
 
+from caffejax.runtime.mode import log_float
+
 log = logging.getLogger("caffejax")
 
 
@@ -30,24 +32,21 @@ def abs_mean(array) -> np.float32:
     return np.float32(np.abs(array).sum(dtype=np.float32) / np.float32(max(array.size, 1)))
 
 
-def _fmt(value) -> str:
-    return f"{float(value):g}"  # as C++'s ostream prints a float
-
-
 def log_inputs(net) -> None:
     """Net::InputDebugInfo for every input blob."""
     for name in net.inputs:
-        log.info("    [Forward] Input %s data: %s", name, _fmt(abs_mean(net.blobs[name].data)))
+        log.info("    [Forward] Input %s data: %s", name, log_float(abs_mean(net.blobs[name].data)))
 
 
 def log_forward(net, index: int) -> None:
     """Net::ForwardDebugInfo: layer ``index``'s tops, then its param blobs, after its forward."""
     layer = net.graph.layers[index]
     for top in layer.tops:
-        log.info("    [Forward] Layer %s, top blob %s data: %s", layer.name, top, _fmt(abs_mean(net.blobs[top].data)))
+        log.info("    [Forward] Layer %s, top blob %s data: %s", layer.name, top,
+                 log_float(abs_mean(net.blobs[top].data)))
     for slot, blob in zip(layer.params, net.layers[index].blobs):
         log.info("    [Forward] Layer %s, param blob %s data: %s", layer.name, slot.name or slot.index,
-                 _fmt(abs_mean(blob.data)))
+                 log_float(abs_mean(blob.data)))
 
 
 def log_backward(net, index: int) -> None:
@@ -57,11 +56,11 @@ def log_backward(net, index: int) -> None:
     for bottom, needed in zip(layer.bottoms, layer.bottom_need_backward):
         if needed:
             log.info("    [Backward] Layer %s, bottom blob %s diff: %s", layer.name, bottom,
-                     _fmt(abs_mean(net.blobs[bottom].diff)))
+                     log_float(abs_mean(net.blobs[bottom].diff)))
     for slot, blob, needed in zip(layer.params, net.layers[index].blobs, layer.param_need_backward):
         if needed:
             log.info("    [Backward] Layer %s, param blob %d diff: %s", layer.name, slot.index,
-                     _fmt(abs_mean(blob.diff)))
+                     log_float(abs_mean(blob.diff)))
 
 
 def log_param_norms(net) -> None:
@@ -76,4 +75,4 @@ def log_param_norms(net) -> None:
                                   np.square(data).sum(dtype=np.float32), np.square(diff).sum(dtype=np.float32)],
                                  np.float32)
     log.error("    [Backward] All net params (data, diff): L1 norm = (%s, %s); L2 norm = (%s, %s)",
-              _fmt(sums[0]), _fmt(sums[1]), _fmt(np.sqrt(sums[2])), _fmt(np.sqrt(sums[3])))
+              log_float(sums[0]), log_float(sums[1]), log_float(np.sqrt(sums[2])), log_float(np.sqrt(sums[3])))

@@ -129,6 +129,11 @@ def init_log(level: int = 0, stderr: bool | None = None) -> None:
     log.addHandler(handler)
 
 
+def log_float(value) -> str:
+    """A number as Caffe's log prints a float: C++'s ostream default, 6 significant digits."""
+    return f"{float(value):g}"
+
+
 def log_info(message: str) -> None:
     """pycaffe's ``caffe.log(s)``: ``LOG(INFO) << s``, into Caffe's log (the ``caffejax`` logger)."""
     log.info("%s", message)

@@ -53,6 +53,7 @@ from caffejax.runtime import lr_policy, mode, snapshot as snapshots
 from caffejax.runtime.debug_info import log_param_norms
 from caffejax.runtime.distributed import DataParallel, Devices
 from caffejax.runtime.memory import DeviceMemoryErrors
+from caffejax.runtime.mode import log_float
 from caffejax.runtime.net import Net, _python_top_values, to_device
 from caffejax.runtime.program_cache import describe_graph, jit_through_cache
 from caffejax.runtime.xla_options import compiler_options
@@ -528,7 +529,7 @@ class Solver:
         """Caffe's ApplyUpdate on the diffs already in the net's param blobs (after net.backward())."""
         rate = self._learning_rate()
         if self._displays(self.iter):
-            self._say("Iteration %d, lr = %s", self.iter, _g(rate))
+            self._say("Iteration %d, lr = %s", self.iter, log_float(rate))
         self._log_clipping(self._update_from_diffs(rate))
 
     def _update_from_diffs(self, rate: float):
@@ -548,7 +549,6 @@ class Solver:
         self._write_back(params, updates)
         return norm
 
-    # -- the loop (Solver::Step / Solve) ------------------------------------------------------------------------
     # -- action requests (Solver::GetRequestedAction) -----------------------------------------------------------
     ACTIONS = ("none", "snapshot", "stop")
 
@@ -575,6 +575,7 @@ class Solver:
         """Whether the action function stopped the last step() or solve() early."""
         return self._requested_early_exit
 
+    # -- the loop (Solver::Step / Solve) ------------------------------------------------------------------------
     def step(self, iters: int) -> None:
         """Run ``iters`` training iterations (testing, displaying and snapshotting on the way)."""
         p = self.param
@@ -602,11 +603,11 @@ class Solver:
             if self._displays(self.iter):
                 lapse = time.perf_counter() - timer
                 per_s = (self.iter - iterations_last) / (lapse or 1)
-                self._say("Iteration %d (%s iter/s, %ss/%d iters), loss = %s", self.iter, _g(per_s), _g(lapse),
-                          p.display, _g(self.smoothed_loss))
+                self._say("Iteration %d (%s iter/s, %ss/%d iters), loss = %s", self.iter, log_float(per_s),
+                          log_float(lapse), p.display, log_float(self.smoothed_loss))
                 timer, iterations_last = time.perf_counter(), self.iter
-                self._log_outputs(self.net, "Train", self._output_scores(self.net))
-                self._say("Iteration %d, lr = %s", self.iter, _g(rate))
+                self._log_outputs(self.net, "Train", output_scores(self.net))
+                self._say("Iteration %d, lr = %s", self.iter, log_float(rate))
                 self._log_clipping(norm)
             self.iter += 1
             request = self._requested_action()
@@ -655,7 +656,7 @@ class Solver:
         if self._displays(self.iter):
             self.net.forward()  # only to display the loss of the final weights
             self._losses.add(self.net._last_loss)
-            self._say("Iteration %d, loss = %s", self.iter, _g(self.smoothed_loss))
+            self._say("Iteration %d, loss = %s", self.iter, log_float(self.smoothed_loss))
         if p.test_interval and self.iter % p.test_interval == 0:
             self.test_all()
         self._say("Optimization Done.")
@@ -705,28 +706,22 @@ class Solver:
             test_net.forward()
             if p.test_compute_loss:
                 loss += np.float32(test_net._last_loss)
-            scores = self._output_scores(test_net)
+            scores = output_scores(test_net)
             values = np.asarray([value for _, _, value in scores], np.float32)
             totals = values if totals is None else totals + values
         if p.test_compute_loss:
-            self._say("Test loss: %s", _g(loss / iters))
-        names = [(name, weight) for name, weight, _ in self._output_scores(test_net)] if totals is not None else []
+            self._say("Test loss: %s", log_float(loss / iters))
+        names = [(name, weight) for name, weight, _ in scores] if totals is not None else []  # the last batch's
         means = [] if totals is None else [float(v) for v in totals / np.float32(iters)]
         self.mean_scores[test_net_id] = means
         self._log_outputs(test_net, "Test", [(n, w, m) for (n, w), m in zip(names, means)])
         return means
 
-    @staticmethod
-    def _output_scores(net: Net) -> list[tuple[str, float, float]]:
-        """Every element of every output blob, in Caffe's order, with the blob's loss weight."""
-        weights = net.blob_loss_weights
-        return [(name, weights.get(name, 0.0), float(value)) for name in net.outputs
-                for value in np.asarray(net.blobs[name].data).ravel()]
-
     def _log_outputs(self, net: Net, kind: str, scores) -> None:
         for i, (name, weight, value) in enumerate(scores):
-            suffix = f" (* {_g(weight)} = {_g(np.float32(weight) * np.float32(value))} loss)" if weight else ""
-            self._say("    %s net output #%d: %s = %s%s", kind, i, name, _g(value), suffix)
+            weighted = np.float32(weight) * np.float32(value)
+            suffix = f" (* {log_float(weight)} = {log_float(weighted)} loss)" if weight else ""
+            self._say("    %s net output #%d: %s = %s%s", kind, i, name, log_float(value), suffix)
 
     def _log_clipping(self, norm) -> None:
         clip = self.param.clip_gradients
@@ -734,7 +729,7 @@ class Solver:
             norm = float(norm)
             if norm > clip:
                 self._say("Gradient clipping: scaling down gradients (L2 norm %s > %s) by scale factor %s",
-                          _g(norm), _g(clip), _g(clip / norm))
+                          log_float(norm), log_float(clip), log_float(clip / norm))
 
     # -- snapshots ------------------------------------------------------------------------------------------------
     def snapshot(self) -> str:
@@ -1020,11 +1015,6 @@ def _train_step_fn(program, solver: Solver, device_axis: str | None = None, retu
 
 # ---- output ---------------------------------------------------------------------------------------------------
 
-def _g(value) -> str:
-    """A number as C++'s ostream prints a float (6 significant digits)."""
-    return f"{float(value):g}"
-
-
 def _ensure_log_output() -> None:
     """Show the training log on stdout, as Caffe does, unless the application configured logging itself."""
     if log.handlers or logging.getLogger().handlers:
@@ -1034,6 +1024,14 @@ def _ensure_log_output() -> None:
     log.addHandler(handler)
     if log.level == logging.NOTSET:
         log.setLevel(logging.INFO)
+
+
+def output_scores(net: Net) -> list[tuple[str, float, float]]:
+    """Every element of every output blob, in Caffe's order (outputs by name, then elements), with the blob's
+    loss weight: what Caffe's Solver and caffe test log and average."""
+    weights = net.blob_loss_weights
+    return [(name, weights.get(name, 0.0), float(value)) for name in net.outputs
+            for value in np.asarray(net.blobs[name].data).ravel()]
 
 
 class SmoothedLoss:
