@@ -251,7 +251,7 @@ def test_test_averages_outputs_like_caffe(tmp_path, capsys):
                for name in ("accuracy", "loss")}
     assert len(batches["accuracy"]) == len(batches["loss"]) == 3
     assert all(a in (0, 0.25, 0.5, 0.75, 1) for a in batches["accuracy"])
-    accuracy = float(re.search(r"^\S+ \S+ accuracy = (\S+)$", err, re.M).group(1))  # after the glog prefix
+    accuracy = float(re.search(r"\] accuracy = (\S+)$", err, re.M).group(1))  # after the glog prefix
     assert accuracy == pytest.approx(np.mean(batches["accuracy"]), abs=1e-5)
     mean_loss = np.mean(batches["loss"])
     match = re.search(r" loss = (\S+) \(\* 1 = (\S+) loss\)$", err, re.M)
@@ -271,22 +271,85 @@ def test_caffes_gpu_flag_is_accepted(tmp_path, capsys):
     assert status == 1 and error_lines(err) == [err.strip()] and "-gpu takes device ids" in err
 
 
+# caffe.cpp's time lines, as scripts read them (these two from benchmark scripts that parse `caffe time`).
+NUMBER = r"[\d.]+(?:e[-+]\d+)?"
+FORWARD_BACKWARD = re.compile(r"Average Forward-Backward:(\s+)(?P<ms>\d*\.*\d*(e\+\d+)*) ms\.")
+GLOG_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d{6} +\d+ [\w.]+:\d+\] ")
+
+
 def test_time_reports_layers_and_whole_net(capsys):
-    status, err = run(["time", "-model", LENET, "-weights", LENET_WEIGHTS, "-iterations", "1"], capsys)
+    status, err = run(["time", "-model", LENET, "-weights", LENET_WEIGHTS, "-iterations", "2"], capsys)
     assert status == 0, err
+    import jax
+    if jax.default_backend() == "cpu":
+        assert re.search(r"\] Use CPU\.$", err, re.M)
+    for line in ("Performing Forward", "Performing Backward", "*** Benchmark begins ***", "Testing for 2 iterations.",
+                 "Average time per layer: ", "*** Benchmark ends ***"):
+        assert re.search(rf"\] {re.escape(line)}$", err, re.M), line
+    assert len(re.findall(rf"\] Iteration: [12] forward-backward time: {NUMBER} ms\.$", err, re.M)) == 2
     net = caffejax.Net(str(LENET), caffejax.TRAIN)
-    for layer in net.graph.layers:
-        if not layer.is_input:
-            assert re.search(rf"{layer.name}\tforward: [\d.e-]+ ms\.", err), layer.name
-            assert re.search(rf"{layer.name}\tbackward: ([\d.e-]+ ms\.|none needed)", err), layer.name
-    assert re.search(r"conv1\tbackward: [\d.e-]+ ms\.", err)  # conv1's weights are learnable
+    for layer in net.graph.layers:  # every layer, the Input one too, with a number as Caffe prints it
+        assert re.search(rf"\] +{layer.name}\tforward: {NUMBER} ms\.$", err, re.M), layer.name
+        assert re.search(rf"\] +{layer.name}\tbackward: {NUMBER} ms\.$", err, re.M), layer.name
+    assert re.search(r"\] +data\tforward: 0 ms\.$", err, re.M)  # fed: no work in the program, as InputLayer
+    assert re.search(r"\] +relu1\tbackward: 0 ms\.$", err, re.M)  # no loss, so no diff below it
+    assert float(re.search(rf"conv1\tbackward: ({NUMBER}) ms\.", err).group(1)) > 0  # its weights are learnable
     assert "each layer compiled on its own" in err
-    assert re.search(r"Average Forward pass \(whole net, one compiled program\): [\d.e-]+ ms\.", err)
-    assert re.search(r"Average Forward-Backward \(whole net, one compiled program\): [\d.e-]+ ms\.", err)
+    averages = {name: float(re.search(rf"\] Average {name}: ({NUMBER}) ms\.$", err, re.M).group(1))
+                for name in ("Forward pass", "Backward pass", "Forward-Backward")}
+    assert averages["Forward pass"] > 0 and averages["Backward pass"] >= 0
+    assert float(FORWARD_BACKWARD.search(err).group("ms")) == averages["Forward-Backward"] > 0
+    iterations = [float(t) for t in re.findall(rf"forward-backward time: ({NUMBER}) ms", err)]
+    total = float(re.search(rf"\] Total Time: ({NUMBER}) ms\.$", err, re.M).group(1))
+    assert total == pytest.approx(sum(iterations), rel=1e-4) == pytest.approx(2 * averages["Forward-Backward"], rel=1e-4)
+    # Caffe's closing lines come last, in its order.
+    tail = [line.split("] ", 1)[1] for line in err.strip().splitlines()[-5:]]
+    assert [line.split(":")[0] for line in tail] == ["Average Forward pass", "Average Backward pass",
+                                                      "Average Forward-Backward", "Total Time",
+                                                      "*** Benchmark ends ***"]
     # The whole programs traced, their operations charged to layers (fused ones joined by '+').
     for title in ("Forward pass", "Forward-Backward"):
-        assert re.search(rf"Whole net's {title}, traced \(1 run, [\d.e-]+ ms each\)", err), title
+        assert re.search(rf"Whole net's {title}, traced \(2 runs, [\d.e-]+ ms each\)", err), title
     assert re.search(r"[\d.]+ ms +[\d.]+%  forward +(\S+\+)?conv2(\+\S+)?  \(\d+ ops?\)", err)
+    assert all(GLOG_LINE.match(line) for line in err.strip().splitlines())
+
+
+def test_time_reads_a_batch_for_a_data_layers_forward(tmp_path, capsys):
+    """A data layer's forward in caffe time is its next batch: here read on the host, a number, not 0."""
+    h5py = pytest.importorskip("h5py")
+    with h5py.File(tmp_path / "rows.h5", "w") as f:
+        f.create_dataset("x", data=np.arange(12, dtype=np.float32).reshape(6, 2))
+    (tmp_path / "list.txt").write_text(f"{tmp_path / 'rows.h5'}\n")
+    (tmp_path / "net.prototxt").write_text(
+        f'layer {{ name: "rows" type: "HDF5Data" top: "x" hdf5_data_param {{ source: "{tmp_path / "list.txt"}" '
+        'batch_size: 2 } }\n'
+        'layer { name: "ip" type: "InnerProduct" bottom: "x" top: "y" inner_product_param { num_output: 1 } }\n')
+    status, err = run(["time", "-model", tmp_path / "net.prototxt", "-iterations", "3"], capsys)
+    assert status == 0, err
+    assert float(re.search(rf"\] +rows\tforward: ({NUMBER}) ms\.$", err, re.M).group(1)) > 0
+    assert re.search(rf"\] +rows\tbackward: 0 ms\.$", err, re.M)
+
+
+def test_log_lines_have_glogs_form(capsys):
+    """glog's prefix (severity, date, time to the microsecond, thread id, file:line]) on every line, warnings
+    with W: Caffe's tools/extra/extract_seconds.py reads the date and time the way this does."""
+    import datetime
+    import logging
+
+    from caffejax.runtime.mode import GlogFormatter
+
+    record = logging.LogRecord("caffejax", logging.WARNING, "/x/solver.py", 42, "careful %s", ("now",), None)
+    record.created = datetime.datetime(2026, 3, 7, 9, 5, 2, 123456).timestamp()
+    line = GlogFormatter().format(record)
+    assert GLOG_LINE.match(line) and line.startswith("W0307 09:05:02.123456 ") and line.endswith(
+        " solver.py:42] careful now")
+    fields = line.split()  # extract_seconds.extract_datetime_from_line
+    month, day, timestamp = int(fields[0][1:3]), int(fields[0][3:]), fields[1]
+    pos = timestamp.rfind(".")
+    hour, minute, second = (int(x) for x in timestamp[:pos].split(":"))
+    assert datetime.datetime(2026, month, day, hour, minute, second, int(timestamp[pos + 1:])) == \
+        datetime.datetime(2026, 3, 7, 9, 5, 2, 123456)
+    assert GlogFormatter().format(logging.LogRecord("caffejax", logging.CRITICAL, "a.py", 1, "x", (), None))[0] == "F"
 
 
 def test_time_forward_backward_of_a_deploy_net_runs_its_forward():
@@ -557,7 +620,7 @@ def test_test_sums_outputs_in_float32_like_caffe(tmp_path, capsys):
     assert status == 0, err
     assert re.findall(r"Batch \d, y = (\S+)", err) == ["1e+08", "1", "-1e+08"]
     assert re.search(r"Loss: (\S+)$", err, re.M).group(1) == "0"
-    assert re.search(r"^\S+ \S+ y = (.*)$", err, re.M).group(1) == "0 (* 2 = 0 loss)"  # after the glog prefix
+    assert re.search(r"\] y = (.*)$", err, re.M).group(1) == "0 (* 2 = 0 loss)"  # after the glog prefix
 
 
 def test_device_query_takes_the_gpu_flag(capsys):

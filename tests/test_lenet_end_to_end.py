@@ -112,7 +112,7 @@ def score_snapshot(root, iterations: int, batches: int) -> float:
                              "-weights", snapshot.relative_to(root), "-iterations", batches)
     assert status == 0, test_log
     assert len(re.findall(r"Batch \d+, accuracy = ", test_log)) == batches
-    return float(re.search(r"^I[\d.: ]+ accuracy = (\S+)$", test_log, re.MULTILINE).group(1))  # the mean
+    return float(re.search(r"\] accuracy = (\S+)$", test_log, re.MULTILINE).group(1))  # the mean
 
 
 def check_caffe_log(train_log: str, iterations: int, test_interval: int, display: int) -> list[float]:

@@ -131,9 +131,10 @@ def error_line(error: BaseException) -> str:
 @contextlib.contextmanager
 def _logging_to_stderr():
     """For one command: the caffejax logger at INFO on stderr, with Python warnings logged as warnings."""
+    from caffejax.runtime.mode import GlogFormatter
+
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(levelname).1s%(asctime)s.%(msecs)03d %(message)s",
-                                           datefmt="%m%d %H:%M:%S"))
+    handler.setFormatter(GlogFormatter())
     level, propagate = log.level, log.propagate
     log.addHandler(handler)
     log.setLevel(logging.INFO)

@@ -309,6 +309,7 @@ def test(args) -> int:
     iterations = _positive_iterations(args)
     _use_gpu_flag(args)
     net = _make_net(args)
+    _log_device(args)  # after the net is made (Caffe says it before), so that bad input is the only line
     log.info("Running for %d iterations.", iterations)
     totals, loss = None, np.float32(0)
     for i in range(iterations):
@@ -337,7 +338,15 @@ def test(args) -> int:
 # ---- time -------------------------------------------------------------------------------------------------
 
 def time(args) -> int:
-    """Caffe's time: average forward and backward time per layer and for the whole net."""
+    """Caffe's time: average forward and backward time per layer and for the whole net, in caffe.cpp's log lines
+    (scripts read "Average Forward pass: ... ms." and its siblings), each caffejax addition on a line of its own.
+
+    Differs from Caffe, which times its layer-by-layer sweeps: the whole-net figures are the two compiled
+    programs a net runs (the forward, and the forward-backward, where XLA fuses across layers); the backward
+    pass is the second's time less the first's. Each layer is timed alone, compiled on its own with the kernel
+    and layouts it has in the whole net, so the layers' times do not add up to the whole net's. A layer fed
+    from outside the programs (Input: 0; a data layer: reading one batch on the host) and a layer whose
+    backward computes no diff (0) are reported as such."""
     import jax
 
     from caffejax.lower.optimize import value_layouts
@@ -346,6 +355,7 @@ def time(args) -> int:
     iterations = _positive_iterations(args)
     _use_gpu_flag(args)
     net = _make_net(args)
+    _log_device(args)  # after the net is made (Caffe says it before), so that bad input is the only line
     log.info("Performing Forward")
     net.forward()  # also pulls a batch into the data layers' tops, which the timed programs then read
     log.info("Initial loss: %s", log_float(np.float32(net._last_loss)))
@@ -354,35 +364,70 @@ def time(args) -> int:
     params = net.param_arrays()
     fed = {value: net.blobs[name].data for name, value in graph.fed.items()}
     key = jax.random.key(0)
-    every_blob = jax.jit(lambda p, env, k: program.run_layers(graph.layers, p, env, k, kernels=program.kernels)[0],
-                         compiler_options=compiler_options(graph))
-    env = every_blob(params, fed, key)  # each layer's inputs, for the per-layer timings
     forward, forward_backward = whole_net_programs(net)
-    whole_forward = _mean_seconds(forward, (params, fed, key), iterations)
-    whole_forward_backward = _mean_seconds(forward_backward, (params, fed, key), iterations)
+    log.info("Performing Backward")
+    jax.block_until_ready(forward_backward(params, fed, key))  # compiled here, so no timed iteration compiles
 
     log.info("*** Benchmark begins ***")
     log.info("Testing for %d iterations.", iterations)
-    log.info("Average time per layer (each layer compiled on its own, with the kernel and layouts it has in "
-             "the whole net; there XLA fuses layers, so these do not add up to the whole-net figures):")
+    whole_forward = _mean_seconds(forward, (params, fed, key), iterations)
+    iteration_seconds = []
+    for j in range(iterations):
+        start = clock.perf_counter()
+        jax.block_until_ready(forward_backward(params, fed, key))
+        iteration_seconds.append(clock.perf_counter() - start)
+        log.info("Iteration: %d forward-backward time: %s ms.", j + 1, log_float(iteration_seconds[-1] * 1e3))
+    whole_forward_backward = sum(iteration_seconds) / iterations
+
+    every_blob = jax.jit(lambda p, env, k: program.run_layers(graph.layers, p, env, k, kernels=program.kernels)[0],
+                         compiler_options=compiler_options(graph))
+    env = every_blob(params, fed, key)  # each layer's inputs, for the per-layer timings
+    log.info("Average time per layer: ")
+    log.info("(each layer compiled on its own, with the kernel and layouts it has in the whole net; there XLA "
+             "fuses layers, so these do not add up to the whole-net figures)")
     layouts = value_layouts(graph, program.kernels)
     for layer in graph.layers:
         if layer.is_input:
-            log.info("%10s\tforward: fed from outside the program", layer.name)
-            continue
-        fwd, bwd = _layer_times(program, layer, params, env, layouts, key, iterations)
+            fwd, bwd = _fed_layer_seconds(net, layer, iterations), None
+        else:
+            fwd, bwd = _layer_times(program, layer, params, env, layouts, key, iterations)
         log.info("%10s\tforward: %s ms.", layer.name, log_float(fwd * 1e3))
-        log.info("%10s\tbackward: %s", layer.name, f"{log_float(bwd * 1e3)} ms." if bwd is not None else "none needed")
-    log.info("Average Forward pass (whole net, one compiled program): %s ms.", log_float(whole_forward * 1e3))
-    log.info("Average Forward-Backward (whole net, one compiled program): %s ms.",
-             log_float(whole_forward_backward * 1e3))
+        log.info("%10s\tbackward: %s ms.", layer.name, log_float((bwd or 0.0) * 1e3))
     _log_program_profiles(graph, {"Forward pass": forward, "Forward-Backward": forward_backward},
                           (params, fed, key), iterations)
     if not any(net.blob_loss_weights.values()):
         log.info("The net has no loss, so its backward pass is empty.")
-    log.info("Total Time: %s ms.", log_float(whole_forward_backward * iterations * 1e3))
+    log.info("Average Forward pass: %s ms.", log_float(whole_forward * 1e3))
+    log.info("Average Backward pass: %s ms.", log_float(max(whole_forward_backward - whole_forward, 0.0) * 1e3))
+    log.info("Average Forward-Backward: %s ms.", log_float(whole_forward_backward * 1e3))
+    log.info("Total Time: %s ms.", log_float(sum(iteration_seconds) * 1e3))
     log.info("*** Benchmark ends ***")
     return 0
+
+
+def _log_device(args) -> None:
+    """caffe.cpp's "Use GPU with device ID N" / "Use CPU.", for where the programs actually run."""
+    import jax
+
+    if jax.default_backend() == "gpu":
+        ids = getattr(args, "gpu", None)
+        log.info("Use GPU with device ID %d", ids[0] if ids not in (None, "all") else 0)
+    else:
+        log.info("Use CPU.")
+
+
+def _fed_layer_seconds(net, layer, iterations: int) -> float:
+    """A layer whose tops are fed to the programs: an Input layer does nothing (0); a data layer's forward is
+    reading its next batch on the host (the records move on, as Caffe's timed Forward moves them)."""
+    from caffejax.lower.registry import get_rule
+
+    if get_rule(layer.type).data_source is None:
+        return 0.0
+    source = net._data_source(layer)
+    start = clock.perf_counter()
+    for _ in range(iterations):
+        source.next_batch()
+    return (clock.perf_counter() - start) / iterations
 
 
 # Runs of each whole-net program traced at most (a trace of a big net's run holds thousands of events).

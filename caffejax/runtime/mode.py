@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import os
 import sys
+import threading
 import time
 
 import jax
@@ -115,6 +116,25 @@ class NCCL:
 _GLOG_LEVELS = (logging.INFO, logging.WARNING, logging.ERROR, logging.CRITICAL)
 
 
+class GlogFormatter(logging.Formatter):
+    """Log lines in glog's form, as Caffe's tools print them, so that scripts reading Caffe's logs read these
+    (tools/extra/parse_log.py takes its times from the first two fields, to the microsecond):
+    ``I1204 10:43:44.399123 18910 solver.py:611] message``: the severity letter (I, W, E, F), month and day,
+    local time to the microsecond, the thread's id (where the record is formatted, which is the logging thread
+    for a plain handler), and the caffejax source file and line that logged it."""
+
+    def __init__(self):
+        super().__init__("%(glog_prefix)s%(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        letter = "F" if record.levelno >= logging.CRITICAL else "E" if record.levelno >= logging.ERROR else \
+            "W" if record.levelno >= logging.WARNING else "I"
+        record.glog_prefix = (f"{letter}{time.strftime('%m%d %H:%M:%S', time.localtime(record.created))}."
+                              f"{int(record.created % 1 * 1e6):06d} {threading.get_native_id():5d} "
+                              f"{record.filename}:{record.lineno}] ")
+        return super().format(record)
+
+
 def init_log(level: int = 0, stderr: bool | None = None) -> None:
     """pycaffe's ``caffe.init_log([level[, stderr]])``: Caffe's log (the ``caffejax`` logger) shown from glog's
     ``level`` up (0 INFO, 1 WARNING, 2 ERROR, 3 FATAL), on stdout as Caffe's tools write it or, with
@@ -125,7 +145,7 @@ def init_log(level: int = 0, stderr: bool | None = None) -> None:
     if log.handlers or logging.getLogger().handlers:
         return
     handler = logging.StreamHandler(sys.stderr if stderr else sys.stdout)
-    handler.setFormatter(logging.Formatter("I%(asctime)s.%(msecs)03d %(message)s", datefmt="%m%d %H:%M:%S"))
+    handler.setFormatter(GlogFormatter())
     log.addHandler(handler)
 
 

@@ -53,7 +53,7 @@ from caffejax.runtime import lr_policy, mode, snapshot as snapshots
 from caffejax.runtime.debug_info import log_param_norms
 from caffejax.runtime.distributed import DataParallel, Devices
 from caffejax.runtime.memory import DeviceMemoryErrors
-from caffejax.runtime.mode import log_float
+from caffejax.runtime.mode import GlogFormatter, log_float
 from caffejax.runtime.net import Net, _python_top_values, to_device
 from caffejax.runtime.program_cache import describe_graph, jit_through_cache
 from caffejax.runtime.xla_options import compiler_options
@@ -808,7 +808,7 @@ class Solver:
     def _say(self, fmt: str, *args) -> None:
         if self._progress is not None:
             self._progress.clear()
-        log.info(fmt, *args)
+        log.info(fmt, *args, stacklevel=2)  # the line that said it, in the log's file:line
 
 
 class SGDSolver(Solver):
@@ -1020,7 +1020,7 @@ def _ensure_log_output() -> None:
     if log.handlers or logging.getLogger().handlers:
         return
     handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter("I%(asctime)s.%(msecs)03d %(message)s", datefmt="%m%d %H:%M:%S"))
+    handler.setFormatter(GlogFormatter())
     log.addHandler(handler)
     if log.level == logging.NOTSET:
         log.setLevel(logging.INFO)
