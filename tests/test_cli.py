@@ -3,6 +3,7 @@ draw) and export, called in-process through ``main(argv)``."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
 import shutil
@@ -744,3 +745,72 @@ def test_train_acts_on_sigint_and_sighup_as_caffe_train_does(tmp_path, capsys, m
 
     status, err = run(argv + ["-sighup_effect", "halt"], capsys)
     assert status == 1 and "invalid choice: 'halt'" in err and len(error_lines(err)) == 1, err
+
+
+def caffe_log_rows(log: str, year: int = 2026) -> tuple[list[dict], list[dict]]:
+    """The train and test rows Caffe's tools/extra/parse_log.py (master) reads off a log, as it reads them: the
+    clock of each line after the first 'Iteration' from glog's prefix (extract_seconds.py), counted from the
+    'Solving' line; outputs gathered into one row per iteration; the first row's learning rate from the second."""
+    def clock_of(line):
+        fields = line.strip().split()
+        stamp = fields[1]
+        pos = stamp.rfind(".")
+        hour, minute, second = (int(x) for x in stamp[:pos].split(":"))
+        return datetime.datetime(year, int(fields[0][1:3]), int(fields[0][3:]), hour, minute, second,
+                                 int(stamp[pos + 1:]))
+
+    lines = log.splitlines()
+    solving = next(i for i, line in enumerate(lines) if "Solving" in line)
+    start, iteration, rate = clock_of(lines[solving]), -1.0, float("nan")
+    tables: dict[str, list[dict]] = {"Train": [], "Test": []}
+    rows: dict[str, dict | None] = {"Train": None, "Test": None}
+    for line in lines[solving + 1:]:
+        if match := re.search(r"Iteration (\d+)", line):
+            iteration = float(match.group(1))
+        if iteration == -1:
+            continue
+        seconds = (clock_of(line) - start).total_seconds()
+        if match := re.search(r"lr = ([-+]?[0-9]*\.?[0-9]+([eE]?[-+]?[0-9]+)?)", line):
+            rate = float(match.group(1))
+        for kind, table in tables.items():
+            row = rows[kind]
+            if match := re.search(rf"{kind} net output #(\d+): (\S+) = ([\.\deE+-]+)", line):
+                if not row or row["NumIters"] != iteration:
+                    if row:
+                        table.append(row)
+                    row = {"NumIters": iteration, "Seconds": seconds, "LearningRate": rate}
+                row[match.group(2)] = float(match.group(3))
+            if row and table and len(row) == len(table[0]):
+                table.append(row)
+                row = None
+            rows[kind] = row
+    for table in tables.values():
+        if len(table) > 1:
+            table[0]["LearningRate"] = table[1]["LearningRate"]
+    return tables["Train"], tables["Test"]
+
+
+def test_a_training_log_reads_with_caffes_parse_log(tmp_path, capsys, monkeypatch):
+    """caffejax train's log through parse_log.py's reading: every line after the first iteration has glog's
+    prefix (parse_log stops at one that has not), and the train and test outputs come out as Caffe's would."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "net.prototxt").write_text(
+        'layer { name: "d" type: "DummyData" top: "data" top: "label" dummy_data_param { shape { dim: 4 dim: 3 } '
+        'shape { dim: 4 } data_filler { type: "gaussian" } data_filler { type: "constant" value: 1 } } }\n'
+        'layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip" inner_product_param { num_output: 3 '
+        'weight_filler { type: "xavier" } } }\n'
+        'layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }\n'
+        'layer { name: "accuracy" type: "Accuracy" bottom: "ip" bottom: "label" top: "accuracy" '
+        'include { phase: TEST } }\n')
+    (tmp_path / "solver.prototxt").write_text(
+        'net: "net.prototxt"\nbase_lr: 0.1\nlr_policy: "fixed"\nmax_iter: 6\ndisplay: 2\ntest_iter: 2\n'
+        'test_interval: 3\nsnapshot_prefix: "snap"\n')
+    status, err = run(["train", "-solver", "solver.prototxt"], capsys)
+    assert status == 0, err
+    train, test = caffe_log_rows(err)
+    losses = [float(x) for x in re.findall(r"Iteration \d+ \(.*\), loss = (\S+)", err)]
+    assert [row["NumIters"] for row in train] == [0, 2, 4] and [row["loss"] for row in train] == losses
+    assert all(row["LearningRate"] == 0.1 for row in train)
+    assert [row["NumIters"] for row in test] == [0, 3, 6] and all(set(row) >= {"accuracy", "loss"} for row in test)
+    seconds = [row["Seconds"] for row in train + test]
+    assert all(s >= 0 for s in seconds) and [row["Seconds"] for row in train] == sorted(row["Seconds"] for row in train)
