@@ -8,7 +8,9 @@
 # them on 8 workers, ~130 s; the bench is compile-bound there: ResNet-50 at batch 1 and 16 took 5 minutes
 # (training programs compiled in 68-88 s, inference in 1.6-12.5 s), GoogLeNet at batch 16 alone 100 s, and
 # MobileNet v2's batch-16 inference had not compiled after 2 minutes. One lease covers about two nets: pick them
-# with NETS (and BATCHES), most wanted first.
+# with NETS (and BATCHES), most wanted first, and BENCH_ARGS (say "--no-solver --no-bf16") to leave parts out.
+# Still open there: whether XLA's autotuning is the compile time (XLA_FLAGS=--xla_gpu_autotune_level=0 passes
+# through to both runs) and what it buys at run time.
 #
 # What comes back under $OUT: env.txt (versions, devices), tests.log (the Caffe-parity tests, run on the
 # accelerator), bench.log and bench.json (python -m bench.run there: fp32 and bf16 inference and the training
@@ -21,7 +23,7 @@
 #         --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .device/wheels \
 #         'protobuf>=6.33.5,<7' lmdb
 # Knobs: NETS (comma-separated bench nets; default all six), BATCHES (default 1,16), TEST_SECONDS (150),
-# TEST_WORKERS (8), BENCH_SECONDS (300), GEMM_N (the ceilings' matrix size, 8192).
+# TEST_WORKERS (8), BENCH_SECONDS (300), GEMM_N (the ceilings' matrix size, 8192), BENCH_ARGS (more bench.run flags).
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
@@ -70,7 +72,7 @@ echo "tests reported: $(grep -oE '^\[gw[0-9]+\] \[ *[0-9]+%\] [A-Z]+' "$OUT/test
 tail -1 "$OUT/tests.log"
 
 echo "== bench"
-bench_args=(--no-opencv --no-coldstart --batches "${BATCHES:-1,16}" --out "$OUT/bench.json")
+bench_args=(--no-opencv --no-coldstart --batches "${BATCHES:-1,16}" --out "$OUT/bench.json" ${BENCH_ARGS:-})
 [ -n "${NETS:-}" ] && bench_args+=(--nets "$NETS")
 timeout "${BENCH_SECONDS:-300}" $py -m bench.run "${bench_args[@]}" >"$OUT/bench.log" 2>&1
 echo "bench exit $? (124: stopped at BENCH_SECONDS; bench.json holds every net finished)"

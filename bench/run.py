@@ -60,6 +60,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help=f"{', '.join(QUICK_NETS)} at batch 1")
     parser.add_argument("--no-opencv", action="store_true")
     parser.add_argument("--no-train", action="store_true")
+    parser.add_argument("--no-solver", action="store_true",
+                        help="skip Solver.step (another training program to compile: a minute a net on a GPU)")
     parser.add_argument("--no-bf16", action="store_true")
     parser.add_argument("--no-coldstart", action="store_true", help="skip the fresh-process compile runs")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="JSON path (default bench/results/)")
@@ -183,8 +185,9 @@ def bench_batch(spec: BenchNet, net, weights: pathlib.Path, batch: int, repeats:
     if not args.no_train:
         out["train"] = train_step(spec, weights, batch, repeats)
         line += f", train step {out['train']['median_ms']:.1f} ms ({out['train']['gflops']:.0f} GFLOP/s)"
-        out["solver"] = solver_step(spec, weights, batch, repeats)
-        line += f", Solver.step {out['solver']['median_ms']:.1f} ms"
+        if not args.no_solver:
+            out["solver"] = solver_step(spec, weights, batch, repeats)
+            line += f", Solver.step {out['solver']['median_ms']:.1f} ms"
 
     if not args.no_coldstart:
         cache = tempfile.mkdtemp(prefix="jaxcache-", dir=tmp)

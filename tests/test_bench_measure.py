@@ -196,3 +196,18 @@ def test_bench_training_step_folds_the_chains_whose_values_blobs_hold(tmp_path):
     for owner in ("conv", "scale", "ip"):
         for i, (p, g) in enumerate(zip(params[owner], grads[owner])):
             np.testing.assert_allclose(new[owner][i], np.asarray(p) - 1e-4 * np.asarray(g), rtol=1e-5, atol=1e-7)
+
+
+def test_bench_run_leaves_out_what_its_flags_name(tmp_path, capsys):
+    """The GPU check runs bench.run in a short lease, where every training program costs a minute to compile:
+    --no-solver leaves Solver.step out (and the table shows it as not measured), --no-bf16 the bf16 forward."""
+    import json
+
+    from bench import run
+
+    out = tmp_path / "b.json"
+    assert run.main(["--nets", "lenet", "--batches", "1", "--repeats", "5", "--no-opencv", "--no-coldstart",
+                     "--no-solver", "--no-bf16", "--out", str(out)]) == 0
+    batch = json.loads(out.read_text())["nets"]["lenet"]["batches"]["1"]
+    assert "train" in batch and "fwd" in batch and "solver" not in batch and "bf16" not in batch
+    assert "Solver.step" not in capsys.readouterr().out
