@@ -312,7 +312,20 @@ def test_time_reports_layers_and_whole_net(capsys):
     for title in ("Forward pass", "Forward-Backward"):
         assert re.search(rf"Whole net's {title}, traced \(2 runs, [\d.e-]+ ms each\)", err), title
     assert re.search(r"[\d.]+ ms +[\d.]+%  forward +(\S+\+)?conv2(\+\S+)?  \(\d+ ops?\)", err)
-    assert all(GLOG_LINE.match(line) for line in err.strip().splitlines())
+    assert all(GLOG_LINE.match(line) for line in log_records(err))
+
+
+def log_records(log: str) -> list[str]:
+    """The log's lines, less the continuation lines of a record that spans several (the NetParameter Caffe
+    prints after "Initializing net from parameters:")."""
+    records, dump = [], False
+    for line in log.strip().splitlines():
+        if dump and GLOG_LINE.match(line):
+            dump = False
+        if not dump:
+            records.append(line)
+            dump = line.endswith("Initializing net from parameters: ")
+    return records
 
 
 def test_time_reads_a_batch_for_a_data_layers_forward(tmp_path, capsys):
@@ -599,7 +612,8 @@ def test_train_level_flag_always_sets_the_train_state(tmp_path, capsys, monkeypa
     solver.write_text(solver.read_text() + "train_state { level: 1 }\n")
     status, err = run(["train", "-solver", solver], capsys)
     assert status == 0, err
-    assert "loss2" not in err and re.search(r"Iteration 0 .* loss = 2\.25$", err, re.M)
+    assert "Creating Layer loss2" not in err and re.search(r"Iteration 0 .* loss = 2\.25$", err, re.M)
+    assert "The NetState level (0) is above the min_level (1) specified by a rule in layer loss2" in err  # Caffe's words
     status, err = run(["train", "-solver", solver, "-level", "1"], capsys)
     assert status == 0 and re.search(r"Iteration 0 .* loss = 4\.5$", err, re.M), err
 

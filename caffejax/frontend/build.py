@@ -388,6 +388,7 @@ class _Builder:
     # -- the whole net --------------------------------------------------------------------------------------
     def finish(self) -> Graph:
         self._sweep_backward()
+        swept = tuple(layer.need_backward for layer in self.layers)
         if self.param.force_backward:
             for layer, rule in zip(self.layers, self.rules):
                 layer.need_backward = True
@@ -402,7 +403,7 @@ class _Builder:
                      layers=self.layers, blobs=self.blobs, value_shapes=self.value_shapes,
                      blob_value=self.blob_value, blob_first_value=self.blob_first_value, inputs=self.inputs,
                      outputs=sorted(self.available), blob_loss_weights=self.loss_weights, proto=self.param,
-                     concrete=self.concrete, python_layers=self.python_layers)
+                     concrete=self.concrete, python_layers=self.python_layers, swept_need_backward=swept)
 
     def _sweep_backward(self) -> None:
         """Net::Init's backward sweep: layers not under a loss, or whose tops all skip backprop, need none."""

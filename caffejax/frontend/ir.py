@@ -98,6 +98,9 @@ class Graph:
     concrete: dict[str, Any] = dataclasses.field(default_factory=dict)
     # The net's pycaffe layer objects (lower.python_layer.PythonLayers), which its programs' Python layers call.
     python_layers: Any = None
+    # Each layer's need_backward after Net::Init's backward sweep and before force_backward: what Caffe logs
+    # as "<layer> needs backward computation." (force_backward then sets every layer's).
+    swept_need_backward: tuple[bool, ...] = ()
 
     def layer(self, name: str) -> Layer:
         for layer in self.layers:

@@ -31,6 +31,7 @@ from caffejax.runtime import mode
 from caffejax.runtime.blob import ArraySlot, Blob
 from caffejax.runtime.debug_info import log_backward, log_forward, log_inputs
 from caffejax.runtime.memory import DeviceMemoryErrors
+from caffejax.runtime.net_init_log import log_net_init
 from caffejax.runtime.program_cache import describe_graph, jit_through_cache
 from caffejax.runtime.xla_options import compiler_options, matmul_flops
 
@@ -223,6 +224,9 @@ class Net:
             raise locate_layer_error(e, self._source) from None
         if loaded is not None:
             self._copy_weights(loaded)
+        # Caffe logs these as the net is set up, before its weights are read; here, once both have succeeded,
+        # so that bad input is reported alone.
+        log_net_init(self._net_param, self._graph, self._dtype.itemsize)
 
     # -- structure ------------------------------------------------------------------------------------------
     def _build(self, input_shapes) -> Graph:
