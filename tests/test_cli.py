@@ -821,6 +821,11 @@ def test_a_training_log_reads_with_caffes_parse_log(tmp_path, capsys, monkeypatc
         'test_interval: 3\nsnapshot_prefix: "snap"\n')
     status, err = run(["train", "-solver", "solver.prototxt"], capsys)
     assert status == 0, err
+    import jax
+    if jax.default_backend() == "cpu":
+        assert re.search(r"\] Use CPU\.$", err, re.M)  # caffe train's line, before the solver's
+        assert err.index("Use CPU.") < err.index("Initializing solver from parameters")
+    assert err.index("Solver scaffolding done.") < err.index("Starting Optimization") < err.index("Solving")
     train, test = caffe_log_rows(err)
     losses = [float(x) for x in re.findall(r"Iteration \d+ \(.*\), loss = (\S+)", err)]
     assert [row["NumIters"] for row in train] == [0, 2, 4] and [row["loss"] for row in train] == losses

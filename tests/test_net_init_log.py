@@ -166,3 +166,25 @@ def test_nothing_is_logged_or_made_when_info_is_not_shown(caplog, monkeypatch):
     with caplog.at_level(logging.WARNING, logger="caffejax"):
         caffejax.Net('layer { name: "in" type: "Input" top: "x" input_param { shape { dim: 1 } } }', caffejax.TEST)
     assert not caplog.records
+
+
+def test_a_solver_logs_its_set_up_as_caffes_does(tmp_path, caplog):
+    """Solver::Init: the parameters first, then the train net's and each test net's lines, then 'Solver
+    scaffolding done.'"""
+    (tmp_path / "net.prototxt").write_text(
+        'layer { name: "d" type: "DummyData" top: "x" dummy_data_param { shape { dim: 2 dim: 3 } } }\n'
+        'layer { name: "ip" type: "InnerProduct" bottom: "x" top: "y" inner_product_param { num_output: 1 } }\n'
+        'layer { name: "loss" type: "Reduction" bottom: "y" top: "loss" loss_weight: 1 }\n')
+    (tmp_path / "solver.prototxt").write_text('net: "net.prototxt"\nbase_lr: 0.1\nlr_policy: "fixed"\ntest_iter: 1\n'
+                                              'test_interval: 10\n')
+    _, messages = init_messages(caplog, lambda: caffejax.SGDSolver(str(tmp_path / "solver.prototxt")))
+    steps = [m.split("\n")[0] for m in messages if m.startswith(("Initializing", "Creating", "Network init",
+                                                                    "Solver scaffolding"))]
+    assert steps == ["Initializing solver from parameters: ", "Creating training net from net file: net.prototxt",
+                     "Initializing net from parameters: ", "Creating Layer d", "Creating Layer ip",
+                     "Creating Layer loss", "Network initialization done.",
+                     "Creating test net (#0) specified by net file: net.prototxt",
+                     "Initializing net from parameters: ", "Creating Layer d", "Creating Layer ip",
+                     "Creating Layer loss", "Network initialization done.", "Solver scaffolding done."]
+    dump = next(m for m in messages if m.startswith("Initializing solver"))
+    assert 'base_lr: 0.1' in dump and 'net: "net.prototxt"' in dump

@@ -221,6 +221,7 @@ def train(args) -> int:
     if not args.solver:
         raise CaffejaxError("Need a solver definition to train (-solver)")
     param, path = read_solver_param(args.solver)
+    _log_device(args, training_devices=devices or 1)
     param.train_state.level = args.level
     param.train_state.stage.extend(_stages(args))
     if args.snapshot or args.weights:
@@ -405,15 +406,24 @@ def time(args) -> int:
     return 0
 
 
-def _log_device(args) -> None:
-    """caffe.cpp's "Use GPU with device ID N" / "Use CPU.", for where the programs actually run."""
+def _log_device(args, training_devices: int | None = None) -> None:
+    """caffe.cpp's "Use CPU." or, on GPUs, test's and time's "Use GPU with device ID N" and train's "Using GPUs
+    0, 1" with a "GPU i: <name>" line each (``training_devices``: how many train uses), for where the programs
+    actually run."""
     import jax
 
-    if jax.default_backend() == "gpu":
-        ids = getattr(args, "gpu", None)
-        log.info("Use GPU with device ID %d", ids[0] if ids not in (None, "all") else 0)
-    else:
+    if jax.default_backend() != "gpu":
         log.info("Use CPU.")
+        return
+    ids = getattr(args, "gpu", None)
+    if training_devices is None:
+        log.info("Use GPU with device ID %d", ids[0] if ids not in (None, "all") else 0)
+        return
+    ids = list(range(training_devices)) if ids in (None, "all") else ids
+    log.info("Using GPUs %s", ", ".join(map(str, ids)))
+    devices = jax.devices()
+    for i in ids:
+        log.info("GPU %d: %s", i, devices[i].device_kind if i < len(devices) else "(not seen by JAX)")
 
 
 def _fed_layer_seconds(net, layer, iterations: int) -> float:

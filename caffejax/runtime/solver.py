@@ -45,7 +45,7 @@ import numpy as np
 from caffejax.errors import CaffejaxError, DataError, NumericalError, SolverError, UnsupportedError, WeightsError
 from caffejax.frontend.build import load_net_param
 from caffejax.frontend.ir import Graph
-from caffejax.frontend.prototxt import locate_layer_error, locate_solver_error, parse_solver_text
+from caffejax.frontend.prototxt import locate_layer_error, locate_solver_error, parse_solver_text, to_text
 from caffejax.frontend.upgrade import upgrade_solver_as_needed
 from caffejax.lower.registry import TEST, TRAIN, get_rule
 from caffejax.proto import caffe_pb2
@@ -152,10 +152,12 @@ class Solver:
         self.debug_nans = False  # check every iteration for NaN/Inf (caffejax train --debug-nans)
         try:
             self._check_param()
+            log.info("Initializing solver from parameters: \n%s", to_text(self.param).rstrip("\n"))
             if self.param.random_seed >= 0:
                 mode.set_random_seed(self.param.random_seed)
             self.net = self._init_train_net()
             self.test_nets = self._init_test_nets()
+            log.info("Solver scaffolding done.")
         except SolverError as e:  # name the solver file and the offending field's line
             raise locate_solver_error(e, self._path) from None
         # Data parallelism: the train net's blobs hold the global batch (the test nets run on one device).
