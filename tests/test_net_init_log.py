@@ -188,3 +188,22 @@ def test_a_solver_logs_its_set_up_as_caffes_does(tmp_path, caplog):
                      "Creating Layer loss", "Network initialization done.", "Solver scaffolding done."]
     dump = next(m for m in messages if m.startswith("Initializing solver"))
     assert 'base_lr: 0.1' in dump and 'net: "net.prototxt"' in dump
+
+
+def test_copying_weights_logs_the_files_layers_the_net_lacks(tmp_path, caplog):
+    """CopyTrainedLayersFrom: 'Ignoring source layer X' for each layer of the file, in its order, that the net
+    has none of (finetuning with a renamed classifier shows it this way), after the net's own lines."""
+    full = ('layer { name: "in" type: "Input" top: "x" input_param { shape { dim: 1 dim: 3 } } }\n'
+            'layer { name: "ip" type: "InnerProduct" bottom: "x" top: "y" inner_product_param { num_output: 2 } }\n'
+            'layer { name: "relu" type: "ReLU" bottom: "y" top: "y" }\n'
+            'layer { name: "fc8" type: "InnerProduct" bottom: "y" top: "z" inner_product_param { num_output: 4 } }\n')
+    caffejax.Net(full, caffejax.TEST).save(str(tmp_path / "w.caffemodel"))
+    renamed = full.replace('"fc8"', '"fc8_new"').replace('"relu" type: "ReLU" bottom: "y" top: "y" ', '"relu2" '
+                                                                     'type: "ReLU" bottom: "y" top: "y" ')
+    net, messages = init_messages(caplog, lambda: caffejax.Net(renamed, str(tmp_path / "w.caffemodel"),
+                                                               caffejax.TEST))
+    assert [m for m in messages if m.startswith("Ignoring")] == ["Ignoring source layer relu",
+                                                                 "Ignoring source layer fc8"]
+    assert messages.index("Network initialization done.") < messages.index("Ignoring source layer relu")
+    _, messages = init_messages(caplog, lambda: net.copy_from(str(tmp_path / "w.caffemodel")))
+    assert messages == ["Ignoring source layer relu", "Ignoring source layer fc8"]

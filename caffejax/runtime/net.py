@@ -9,6 +9,7 @@ range, so repeated passes at one shape never recompile.
 from __future__ import annotations
 
 import collections
+import logging
 import os
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -47,6 +48,8 @@ class LayerView:
     def __repr__(self) -> str:
         return f"<Layer {self.name!r} ({self.type})>"
 
+
+log = logging.getLogger("caffejax")
 
 _CALLBACK_POINTS = ("before_forward", "after_forward", "before_backward", "after_backward")
 
@@ -222,11 +225,11 @@ class Net:
             self._init_params(skip=set(loaded.blobs) if loaded else set())
         except CaffejaxError as e:  # a layer's error gets the line of the layer's definition in front
             raise locate_layer_error(e, self._source) from None
+        # Logged as Caffe logs them, before the weights are copied (once the net is built and its weights file
+        # read, so that a missing file or a bad layer is reported alone).
+        log_net_init(self._net_param, self._graph, self._dtype.itemsize)
         if loaded is not None:
             self._copy_weights(loaded)
-        # Caffe logs these as the net is set up, before its weights are read; here, once both have succeeded,
-        # so that bad input is reported alone.
-        log_net_init(self._net_param, self._graph, self._dtype.itemsize)
 
     # -- structure ------------------------------------------------------------------------------------------
     def _build(self, input_shapes) -> Graph:
@@ -1059,6 +1062,10 @@ class Net:
         # Every blob is checked before any is installed, so a file that does not fit leaves the net as it was;
         # then one device_put takes them all (one call per blob cost 0.1 ms each: MobileNet v2's 320, 34 ms).
         path = weights.path
+        ours = {layer.name for layer in self._graph.layers}
+        for source in (weights.net.layers if len(weights.net.layers) else weights.net.layer):
+            if source.name not in ours:  # CopyTrainedLayersFrom's line for each layer of the file we lack
+                log.info("Ignoring source layer %s", source.name)
         targets, arrays = [], []
         for layer in self._graph.layers:
             if layer.name not in weights.blobs:
