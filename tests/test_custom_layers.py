@@ -519,6 +519,34 @@ def test_each_net_has_its_own_python_layer_objects(layers_module):
     np.testing.assert_array_equal(caffejax.compile_inference(first)({})["data"], x_all[12:16])
 
 
+def test_a_python_layer_in_net_layers_is_the_users_object(layers_module):
+    """pycaffe's net.layers[i] for a Python layer is the user's own object: scripts set a data layer's data
+    through it (py-faster-rcnn: solver.net.layers[0].set_roidb(roidb)), and the next pass sees it; in the
+    solver's net too. Its type is 'Python' and its blobs the net's."""
+    from caffejax.proto import caffe_pb2
+    from google.protobuf import text_format
+
+    net = caffejax.Net(PYTHON_DATA_LAYER, caffejax.TEST, allow_python_layers=True)
+    layer = net.layers[0]
+    assert layer.type == "Python" and layer.name == "data" and layer.param_str == "3" and layer.phase == caffejax.TEST
+    assert net.layer_dict["data"].x is layer.x  # the object's own attributes
+    layer.x = np.full((16, 5), 7, np.float32)  # set through the view, on the object
+    layer.k = 2
+    net.forward()
+    np.testing.assert_array_equal(net.blobs["data"].data, np.full((4, 5), 7))
+    assert layer.k == 3  # the forward's change, seen through the view
+    net.reshape()
+    assert net.layers[0].k == 3  # the same object after a rebuild
+    solver = caffejax.SGDSolver(text_format.Parse(PYTHON_DATA_SOLVER, caffe_pb2.SolverParameter()),
+                                allow_python_layers=True)
+    solver.net.layers[0].x = np.zeros((16, 5), np.float32)
+    solver.step(1)
+    np.testing.assert_array_equal(solver.net.blobs["data"].data, np.zeros((4, 5)))
+    assert solver.net.layers[1].blobs is solver.net.params["ip"]  # other layers: views as before
+    with pytest.raises(AttributeError, match="no_such"):
+        layer.no_such
+
+
 def test_an_in_place_python_layer_shares_its_blob(layers_module):
     """In place (``top: b`` over ``bottom: b``) the layer's top is its bottom's blob, data and diff, as in
     Caffe: a layer that scales the shared blob in place computes 2 a forward and 2 db backward."""

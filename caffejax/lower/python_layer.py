@@ -108,6 +108,12 @@ class PythonLayers:
     def __init__(self):
         self.objects: dict[bytes, _Instance] = {}
 
+    def object_of(self, layer_param) -> Any:
+        """The user's layer object for this layer definition (made when the net's build first ran its setup),
+        or None where none was made yet."""
+        instance = self.objects.get(_object_key(layer_param))
+        return instance.obj if instance is not None else None
+
     def learnable_values(self, layer_param) -> list[np.ndarray]:
         """Copies of the data a Python layer's learnable blobs hold now (after its setup: their initial values)."""
         instance = self.objects[_object_key(layer_param)]

@@ -9,6 +9,7 @@ range, so repeated passes at one shape never recompile.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import os
 from typing import Any, Iterable, Mapping, Sequence
@@ -47,6 +48,37 @@ class LayerView:
 
     def __repr__(self) -> str:
         return f"<Layer {self.name!r} ({self.type})>"
+
+
+class PythonLayerView(LayerView):
+    """A ``Python`` layer in ``net.layers``: what pycaffe hands back there is the user's own layer object, so
+    scripts call its methods and set its attributes through the net (py-faster-rcnn's
+    ``solver.net.layers[0].set_roidb(roidb)``). ``name``, ``type`` and ``blobs`` (the net's blobs of the layer)
+    are the view's; every other attribute is the user object's."""
+
+    _OWN = ("name", "type", "blobs", "_find_object")
+
+    def __init__(self, name: str, blobs: list[Blob], find_object):
+        super().__init__(name, "Python", blobs)
+        object.__setattr__(self, "_find_object", find_object)
+
+    def _layer_object(self):
+        found = object.__getattribute__(self, "_find_object")()
+        if found is None:  # its setup has not run: the net could not shape the layer's bottoms yet
+            raise AttributeError(f"Python layer '{self.name}' has no layer object yet: its setup runs when the net "
+                                 "knows its bottoms' shapes")
+        return found
+
+    def __getattr__(self, attribute: str):
+        if attribute.startswith("__"):  # copy, pickle and friends ask for these; the view has none
+            raise AttributeError(attribute)
+        return getattr(self._layer_object(), attribute)
+
+    def __setattr__(self, attribute: str, value) -> None:
+        if attribute in self._OWN:
+            object.__setattr__(self, attribute, value)
+        else:
+            setattr(self._layer_object(), attribute, value)
 
 
 log = logging.getLogger("caffejax")
@@ -330,7 +362,10 @@ class Net:
                 blobs.append(self._param_blobs[slot.storage])
             if blobs:
                 self.params[layer.name] = blobs
-        self.layers = [LayerView(layer.name, layer.type, self.params.get(layer.name, []))
+        self.layers = [PythonLayerView(layer.name, self.params.get(layer.name, []),
+                                       functools.partial(self._python_layers.object_of, layer.proto))
+                       if layer.type == "Python"
+                       else LayerView(layer.name, layer.type, self.params.get(layer.name, []))
                        for layer in self._graph.layers]
         to_fill = [(position, layer) for position, layer in enumerate(self._graph.layers)
                    if layer.name in new and layer.name not in skip
