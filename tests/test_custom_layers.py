@@ -397,6 +397,19 @@ class BackwardFails(Scale):
         raise ZeroDivisionError("in backward")
 
 
+class OldStyle(caffejax.Layer):
+    """As py-faster-rcnn's layers were written for the pycaffe of 2015: param_str_, with the underscore."""
+
+    def setup(self, bottom, top):
+        self.value = float(self.param_str_)
+
+    def reshape(self, bottom, top):
+        top[0].reshape(*bottom[0].data.shape)
+
+    def forward(self, bottom, top):
+        top[0].data[...] = bottom[0].data * self.value
+
+
 class Batches(caffejax.Layer):
     """A Python data layer: batch k is rows 4k..4k+3 of a table drawn from the seed in param_str."""
     forwards = 0
@@ -517,6 +530,14 @@ def test_each_net_has_its_own_python_layer_objects(layers_module):
     first.forward()
     np.testing.assert_array_equal(first.blobs["data"].data, x_all[8:12])
     np.testing.assert_array_equal(caffejax.compile_inference(first)({})["data"], x_all[12:16])
+
+
+def test_older_pycaffe_layers_read_param_str_with_an_underscore(layers_module):
+    net = caffejax.Net(_input(2, 3, name="a") + _python_layer("old", "OldStyle", ["a"], "y"), caffejax.TEST,
+                       allow_python_layers=True)
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    np.testing.assert_allclose(net.forward(a=x)["y"], 2.5 * x)
+    assert net.layers[1].param_str_ == net.layers[1].param_str == "2.5"
 
 
 def test_a_python_layer_in_net_layers_is_the_users_object(layers_module):

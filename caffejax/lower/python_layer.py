@@ -56,13 +56,14 @@ class Layer:
     """pycaffe's ``caffe.Layer``: subclass it and override ``setup``, ``reshape``, ``forward``, ``backward``.
 
     caffejax sets ``param_str`` (python_param.param_str) and ``phase`` (caffejax.TRAIN or TEST) before
-    ``setup``. ``bottom``/``top`` are lists of blobs with ``data``, ``diff``, ``shape``, ``count`` and
+    ``setup``, and ``param_str_`` too: the name older pycaffe (and forks such as py-faster-rcnn's) gave it,
+    which their layers read. ``bottom``/``top`` are lists of blobs with ``data``, ``diff``, ``shape``, ``count`` and
     ``reshape(*shape)``, as in pycaffe.
     """
 
     def __init__(self, param: Any = None):
         self.blobs: _LayerBlobs = _LayerBlobs()
-        self.param_str = ""
+        self.param_str = self.param_str_ = ""
         self.phase = 0
 
     def setup(self, bottom, top) -> None:
@@ -187,7 +188,7 @@ def _instance(ctx: LayerContext) -> _Instance:
         if not callable(cls):
             raise ctx.error(f"module '{p.module}' has no layer class '{p.layer}'", GraphError)
         obj = _call(ctx, f"{p.layer}(layer_param)", cls, ctx.layer)
-        obj.param_str = p.param_str
+        obj.param_str = obj.param_str_ = p.param_str
         obj.phase = ctx.phase
         if not isinstance(getattr(obj, "blobs", None), _LayerBlobs):  # an __init__ that skipped caffejax.Layer's
             obj.blobs = _LayerBlobs()
