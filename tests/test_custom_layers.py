@@ -397,17 +397,11 @@ class BackwardFails(Scale):
         raise ZeroDivisionError("in backward")
 
 
-class OldStyle(caffejax.Layer):
+class OldStyle(Scale):
     """As py-faster-rcnn's layers were written for the pycaffe of 2015: param_str_, with the underscore."""
 
     def setup(self, bottom, top):
-        self.value = float(self.param_str_)
-
-    def reshape(self, bottom, top):
-        top[0].reshape(*bottom[0].data.shape)
-
-    def forward(self, bottom, top):
-        top[0].data[...] = bottom[0].data * self.value
+        self.factor = float(self.param_str_)
 
 
 class Batches(caffejax.Layer):
