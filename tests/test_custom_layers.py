@@ -401,7 +401,8 @@ class OldStyle(Scale):
     """As py-faster-rcnn's layers were written for the pycaffe of 2015: param_str_, with the underscore."""
 
     def setup(self, bottom, top):
-        self.factor = float(self.param_str_)
+        cfg = {"TRAIN": 1.0, "TEST": 1.0}  # py-faster-rcnn's ProposalLayer: cfg[str(self.phase)]
+        self.factor = float(self.param_str_) * cfg[str(self.phase)]
 
 
 class Batches(caffejax.Layer):
@@ -527,11 +528,14 @@ def test_each_net_has_its_own_python_layer_objects(layers_module):
 
 
 def test_older_pycaffe_layers_read_param_str_with_an_underscore(layers_module):
+    """Layers written for older pycaffe read self.param_str_ and key tables by str(self.phase) (TRAIN / TEST)."""
     net = caffejax.Net(_input(2, 3, name="a") + _python_layer("old", "OldStyle", ["a"], "y"), caffejax.TEST,
                        allow_python_layers=True)
     x = np.arange(6, dtype=np.float32).reshape(2, 3)
     np.testing.assert_allclose(net.forward(a=x)["y"], 2.5 * x)
     assert net.layers[1].param_str_ == net.layers[1].param_str == "2.5"
+    phase = net.layers[1].phase
+    assert phase == caffejax.TEST == 1 and str(phase) == "TEST" and isinstance(phase, int)
 
 
 def test_a_python_layer_in_net_layers_is_the_users_object(layers_module):

@@ -52,11 +52,22 @@ from caffejax.runtime.blob import Blob
 Shape = tuple[int, ...]
 
 
+class Phase(int):
+    """A Python layer's ``self.phase``: the int BVLC's python_layer.hpp sets (0 TRAIN, 1 TEST), printed by
+    name as pycaffe's Phase enum prints, since layers written for older pycaffe key tables by it
+    (py-faster-rcnn's ``cfg[str(self.phase)]``)."""
+
+    def __str__(self) -> str:
+        return ("TRAIN", "TEST")[self] if 0 <= self <= 1 else int.__repr__(self)
+
+    __repr__ = __str__
+
+
 class Layer:
     """pycaffe's ``caffe.Layer``: subclass it and override ``setup``, ``reshape``, ``forward``, ``backward``.
 
     caffejax sets ``param_str`` (python_param.param_str) and ``phase`` (caffejax.TRAIN or TEST) before
-    ``setup``, and ``param_str_`` too: the name older pycaffe (and forks such as py-faster-rcnn's) gave it,
+    ``setup`` (``str(self.phase)`` is "TRAIN" or "TEST", see :class:`Phase`), and ``param_str_`` too: the name older pycaffe (and forks such as py-faster-rcnn's) gave it,
     which their layers read. ``bottom``/``top`` are lists of blobs with ``data``, ``diff``, ``shape``, ``count`` and
     ``reshape(*shape)``, as in pycaffe.
     """
@@ -189,7 +200,7 @@ def _instance(ctx: LayerContext) -> _Instance:
             raise ctx.error(f"module '{p.module}' has no layer class '{p.layer}'", GraphError)
         obj = _call(ctx, f"{p.layer}(layer_param)", cls, ctx.layer)
         obj.param_str = obj.param_str_ = p.param_str
-        obj.phase = ctx.phase
+        obj.phase = Phase(ctx.phase)
         if not isinstance(getattr(obj, "blobs", None), _LayerBlobs):  # an __init__ that skipped caffejax.Layer's
             obj.blobs = _LayerBlobs()
         instance = objects[key] = _Instance(obj)
