@@ -15,7 +15,7 @@ import numpy as np
 
 from caffejax.errors import (CaffejaxError, DataSourceUnavailable, GraphError, SchemaError, ShapeError,
                              UnsupportedError, layer_error)
-from caffejax.frontend.filter_net import filter_net
+from caffejax.frontend.filter_net import filter_net, with_state
 from caffejax.frontend.insert_splits import insert_splits
 from caffejax.frontend.ir import Graph, Layer, ParamSlot, Shape
 from caffejax.frontend.prototxt import parse_net_text
@@ -50,11 +50,7 @@ def build_graph(net: caffe_pb2.NetParameter, phase: int, level: int = 0, stages:
     fresh Caffe blob holds. ``python_layers``: the net's pycaffe layer objects (PythonLayers), which
     ``Python`` layers' setup and reshape run on.
     """
-    param = caffe_pb2.NetParameter()
-    param.CopyFrom(net)
-    param.state.phase = phase
-    param.state.level = level
-    param.state.stage.extend(stages)
+    param = with_state(net, phase, level, stages)
     param = filter_net(param, param.state)
     distinct_layer_names(param)
     param = insert_splits(param)

@@ -12,6 +12,17 @@ def make_state(phase: int, level: int = 0, stages=()) -> caffe_pb2.NetState:
     return state
 
 
+def with_state(net: caffe_pb2.NetParameter, phase: int, level: int = 0, stages=()) -> caffe_pb2.NetParameter:
+    """A copy of ``net`` whose NetState is the one a Net of this phase, level and stages is made with (what
+    FilterNet filters by, and what Caffe prints among the net's parameters)."""
+    stated = caffe_pb2.NetParameter()
+    stated.CopyFrom(net)
+    stated.state.phase = phase
+    stated.state.level = level
+    stated.state.stage.extend(stages)
+    return stated
+
+
 def state_meets_rule(state: caffe_pb2.NetState, rule: caffe_pb2.NetStateRule) -> bool:
     """A rule matches only if every condition it states holds (phase, level range, stages, not_stages)."""
     return rule_failure(state, rule) is None

@@ -66,10 +66,10 @@ class Phase(int):
 class Layer:
     """pycaffe's ``caffe.Layer``: subclass it and override ``setup``, ``reshape``, ``forward``, ``backward``.
 
-    caffejax sets ``param_str`` (python_param.param_str) and ``phase`` (caffejax.TRAIN or TEST) before
-    ``setup`` (``str(self.phase)`` is "TRAIN" or "TEST", see :class:`Phase`), and ``param_str_`` too: the name older pycaffe (and forks such as py-faster-rcnn's) gave it,
-    which their layers read. ``bottom``/``top`` are lists of blobs with ``data``, ``diff``, ``shape``, ``count`` and
-    ``reshape(*shape)``, as in pycaffe.
+    caffejax sets ``param_str`` (python_param.param_str) and ``phase`` (caffejax.TRAIN or TEST; its str() is
+    "TRAIN" or "TEST", see :class:`Phase`) before ``setup``, and ``param_str_`` too: the name older pycaffe
+    (and forks such as py-faster-rcnn's) gave it, which their layers read. ``bottom``/``top`` are lists of
+    blobs with ``data``, ``diff``, ``shape``, ``count`` and ``reshape(*shape)``, as in pycaffe.
     """
 
     def __init__(self, param: Any = None):

@@ -37,6 +37,8 @@ from caffejax.runtime.net_init_log import log_net_init
 from caffejax.runtime.program_cache import describe_graph, jit_through_cache
 from caffejax.runtime.xla_options import compiler_options, matmul_flops
 
+log = logging.getLogger("caffejax")
+
 _fold_in = jax.jit(jax.random.fold_in)
 
 
@@ -80,8 +82,6 @@ class PythonLayerView(LayerView):
         else:
             setattr(self._layer_object(), attribute, value)
 
-
-log = logging.getLogger("caffejax")
 
 _CALLBACK_POINTS = ("before_forward", "after_forward", "before_backward", "after_backward")
 

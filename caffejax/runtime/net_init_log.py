@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 
-from caffejax.frontend.filter_net import filter_net
+from caffejax.frontend.filter_net import filter_net, with_state
 from caffejax.frontend.ir import Graph
 from caffejax.frontend.prototxt import to_text
 from caffejax.proto import caffe_pb2
@@ -38,11 +38,7 @@ def log_net_init(net_param: caffe_pb2.NetParameter, graph: Graph, itemsize: int)
 
 
 def net_init_lines(net_param: caffe_pb2.NetParameter, graph: Graph, itemsize: int = 4) -> list[str]:
-    stated = caffe_pb2.NetParameter()
-    stated.CopyFrom(net_param)
-    stated.state.phase = graph.phase
-    stated.state.level = graph.level
-    stated.state.stage.extend(graph.stages)
+    stated = with_state(net_param, graph.phase, graph.level, graph.stages)
     lines: list[str] = []
     filtered = filter_net(stated, stated.state, notes=lines)
     lines.append("Initializing net from parameters: \n" + to_text(filtered).rstrip("\n"))
