@@ -210,6 +210,34 @@ def test_log_and_init_log_use_caffes_log(caplog):
         logger.setLevel(level)
 
 
+# A process that configured no logging: Caffe's log shows where glog writes it, on stderr, and a script's own
+# output keeps stdout to itself (``python train.py > scores.txt``).
+_LOG_SCRIPT = """
+import caffejax
+from caffejax.proto import caffe_pb2
+from google.protobuf import text_format
+param = caffe_pb2.SolverParameter(base_lr=0.1, max_iter=2, display=1, lr_policy="fixed")
+text_format.Merge(%r, param.net_param)
+caffejax.SGDSolver(param).solve()
+caffejax.init_log(0, False)
+caffejax.log("asked for by the script")
+print("the script's own line")
+"""
+
+
+def test_caffes_log_goes_to_stderr_and_leaves_stdout_to_the_script(tmp_path):
+    import subprocess
+    import sys
+
+    script = _LOG_SCRIPT % NET.replace('"x" type: "Input"', '"x" type: "DummyData"').replace(
+        "input_param", "dummy_data_param")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "the script's own line\n"
+    for line in ("Solver scaffolding done.", "Iteration 0 (", "Optimization Done.", "] asked for by the script"):
+        assert line in done.stderr
+
+
 def test_multi_gpu_settings_accept_one_solver_and_refuse_more():
     assert caffejax.solver_count() == 1 and caffejax.solver_rank() == 0 and caffejax.has_nccl() is False
     caffejax.set_solver_count(1)

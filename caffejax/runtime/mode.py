@@ -137,14 +137,16 @@ class GlogFormatter(logging.Formatter):
 
 def init_log(level: int = 0, stderr: bool | None = None) -> None:
     """pycaffe's ``caffe.init_log([level[, stderr]])``: Caffe's log (the ``caffejax`` logger) shown from glog's
-    ``level`` up (0 INFO, 1 WARNING, 2 ERROR, 3 FATAL), on stdout as Caffe's tools write it or, with
-    ``stderr``, on stderr. An application that configured logging itself keeps its handlers."""
+    ``level`` up (0 INFO, 1 WARNING, 2 ERROR, 3 FATAL), on stderr. glog never writes its log to stdout: with
+    ``stderr`` (FLAGS_logtostderr) it writes to stderr, without it to log files under /tmp, which caffejax does
+    not write, so ``stderr`` changes nothing here. An application that configured logging itself keeps its
+    handlers."""
     if not 0 <= int(level) < len(_GLOG_LEVELS):
         raise ValueError(f"init_log: level {level} is not one of glog's 0 (INFO) .. 3 (FATAL)")
     log.setLevel(_GLOG_LEVELS[int(level)])
     if log.handlers or logging.getLogger().handlers:
         return
-    handler = logging.StreamHandler(sys.stderr if stderr else sys.stdout)
+    handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(GlogFormatter())
     log.addHandler(handler)
 

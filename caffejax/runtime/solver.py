@@ -1018,10 +1018,12 @@ def _train_step_fn(program, solver: Solver, device_axis: str | None = None, retu
 # ---- output ---------------------------------------------------------------------------------------------------
 
 def _ensure_log_output() -> None:
-    """Show the training log on stdout, as Caffe does, unless the application configured logging itself."""
+    """Show the training log on stderr, where Caffe's shows (glog writes to stderr before InitGoogleLogging, and
+    caffe.cpp sets alsologtostderr), unless the application configured logging itself. Not stdout: a script's
+    own output there (``python train.py > scores.txt``) stays its own."""
     if log.handlers or logging.getLogger().handlers:
         return
-    handler = logging.StreamHandler(sys.stdout)
+    handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(GlogFormatter())
     log.addHandler(handler)
     if log.level == logging.NOTSET:
