@@ -26,6 +26,7 @@ import numpy as np
 
 from caffejax.errors import CaffejaxError, ShapeError, UnsupportedError
 from caffejax.fileio import atomic_write
+from caffejax.lower.python_layer import calls_back
 
 __all__ = ["export_stablehlo", "load_stablehlo", "StableHLOModel", "to_flax", "save_flax_state", "load_flax_state"]
 
@@ -58,7 +59,7 @@ def export_stablehlo(net, path: str, *, batch: int | None = None,
     given. ``platforms`` (e.g. ``("cpu", "cuda")``) lowers for those backends instead of the default one.
     """
     graph = net.graph
-    python = [layer.name for layer in graph.layers if layer.type == "Python"]
+    python = [layer.name for layer in graph.layers if calls_back(layer)]
     if python:  # their code runs in this process, as host callbacks, which a serialized program cannot hold
         raise UnsupportedError(f"cannot export Python layers {python} to StableHLO: their code runs on the host, "
                                "in this process; register pure-JAX rules for them (caffejax.register_layer)")

@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 
 import caffejax
+from caffejax.errors import DataError
 from caffejax.frontend import prototxt
 from caffejax.frontend.prototxt import ForkParam, ForkParamField, register_fork_param
 from caffejax.lower import forks, registry
+from caffejax.proto import caffe_pb2
 
 
 @pytest.fixture
@@ -405,6 +407,28 @@ class OldStyle(Scale):
         self.factor = float(self.param_str_) * cfg[str(self.phase)]
 
 
+class Images(caffejax.Layer):
+    """A Python data layer serving one image a batch, each of its own size, with a label per pixel, as FCN's
+    VOC and SBDD layers do (they load the image in reshape): the sizes cycle through param_str's "HxW" list."""
+
+    def setup(self, bottom, top):
+        self.sizes = [tuple(int(d) for d in size.split("x")) for size in self.param_str.split()]
+        self.rng = np.random.default_rng(5)
+        self.k = 0
+
+    def reshape(self, bottom, top):
+        h, w = self.sizes[self.k % len(self.sizes)]
+        self.image = self.rng.normal(size=(1, 2, h, w))
+        self.label = self.rng.integers(0, 3, (1, 1, h, w))
+        top[0].reshape(*self.image.shape)
+        top[1].reshape(*self.label.shape)
+
+    def forward(self, bottom, top):
+        top[0].data[...] = self.image
+        top[1].data[...] = self.label
+        self.k += 1
+
+
 class Batches(caffejax.Layer):
     """A Python data layer: batch k is rows 4k..4k+3 of a table drawn from the seed in param_str."""
     forwards = 0
@@ -513,7 +537,8 @@ def _batches_table() -> tuple[np.ndarray, np.ndarray]:
 
 def test_each_net_has_its_own_python_layer_objects(layers_module):
     """Caffe makes one layer object per net: two nets from one prototxt serve their batches from the first one
-    each, and a net keeps its object when it is rebuilt (reshape) and in compile_inference's program."""
+    each, and a net keeps its object when it is rebuilt (reshape). An inference function takes the data layer's
+    tops as inputs, as it takes any data layer's: it does not run the layer."""
     x_all, _ = _batches_table()
     first, second = (caffejax.Net(PYTHON_DATA_LAYER, caffejax.TEST, allow_python_layers=True) for _ in range(2))
     first.forward()
@@ -524,7 +549,12 @@ def test_each_net_has_its_own_python_layer_objects(layers_module):
     first.reshape()
     first.forward()
     np.testing.assert_array_equal(first.blobs["data"].data, x_all[8:12])
-    np.testing.assert_array_equal(caffejax.compile_inference(first)({})["data"], x_all[12:16])
+    infer = caffejax.compile_inference(first)
+    assert infer.inputs == ["data", "label"]
+    given = np.full((2, 5), 7, np.float32)
+    np.testing.assert_array_equal(infer({"data": given, "label": np.zeros(2, np.float32)})["data"], given)
+    first.forward()
+    np.testing.assert_array_equal(first.blobs["data"].data, x_all[12:16])
 
 
 def test_older_pycaffe_layers_read_param_str_with_an_underscore(layers_module):
@@ -668,6 +698,68 @@ layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip"
         inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.5 } } }
 layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
 '''
+
+
+# A fully convolutional net on a Python data layer serving one image of its own size a batch (FCN's way).
+_FCN_HEAD = '''
+layer { name: "score" type: "Convolution" bottom: "data" top: "score"
+        convolution_param { num_output: 3 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "score" bottom: "label" top: "loss" }
+'''
+IMAGES_NET = ('layer { name: "data" type: "Python" top: "data" top: "label" python_param { '
+              'module: "caffejax_test_pylayers" layer: "Images" param_str: "5x7 6x4" } }\n' + _FCN_HEAD)
+FED_IMAGES_NET = ('layer { name: "data" type: "Input" top: "data" top: "label" input_param { '
+                  'shape { dim: 1 dim: 2 dim: 5 dim: 7 } shape { dim: 1 dim: 1 dim: 5 dim: 7 } } }\n' + _FCN_HEAD)
+
+
+def test_a_python_data_layer_serves_batches_of_changing_shapes(layers_module):
+    """A Python data layer runs on the host before each pass, as Caffe's data layers do, and its tops are fed:
+    the net reshapes to each batch (a program per shape) and gives the loss and gradients of the batch served,
+    those of a net fed the same arrays by hand. caffejax ran it inside the program, whose shapes are fixed: the
+    second image raised a ShapeError."""
+    net = caffejax.Net(IMAGES_NET, caffejax.TRAIN, allow_python_layers=True)
+    fed = caffejax.Net(FED_IMAGES_NET, caffejax.TRAIN)
+    for blob, twin in zip(net.params["score"], fed.params["score"]):
+        twin.data[...] = blob.data
+    shapes = []
+    for _ in range(3):
+        loss = net.forward()["loss"]
+        net.backward()
+        x, y = np.array(net.blobs["data"].data), np.array(net.blobs["label"].data)
+        shapes.append(x.shape)
+        fed.blobs["data"].reshape(*x.shape)
+        fed.blobs["label"].reshape(*y.shape)
+        np.testing.assert_allclose(loss, fed.forward(data=x, label=y)["loss"], rtol=1e-6)
+        fed.backward()
+        for blob, twin in zip(net.params["score"], fed.params["score"]):
+            np.testing.assert_allclose(blob.diff, twin.diff, rtol=1e-5, atol=1e-7)
+    assert shapes == [(1, 2, 5, 7), (1, 2, 6, 4), (1, 2, 5, 7)]
+
+
+def test_a_solver_trains_through_a_python_data_layer_of_changing_shapes(layers_module):
+    """Three SGD steps over images of two sizes give the weights of three steps over the same arrays fed by hand
+    (FCN's solve.py trains so: batch 1, each image its own size); iter_size over batches of different shapes is
+    refused, naming the blob and the shapes."""
+    def solver_for(net_text, **extra):
+        param = caffe_pb2.SolverParameter(type="SGD", base_lr=0.1, momentum=0.9, lr_policy="fixed", max_iter=10,
+                                          **extra)
+        param.net_param.CopyFrom(prototxt.parse_net_text(net_text))
+        return caffejax.get_solver(param, allow_python_layers=True)
+
+    solver, fed = solver_for(IMAGES_NET), solver_for(FED_IMAGES_NET)
+    for blob, twin in zip(solver.net.params["score"], fed.net.params["score"]):
+        twin.data[...] = blob.data
+    for _ in range(3):
+        solver.step(1)
+        for name in ("data", "label"):
+            served = np.array(solver.net.blobs[name].data)
+            fed.net.blobs[name].reshape(*served.shape)
+            fed.net.blobs[name].data[...] = served
+        fed.step(1)
+    for blob, twin in zip(solver.net.params["score"], fed.net.params["score"]):
+        np.testing.assert_allclose(blob.data, twin.data, rtol=1e-5, atol=1e-6)
+    with pytest.raises(DataError, match=r"iter_size 2: the batches of 'data' differ in shape"):
+        solver_for(IMAGES_NET, iter_size=2).step(1)
 
 
 def _softmax_loss_grads(net, x, y):

@@ -188,8 +188,10 @@ def test_refuses_uneven_batches_and_missing_devices():
 
 
 @needs_four
-def test_refuses_python_layers_over_several_devices(tmp_path, monkeypatch):
-    """One host object serves a Python layer for every device, in no set order: refused, by name."""
+def test_refuses_python_layers_over_several_devices_but_not_python_data_layers(tmp_path, monkeypatch):
+    """One host object serves a Python layer inside the program for every device, in no set order: refused, by
+    name. A Python data layer runs on the host before the program, as other data layers do, and is dealt out
+    to the devices like theirs."""
     (tmp_path / "caffejax_test_devices_pylayer.py").write_text(textwrap.dedent("""
         import caffejax
 
@@ -202,18 +204,42 @@ def test_refuses_python_layers_over_several_devices(tmp_path, monkeypatch):
 
             def forward(self, bottom, top):
                 top[0].data[...] = 1
+
+        class Twice(caffejax.Layer):
+            def setup(self, bottom, top):
+                pass
+
+            def reshape(self, bottom, top):
+                top[0].reshape(*bottom[0].shape)
+
+            def forward(self, bottom, top):
+                top[0].data[...] = 2 * bottom[0].data
+
+            def backward(self, top, propagate_down, bottom):
+                bottom[0].diff[...] = 2 * top[0].diff
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
-    param = caffe_pb2.SolverParameter(type="SGD", base_lr=0.1, lr_policy="fixed", max_iter=1)
-    param.net_param.CopyFrom(parse_net_text("""
-        layer { name: "ones" type: "Python" top: "x"
-                python_param { module: "caffejax_test_devices_pylayer" layer: "Ones" } }
-        layer { name: "ip" type: "InnerProduct" bottom: "x" top: "y" inner_product_param { num_output: 2 } }
-        layer { name: "loss" type: "EuclideanLoss" bottom: "y" bottom: "y" top: "loss" }
-    """))
-    with pytest.raises(caffejax.UnsupportedError, match="Python layers \\['ones'\\].*on one device, not 2"):
-        caffejax.get_solver(param, devices=2, allow_python_layers=True)
-    caffejax.get_solver(param, allow_python_layers=True).step(1)
+    data = """layer { name: "ones" type: "Python" top: "x"
+                      python_param { module: "caffejax_test_devices_pylayer" layer: "Ones" } }
+    """
+    twice = """layer { name: "twice" type: "Python" bottom: "x" top: "x2"
+                       python_param { module: "caffejax_test_devices_pylayer" layer: "Twice" } }
+    """
+    head = """layer { name: "ip" type: "InnerProduct" bottom: "%s" top: "y" inner_product_param { num_output: 2 } }
+              layer { name: "loss" type: "EuclideanLoss" bottom: "y" bottom: "y" top: "loss" }
+    """
+
+    def solver_param(text):
+        param = caffe_pb2.SolverParameter(type="SGD", base_lr=0.1, lr_policy="fixed", max_iter=1)
+        param.net_param.CopyFrom(parse_net_text(text))
+        return param
+
+    with pytest.raises(caffejax.UnsupportedError, match="Python layers \\['twice'\\].*on one device, not 2"):
+        caffejax.get_solver(solver_param(data + twice + head % "x2"), devices=2, allow_python_layers=True)
+    caffejax.get_solver(solver_param(data + twice + head % "x2"), allow_python_layers=True).step(1)
+    solver = caffejax.get_solver(solver_param(data + head % "x"), devices=2, allow_python_layers=True)
+    solver.step(1)
+    np.testing.assert_array_equal(solver.net.blobs["x"].data, np.ones((4, 3)))  # each device's batch of 2
 
 
 # ---- inference ---------------------------------------------------------------------------------------------------

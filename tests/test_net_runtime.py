@@ -689,3 +689,27 @@ def test_compiled_inference_with_big_buffers_gets_its_numpy_inputs_on_the_device
     np.testing.assert_array_equal(infer({"data": x})["prob"], expected)
     np.testing.assert_array_equal(infer({"data": jax.numpy.asarray(x)})["prob"], expected)
     assert calls == [[False], [True]]
+
+
+def test_compiled_inference_takes_a_data_layers_tops_as_inputs():
+    """A net whose batch comes from a data layer (a train_val net) compiles for inference with that layer's tops
+    as inputs: the caller gives the batch, at any size, and gets the net's forward on it. It raised a bare
+    KeyError ('data') on the first call, the inputs listing only Input layers."""
+    text = """
+        layer { name: "mem" type: "MemoryData" top: "data" top: "label"
+                memory_data_param { batch_size: 2 channels: 3 height: 1 width: 1 } }
+        layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip"
+                inner_product_param { num_output: 2 weight_filler { type: "gaussian" std: 1 } } }
+        layer { name: "prob" type: "Softmax" bottom: "ip" top: "prob" }
+    """
+    from caffejax.frontend.prototxt import parse_net_text
+
+    net = caffejax.Net(parse_net_text(text), caffejax.TEST)
+    infer = caffejax.compile_inference(net)
+    assert infer.inputs == ["data", "label"]
+    x = np.random.default_rng(0).normal(size=(5, 3, 1, 1)).astype(np.float32)
+    w, b = (np.asarray(blob.data, np.float64) for blob in net.params["ip"])
+    z = x.reshape(5, 3) @ w.T + b
+    expected = np.exp(z - z.max(1, keepdims=True))
+    expected /= expected.sum(1, keepdims=True)
+    np.testing.assert_allclose(infer({"data": x, "label": np.zeros(5, np.float32)})["prob"], expected, rtol=1e-5)

@@ -429,9 +429,9 @@ def _log_device(args, training_devices: int | None = None) -> None:
 def _fed_layer_seconds(net, layer, iterations: int) -> float:
     """A layer whose tops are fed to the programs: an Input layer does nothing (0); a data layer's forward is
     reading its next batch on the host (the records move on, as Caffe's timed Forward moves them)."""
-    from caffejax.lower.registry import get_rule
+    from caffejax.runtime.net import pulls_batches
 
-    if get_rule(layer.type).data_source is None:
+    if not pulls_batches(layer):
         return 0.0
     source = net._data_source(layer)
     start = clock.perf_counter()

@@ -255,11 +255,16 @@ class _Builder:
 
     def _shapes(self, lp, rule: LayerRule, tops, bottom_shapes, concrete):
         """(param shapes, top shapes, is_input) of one layer; shapes are None downstream of unknown data."""
-        if rule.input_shapes is not None:
+        shapes = None  # the shapes of a fed layer's tops (is_input)
+        if lp.type == "Python":  # a data layer's tops are fed: it runs on the host before each pass
+            from caffejax.lower.python_layer import data_layer_top_shapes  # noqa: PLC0415 (runtime imports build)
+            shapes = data_layer_top_shapes(lp, self.phase, self.python_layers)
+        elif rule.input_shapes is not None:
             try:
                 shapes = _declared(rule, lp, self.phase, self.base_dir, len(tops))
             except DataSourceUnavailable:
                 shapes = [None] * len(tops)
+        if shapes is not None:
             shapes = [tuple(self.input_shapes[t]) if t in self.input_shapes else s for t, s in zip(tops, shapes)]
             for s in shapes:
                 if s is not None:

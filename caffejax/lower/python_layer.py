@@ -8,9 +8,11 @@ this rule run, and it runs the layer as pycaffe does:
   object gets ``param_str`` and ``phase``, then ``setup(bottom, top)`` and ``reshape(bottom, top)`` run once,
   at net build, on host blobs of the bottom shapes (zeros, as a fresh Caffe blob holds). The tops' shapes
   after ``reshape`` are the layer's top shapes: the compiled program has fixed shapes.
+- A data layer (no bottoms, no learnable blobs) runs on the host before each pass instead, as the net reads
+  the built-in data layers' batches (:class:`HostDataLayer`); its tops are fed to the program, so their shapes
+  may change from batch to batch (the net compiles a program per shape signature).
 - In the program, forward is a ``jax.pure_callback`` to ``reshape`` + ``forward`` on host copies of the
-  bottoms, given the pass's key too so that it runs once per pass (a layer without bottoms, a data layer, is
-  an ordered ``io_callback``: it runs once per pass, in order); backward (a ``jax.custom_vjp``) is a
+  bottoms, given the pass's key too so that it runs once per pass; backward (a ``jax.custom_vjp``) is a
   callback to the layer's ``backward(top, propagate_down, bottom)``, which fills the diffs of the bottoms
   whose ``propagate_down`` is true: as in Caffe, those the gradient reaches (not a label). An in-place top
   (``top: x`` over ``bottom: x``) is its bottom's blob in both calls, as Caffe shares it. JAX reports a
@@ -43,7 +45,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
-from jax.experimental import io_callback
 
 from caffejax.errors import CaffejaxError, GraphError, ShapeError, layer_error
 from caffejax.lower.registry import LayerContext, layer
@@ -237,6 +238,58 @@ def _top_shapes(ctx: LayerContext, instance: _Instance, bottom_shapes: tuple[Sha
     return shapes
 
 
+# ---- data layers: run on the host before each pass ------------------------------------------------------------
+
+def data_layer_top_shapes(layer_param, phase: int, python_layers: PythonLayers | None) -> list[Shape] | None:
+    """The top shapes of a Python data layer after its setup and first reshape (Caffe's SetUp at net build), or
+    None for any other Python layer. A data layer has no bottoms and no learnable blobs: the net runs it on the
+    host before each pass (:class:`HostDataLayer`), as it reads the built-in data layers' batches, and feeds its
+    tops to the compiled program. So its tops may change shape from batch to batch, the program being compiled
+    once per shape signature as for any fed blob: FCN's VOC and SBDD layers serve one image of its own size a
+    batch, py-faster-rcnn's RoIDataLayer one scaled image."""
+    if len(layer_param.bottom):
+        return None
+    ctx = LayerContext(layer=layer_param, phase=phase, num_tops=len(layer_param.top), python_layers=python_layers)
+    instance = _instance(ctx)
+    _set_up(ctx, instance, (), np.dtype(np.float32))
+    if instance.blob_shapes:
+        return None
+    shapes = _top_shapes(ctx, instance, (), np.dtype(np.float32))
+    if len(shapes) != ctx.num_tops:
+        raise ctx.error(f"the layer's reshape gave {len(shapes)} tops, the prototxt names {ctx.num_tops}",
+                        GraphError)
+    return shapes
+
+
+def calls_back(layer) -> bool:
+    """Whether an IR layer is a Python layer the compiled program calls back into: every one but a data layer,
+    whose tops are fed (it runs on the host before the pass)."""
+    return layer.type == "Python" and not layer.is_input
+
+
+class HostDataLayer:
+    """A Python data layer as its net's data source: each ``next_batch`` runs the layer's ``reshape`` and
+    ``forward`` on its top blobs (kept from batch to batch, as Caffe's are) and hands back copies of their
+    data. A failure in the layer's code is a GraphError naming the layer, caused by the layer's exception."""
+
+    def __init__(self, layer_param, phase: int, python_layers: PythonLayers | None, dtype=np.float32):
+        ctx = LayerContext(layer=layer_param, phase=phase, num_tops=len(layer_param.top), python_layers=python_layers)
+        self._name, self._type, self._dtype = ctx.name, ctx.type, np.dtype(dtype)
+        self._instance = _instance(ctx)
+        _set_up(ctx, self._instance, (), self._dtype)
+        self._top = [Blob(shape, self._dtype) for shape in self._instance.last_top_shapes]
+
+    def next_batch(self) -> list[np.ndarray]:
+        obj, top = self._instance.obj, self._top
+        _checked(self._name, self._type, "reshape", obj.reshape, [], top)
+        _checked(self._name, self._type, "forward", obj.forward, [], top)
+        self._instance.last_top_shapes = [tuple(int(d) for d in t.shape) for t in top]
+        return [np.array(t.data, self._dtype) for t in top]
+
+    def close(self) -> None:
+        """Nothing to close: the layer object lives as long as its net (a later pass goes on from where it is)."""
+
+
 class _QuietLayerFailures(logging.Filter):
     """Drops JAX's log record of a callback failure that is a Python layer's typed error: JAX logs the whole
     traceback to stderr as it turns the failure into its runtime error, and the net's PythonLayers then raises
@@ -295,12 +348,8 @@ def _on_host(ctx: LayerContext, instance: _Instance, top_shapes: list[Shape], dt
 
     if ctx.recorded_tops is not None:  # a backward pass after the net's forward: the tops that forward left
         return _replayed(ctx, instance, top_shapes, dtype, bottoms, params)
-    if not bottoms and not params:
-        # A data layer: its forward serves the next batch, so it must run once per pass, in order. A pure
-        # callback without operands is loop-invariant to XLA: inside the scan over iter_size passes it was
-        # hoisted and ran once an iteration, every pass training on the same batch.
-        return list(io_callback(forward_on_host, out_types, ordered=True)), []
 
+    # A data layer (no bottoms, no learnable blobs) never gets here: its tops are fed (HostDataLayer).
     # The pass's key goes to the callback too, unused: a pure callback whose operands are the same in every pass
     # of a solver's scan over iter_size passes (bottoms from an Input) is loop-invariant to XLA, which hoisted
     # it, so the layer's forward ran once an iteration. Each pass has its own key (Caffe calls forward per pass).
@@ -320,9 +369,6 @@ def _replayed(ctx: LayerContext, instance: _Instance, top_shapes: list[Shape], d
     reads the tops Forward left and never runs forward again (a data layer would serve the next batch, a layer
     that samples would sample again). The learnable blobs hold what that forward left: the net's params now."""
     recorded = tuple(jnp.asarray(t, dtype).reshape(shape) for t, shape in zip(ctx.recorded_tops, top_shapes))
-    if not bottoms and not params:
-        return list(recorded), []
-
     def given(tops, *xs):
         return (*tops, *xs[len(bottoms):])
 

@@ -46,8 +46,8 @@ class _Program:
 
 
 class InferenceFunction:
-    """``infer(inputs) -> outputs``: input arrays by input blob name (NCHW, any batch size) to the net's
-    output blobs (float32). ``compile_count`` counts the programs built (one per input-shape signature)."""
+    """``infer(inputs) -> outputs``: input arrays by input blob name (NCHW, any batch size; the Input layers' and
+    the data layers' tops, ``inputs``) to the net's output blobs (float32). ``compile_count`` counts the programs built (one per input-shape signature)."""
 
     def __init__(self, net, passes: Sequence[str] | None, dtype, devices=None):
         self.dtype = jnp.dtype(dtype)
@@ -60,7 +60,8 @@ class InferenceFunction:
         # the device can take as its own (prepare_params).
         self._weights = {owner: [aligned_copy(a) for a in arrays] for owner, arrays in net.param_arrays().items()}
         self._programs: dict[Shapes, _Program] = {}
-        self.inputs = list(net.inputs)
+        # The caller gives the batch a data layer would read (a Python data layer is not run either).
+        self.inputs = list(net.graph.fed)
         self._input_names, self._sorted_inputs = frozenset(self.inputs), sorted(self.inputs)
         self.outputs = list(net.outputs)
         self._mesh = None

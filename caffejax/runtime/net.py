@@ -27,7 +27,7 @@ from caffejax.frontend.ir import Graph
 from caffejax.lower.fillers import HostKey, fold_in
 from caffejax.lower.optimize import layout_kernels
 from caffejax.lower.program import NetProgram
-from caffejax.lower.python_layer import PythonLayers
+from caffejax.lower.python_layer import HostDataLayer, PythonLayers, calls_back
 from caffejax.lower.registry import TRAIN, TEST, get_rule
 from caffejax.runtime import mode
 from caffejax.runtime.blob import ArraySlot, Blob
@@ -89,7 +89,13 @@ _CALLBACK_POINTS = ("before_forward", "after_forward", "before_backward", "after
 def _python_top_values(layers) -> list[str]:
     """The value ids of the tops of the Python layers among ``layers``: a forward records them, for the backward
     that must not run those layers again."""
-    return [v for layer in layers if layer.type == "Python" for v in layer.top_values]
+    return [v for layer in layers if calls_back(layer) for v in layer.top_values]
+
+
+def pulls_batches(layer) -> bool:
+    """Whether a layer's tops are a batch the net reads on the host before each pass: a data layer with a
+    source (Data, ImageData, ...) or a Python data layer."""
+    return layer.is_input and (layer.type == "Python" or get_rule(layer.type).data_source is not None)
 
 
 def _collect(store: list, value) -> None:
@@ -669,7 +675,10 @@ class Net:
     def _data_source(self, layer):
         """The layer's DataSource, opened on first use and kept for the net's lifetime."""
         source = self._sources.get(layer.name)
-        if source is None:
+        if source is None and layer.type == "Python":
+            source = self._sources[layer.name] = HostDataLayer(layer.proto, self._phase, self._python_layers,
+                                                               self._dtype)
+        elif source is None:
             factory = get_rule(layer.type).data_source
             source = self._sources[layer.name] = factory(layer.proto, self._phase, self._base_dir)
         return source
@@ -700,7 +709,7 @@ class Net:
     def _pull_batches(self, layers) -> None:
         """Caffe's data layers produce a new batch on every forward: write it into their top blobs."""
         for layer in layers:
-            if layer.is_input and get_rule(layer.type).data_source is not None:
+            if pulls_batches(layer):
                 for top, array in zip(layer.tops, self._data_source(layer).next_batch()):
                     blob = self.blobs[top]
                     if blob.shape != tuple(array.shape):
@@ -784,8 +793,8 @@ class Net:
     @staticmethod
     def _reruns(layers) -> bool:
         """Whether a pass over ``layers`` may run again to make the blobs it did not hand back: not over a Python
-        layer, which may keep state between calls (a Python data layer serves the next batch)."""
-        return not any(layer.type == "Python" for layer in layers)
+        layer the program calls back into, which may keep state between calls (a data layer's tops are fed)."""
+        return not any(calls_back(layer) for layer in layers)
 
     def _returned_values(self, layers) -> set[str]:
         """The values a compiled pass over ``layers`` hands back: the outputs (values no layer there reads), the

@@ -47,14 +47,15 @@ from caffejax.frontend.build import load_net_param
 from caffejax.frontend.ir import Graph
 from caffejax.frontend.prototxt import locate_layer_error, locate_solver_error, parse_solver_text, to_text
 from caffejax.frontend.upgrade import upgrade_solver_as_needed
-from caffejax.lower.registry import TEST, TRAIN, get_rule
+from caffejax.lower.python_layer import calls_back
+from caffejax.lower.registry import TEST, TRAIN
 from caffejax.proto import caffe_pb2
 from caffejax.runtime import lr_policy, mode, snapshot as snapshots
 from caffejax.runtime.debug_info import log_param_norms
 from caffejax.runtime.distributed import DataParallel, Devices
 from caffejax.runtime.memory import DeviceMemoryErrors
 from caffejax.runtime.mode import GlogFormatter, log_float
-from caffejax.runtime.net import Net, _python_top_values, to_device
+from caffejax.runtime.net import Net, _python_top_values, pulls_batches, to_device
 from caffejax.runtime.program_cache import describe_graph, jit_through_cache
 from caffejax.runtime.xla_options import compiler_options
 
@@ -163,7 +164,7 @@ class Solver:
         # Data parallelism: the train net's blobs hold the global batch (the test nets run on one device).
         self._parallel = DataParallel(devices) if devices is not None else None
         if self._parallel is not None:
-            python = [layer.name for layer in self.net.graph.layers if layer.type == "Python"]
+            python = [layer.name for layer in self.net.graph.layers if calls_back(layer)]
             if python and self._parallel.mesh.size > 1:
                 # Each device's part of the program would call the one layer object, in no set order: a data
                 # layer would hand the devices its batches in a different order on every run.
@@ -597,7 +598,7 @@ class Solver:
             with self.net._python_layers, DeviceMemoryErrors(self.net.graph):
                 loss, norm = (self._train_iteration_by_passes(rate)
                               if self._callbacks or self.net._runs_layer_by_layer() else self._train_iteration(rate))
-                if any(layer.type == "Python" for layer in self.net.graph.layers):
+                if any(calls_back(layer) for layer in self.net.graph.layers):
                     jax.block_until_ready(loss)  # a Python layer's failure surfaces here, as its typed error
             if self.debug_nans:
                 self._check_finite(loss, start_params)
@@ -925,7 +926,7 @@ SOLVER_TYPES: dict[str, type[Solver]] = {cls.type: cls for cls in (SGDSolver, Ne
 
 def _pulled_layers(graph: Graph):
     """Data layers whose batches come from a DataSource (not written by the user)."""
-    return [layer for layer in graph.layers if layer.is_input and get_rule(layer.type).data_source is not None]
+    return [layer for layer in graph.layers if pulls_batches(layer)]
 
 
 _UNHELD_SPARE = 3
