@@ -369,6 +369,7 @@ def _replayed(ctx: LayerContext, instance: _Instance, top_shapes: list[Shape], d
     reads the tops Forward left and never runs forward again (a data layer would serve the next batch, a layer
     that samples would sample again). The learnable blobs hold what that forward left: the net's params now."""
     recorded = tuple(jnp.asarray(t, dtype).reshape(shape) for t, shape in zip(ctx.recorded_tops, top_shapes))
+
     def given(tops, *xs):
         return (*tops, *xs[len(bottoms):])
 

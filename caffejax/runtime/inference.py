@@ -47,7 +47,8 @@ class _Program:
 
 class InferenceFunction:
     """``infer(inputs) -> outputs``: input arrays by input blob name (NCHW, any batch size; the Input layers' and
-    the data layers' tops, ``inputs``) to the net's output blobs (float32). ``compile_count`` counts the programs built (one per input-shape signature)."""
+    the data layers' tops, ``inputs``) to the net's output blobs (float32). ``compile_count`` counts the
+    programs built (one per input-shape signature)."""
 
     def __init__(self, net, passes: Sequence[str] | None, dtype, devices=None):
         self.dtype = jnp.dtype(dtype)
