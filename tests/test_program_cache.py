@@ -215,6 +215,37 @@ def test_programs_of_python_layers_and_carried_state_are_not_kept(cache, tmp_pat
     assert not cache.exists() or not list(cache.glob("*.program"))
 
 
+def test_programs_over_a_python_data_layer_are_kept(cache, tmp_path, caplog):
+    """A Python data layer runs on the host before the program, which only takes its tops: a second net of the
+    same model loads the program (FCN's training restarts compile a program per image size) and computes the
+    same loss on the same batch."""
+    caplog.set_level(logging.DEBUG, logger=program_cache.__name__)
+    text = ('layer { name: "d" type: "Python" top: "x" top: "t" '
+            'python_param { module: "caffejax_test_cached_data" layer: "Ramp" } }\n'
+            'layer { name: "ip" type: "InnerProduct" bottom: "x" top: "y" '
+            'inner_product_param { num_output: 2 weight_filler { type: "constant" value: 0.5 } } }\n'
+            'layer { name: "loss" type: "EuclideanLoss" bottom: "y" bottom: "t" top: "loss" }\n')
+    (tmp_path / "caffejax_test_cached_data.py").write_text(textwrap.dedent('''
+        import numpy as np
+        import caffejax
+        class Ramp(caffejax.Layer):
+            def reshape(self, bottom, top):
+                top[0].reshape(3, 4)
+                top[1].reshape(3, 2)
+            def forward(self, bottom, top):
+                top[0].data[...] = np.arange(12).reshape(3, 4)
+                top[1].data[...] = 1
+        '''))
+    sys.path.insert(0, str(tmp_path))
+    try:
+        losses = [caffejax.Net(text, caffejax.TRAIN, allow_python_layers=True).forward()["loss"] for _ in range(2)]
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("caffejax_test_cached_data", None)
+    assert _events(caplog) == ["compiled", "cache"]
+    assert losses[0] == losses[1] > 0
+
+
 CACHED_RUN = """
 import sys, numpy as np, jax
 jax.config.update("jax_compilation_cache_dir", sys.argv[1])

@@ -13,8 +13,9 @@ process loads the executable directly:
 - the compiler: jax and jaxlib versions, backend and device kind, ``XLA_FLAGS``, the program's compiler
   options and the jax settings that change lowering (x64, default matmul precision).
 
-Graphs with Python layers or rules the user registered are never cached (their code lives outside caffejax). A
-file that fails to load (another jaxlib, a truncated write) is compiled again and replaced.
+Graphs with Python layers (but data layers, whose tops are fed) or rules the user registered are never cached
+(their code lives outside caffejax). A file that fails to load (another jaxlib, a truncated write) is compiled
+again and replaced.
 ``CAFFEJAX_PROGRAM_CACHE=0`` turns the cache off; ``CAFFEJAX_PROGRAM_CACHE=DIR`` puts it in DIR even without
 JAX's cache.
 """
@@ -33,6 +34,7 @@ import jax
 import numpy as np
 
 from caffejax.fileio import atomic_write
+from caffejax.lower.python_layer import calls_back
 from caffejax.lower.registry import get_rule
 from caffejax.runtime.memory import garbage_collection_paused
 from caffejax.runtime.mode import environment_switch
@@ -85,9 +87,11 @@ def _avals(tree) -> str:
 def describe_graph(graph, kernels: Mapping[str, Any]) -> list[bytes | str] | None:
     """What a program over ``graph`` computes, with ``kernels`` (layer name -> kernel) running those layers:
     the parts of its cache key (None: not cacheable). Callers put in front what else decides their program."""
-    if any(layer.type == "Python" or not get_rule(layer.type).forward.__module__.startswith("caffejax.")
+    if any(calls_back(layer) or not get_rule(layer.type).forward.__module__.startswith("caffejax.")
            for layer in graph.layers):
-        return None  # Python layers and rules registered by the user: code no digest of caffejax's covers
+        # Python layers the program calls and rules registered by the user: code no digest of caffejax's covers.
+        # A Python data layer's tops are fed: the program only takes them.
+        return None
     parts: list[bytes | str] = [repr((graph.phase, graph.outputs)), repr(sorted(graph.fed.items())),
                                 repr(sorted(graph.value_shapes.items()))]
     for value, data in sorted(graph.concrete.items()):  # data that decided shapes enters as constants
