@@ -1,5 +1,5 @@
 """The caffejax command line: Caffe's tools (train, test, time, upgrade, convert_imageset, compute_image_mean,
-draw) and export, called in-process through ``main(argv)``."""
+extract_features, draw) and export, called in-process through ``main(argv)``."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from conftest import BUNDLED
 LENET = BUNDLED / "lenet" / "lenet.prototxt"
 LENET_WEIGHTS = BUNDLED / "lenet" / "lenet_iter_10000.caffemodel"
 COMMANDS = ["train", "test", "time", "device-query", "draw", "upgrade", "export", "convert-imageset",
-            "compute-image-mean"]
+            "compute-image-mean", "extract-features"]
 
 
 def run(argv, capsys) -> tuple[int, str]:
@@ -833,3 +833,59 @@ def test_a_training_log_reads_with_caffes_parse_log(tmp_path, capsys, monkeypatc
     assert [row["NumIters"] for row in test] == [0, 3, 6] and all(set(row) >= {"accuracy", "loss"} for row in test)
     seconds = [row["Seconds"] for row in train + test]
     assert all(s >= 0 for s in seconds) and [row["Seconds"] for row in train] == sorted(row["Seconds"] for row in train)
+
+
+FEATURE_NET = """
+layer { name: "data" type: "Data" top: "data" top: "label" include { phase: TEST }
+        transform_param { scale: 0.00390625 } data_param { source: "%s" batch_size: 2 backend: LMDB } }
+layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+        convolution_param { num_output: 2 kernel_size: 3 weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "ip" type: "InnerProduct" bottom: "conv" top: "ip"
+        inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.5 } } }
+"""
+
+
+def test_extract_features_stores_each_images_blobs_as_caffe_does(tmp_path, capsys):
+    """extract_features: NUM_MINI_BATCHES forwards of the TEST net; each named blob's items, one Datum each
+    (float_data, the blob's legacy channels x height x width), under keys 0000000000, 0000000001, ... in a
+    new LMDB per blob: the values of a net run on the same batches (the data layer wraps around its 5 images)."""
+    lmdb = pytest.importorskip("lmdb")
+    images = np.random.default_rng(4).integers(0, 256, (5, 1, 8, 8), dtype=np.uint8)
+    env = lmdb.open(str(tmp_path / "images"), map_size=1 << 24)
+    with env.begin(write=True) as txn:
+        for i, image in enumerate(images):
+            datum = caffe_pb2.Datum(channels=1, height=8, width=8, data=image.tobytes(), label=i)
+            txn.put(f"{i:08d}".encode(), datum.SerializeToString())
+    env.close()
+    (tmp_path / "net.prototxt").write_text(FEATURE_NET % (tmp_path / "images"))
+    reference = caffejax.Net(str(tmp_path / "net.prototxt"), caffejax.TEST)
+    reference.save(str(tmp_path / "w.caffemodel"))
+    expected = {"conv": [], "ip": []}
+    for _ in range(3):
+        blobs = reference.forward(blobs=["conv", "ip"])
+        for name in expected:
+            expected[name].extend(np.array(blobs[name]))
+    argv = ["extract_features", tmp_path / "w.caffemodel", tmp_path / "net.prototxt", "conv,ip",
+            f"{tmp_path / 'conv_db'},{tmp_path / 'ip_db'}", 3, "lmdb", "CPU"]
+    status, err = run(argv, capsys)
+    assert status == 0, err
+    for line in ("Extracted features of 6 query images for feature blob conv",
+                 "Extracted features of 6 query images for feature blob ip", "Successfully extracted the features!"):
+        assert line in err
+    for name, shape in (("conv", (2, 6, 6)), ("ip", (3, 1, 1))):
+        env = lmdb.open(str(tmp_path / f"{name}_db"), readonly=True, lock=False)
+        with env.begin() as txn:
+            records = list(txn.cursor())
+        env.close()
+        assert [key for key, _ in records] == [f"{i:010d}".encode() for i in range(6)]
+        for (_, value), item in zip(records, expected[name]):
+            datum = caffe_pb2.Datum.FromString(value)
+            assert (datum.channels, datum.height, datum.width) == shape and not datum.data
+            np.testing.assert_allclose(np.array(datum.float_data, np.float32), item.ravel(), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(expected["ip"][0], expected["ip"][1])  # the batches differ
+    status, err = run(argv, capsys)
+    assert status == 1 and "conv_db: already exists" in err
+    for names, message in ((["conv", "a,b"], "the number of blob names \\(1\\) and dataset names \\(2\\)"),
+                           (["fc9", "c"], "Unknown feature blob name fc9 in the network")):
+        status, err = run(argv[:3] + names + argv[5:], capsys)
+        assert status == 1 and re.search(message, err), err

@@ -1,6 +1,7 @@
-"""Image databases for Caffe's Data layer: ``convert-imageset`` (tools/convert_imageset.cpp) writes images into
-an LMDB of ``Datum`` records, ``compute-image-mean`` (tools/compute_image_mean.cpp) averages one into a
-``.binaryproto`` mean file.
+"""Caffe's database tools: ``convert-imageset`` (tools/convert_imageset.cpp) writes images into an LMDB of
+``Datum`` records for Caffe's Data layer, ``compute-image-mean`` (tools/compute_image_mean.cpp) averages one into
+a ``.binaryproto`` mean file, and ``extract-features`` (tools/extract_features.cpp) stores a trained net's blobs,
+one ``Datum`` per image, in new LMDBs.
 
 Images are read as Caffe reads them with OpenCV (caffejax.data.images): colour as BGR, or gray, resized with
 INTER_LINEAR when both --resize_height and --resize_width are set. A raw Datum holds the pixels as C x H x W
@@ -10,6 +11,7 @@ another format than asked, else the image re-encoded).
 
 from __future__ import annotations
 
+import argparse
 import io
 import logging
 import os
@@ -29,8 +31,15 @@ JPEG_QUALITY = 95        # cv::imencode's default JPEG quality
 
 
 def add_commands(commands, parents) -> None:
-    p = commands.add_parser(
-        "convert-imageset", aliases=["convert_imageset"], parents=parents,
+    def command(name: str, run, help: str, description: str):
+        """A subcommand named as Caffe's tool (convert_imageset) and GNU style (convert-imageset)."""
+        parser = commands.add_parser(name, aliases=[name.replace("-", "_")], parents=parents, help=help,
+                                     description=description)
+        parser.set_defaults(run=run)
+        return parser
+
+    p = command(
+        "convert-imageset", convert_imageset,
         help="convert a set of images to an LMDB of Datum records",
         description="Convert a set of images to the LMDB format used as input for Caffe (Caffe's "
                     "convert_imageset). LISTFILE has one 'path label' per line; paths are relative to ROOTFOLDER. "
@@ -47,10 +56,9 @@ def add_commands(commands, parents) -> None:
     add_gflags_bool(p, "encoded", help="store the encoded image in the datum")
     p.add_argument("-encode_type", "--encode_type", default="",
                    help="what type to encode the image as ('png', 'jpg', ...); implies --encoded")
-    p.set_defaults(run=convert_imageset)
 
-    p = commands.add_parser(
-        "compute-image-mean", aliases=["compute_image_mean"], parents=parents,
+    p = command(
+        "compute-image-mean", compute_image_mean,
         help="compute the mean image of an image database",
         description="Compute the mean image of a set of images given by an LMDB (Caffe's compute_image_mean); "
                     "write it as a BlobProto (.binaryproto) when OUTPUT_FILE is given, and log each channel's "
@@ -58,7 +66,26 @@ def add_commands(commands, parents) -> None:
     p.add_argument("input_db", metavar="INPUT_DB", help="the database to read")
     p.add_argument("output_file", metavar="OUTPUT_FILE", nargs="?", help="the .binaryproto to write")
     p.add_argument("-backend", "--backend", default="lmdb", help="the database backend: lmdb (default)")
-    p.set_defaults(run=compute_image_mean)
+
+    p = command(
+        "extract-features", extract_features,
+        help="store a trained net's blobs, one Datum per image, in new databases",
+        description="Run the TEST-phase net NUM_MINI_BATCHES times (its data layer reads the images) and store "
+                    "each named blob's values, one Datum of float_data per image, in a new database per blob "
+                    "(Caffe's extract_features). Keys are the image's index, 10 digits.")
+    p.add_argument("pretrained_net_param", metavar="PRETRAINED_NET_PARAM", help="the trained weights (caffemodel)")
+    p.add_argument("feature_extraction_proto", metavar="FEATURE_EXTRACTION_PROTO_FILE",
+                   help="the net definition (prototxt), with a data layer")
+    p.add_argument("blob_names", metavar="BLOB_NAME1[,NAME2,...]", help="the blobs to store")
+    p.add_argument("dataset_names", metavar="DATASET_NAME1[,NAME2,...]",
+                   help="the databases to create, one per blob (they must not exist)")
+    p.add_argument("num_mini_batches", metavar="NUM_MINI_BATCHES", type=int, help="the number of forward passes")
+    p.add_argument("db_type", metavar="DB_TYPE", help="the database backend: lmdb")
+    p.add_argument("device", metavar="CPU|GPU", nargs="?", default="CPU", type=str.upper, choices=("CPU", "GPU"),
+                   help="GPU runs where JAX's default backend is a GPU (default CPU)")
+    p.add_argument("device_id", metavar="DEVICE_ID", nargs="?", type=_device_id, default=0, help="default 0")
+    p.add_argument("--allow-python-layers", action="store_true",
+                   help="run the net's Python layers, importing their modules (only for a model you trust)")
 
 
 def _lmdb():
@@ -257,3 +284,94 @@ def compute_image_mean(args) -> int:
         channel_sum = np.cumsum(mean[c].ravel(), dtype=np.float32)[-1]
         log.info("mean_value channel [%d]: %s", c, log_float(channel_sum / dim))
     return 0
+
+
+# ---- extract-features ---------------------------------------------------------------------------------------
+
+KEY_DIGITS = 10  # caffe::format_int(index, 10)
+
+
+def _device_id(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"DEVICE_ID is a device number (0, 1, ...), got '{text}'")
+    return value
+
+
+def extract_features(args) -> int:
+    """Caffe's extract_features: for each of NUM_MINI_BATCHES forwards, each named blob's items, one Datum per
+    image (float_data; channels, height and width are the blob's legacy shape), go to that blob's new database
+    under the image's index. Transactions commit every 1000 records. Caffe logs its progress as errors (so
+    that it shows without --logtostderr); so does this."""
+    import caffejax
+    from caffejax.cli.nets import _model_file, _use_gpu_flag
+
+    if args.device == "GPU":
+        log.error("Using GPU")
+        log.error("Using Device_id=%d", args.device_id)
+        args.gpu = [args.device_id]
+        _use_gpu_flag(args)
+    else:
+        log.error("Using CPU")
+    blob_names, dataset_names = args.blob_names.split(","), args.dataset_names.split(",")
+    if len(blob_names) != len(dataset_names):
+        raise CaffejaxError(f"the number of blob names ({len(blob_names)}) and dataset names ({len(dataset_names)}) "
+                            "must be equal")
+    _check_backend(args.db_type)
+    net = caffejax.Net(_model_file(args.feature_extraction_proto), caffejax.TEST,
+                       weights=args.pretrained_net_param, allow_python_layers=args.allow_python_layers)
+    for name in blob_names:
+        if name not in net.blobs:
+            raise CaffejaxError(f"Unknown feature blob name {name} in the network {args.feature_extraction_proto}")
+    for name in dataset_names:
+        if os.path.exists(name):
+            raise DataError(f"{name}: already exists; extract-features creates a new database")
+    lmdb = _lmdb()
+    envs, txns = [], []
+    try:
+        for name in dataset_names:
+            log.info("Opening dataset %s", name)
+            envs.append(lmdb.open(name, map_size=LMDB_MAP_SIZE))
+            txns.append(envs[-1].begin(write=True))
+        log.error("Extacting Features")  # sic: Caffe's words
+        counts = [0] * len(blob_names)
+        for _ in range(args.num_mini_batches):
+            blobs = net.forward(blobs=blob_names)
+            for i, name in enumerate(blob_names):
+                for record in _feature_records(name, np.asarray(blobs[name])):
+                    txns[i].put(f"{counts[i]:0{KEY_DIGITS}d}".encode(), record)
+                    counts[i] += 1
+                    if counts[i] % COMMIT_EVERY == 0:
+                        txns[i].commit()
+                        txns[i] = envs[i].begin(write=True)
+                        log.error("Extracted features of %d query images for feature blob %s", counts[i], name)
+        for i, name in enumerate(blob_names):
+            txns[i].commit()
+            log.error("Extracted features of %d query images for feature blob %s", counts[i], name)
+        txns = []
+    finally:
+        for txn in txns:
+            txn.abort()
+        for env in envs:
+            env.close()
+    log.error("Successfully extracted the features!")
+    return 0
+
+
+def _feature_records(name: str, values: np.ndarray):
+    """One serialized Datum per item of a blob (its first axis): float_data the item's values; channels, height
+    and width the blob's LegacyShape(1..3), 1 past its axes, as Caffe's accessors give them."""
+    from caffejax.proto import caffe_pb2
+
+    if values.ndim > 4:
+        raise CaffejaxError(f"feature blob {name} has {values.ndim} axes {values.shape}: Caffe stores a blob's "
+                            "legacy channels x height x width, and a blob of more than 4 axes has none")
+    legacy = values.shape + (1,) * (4 - values.ndim)
+    rows = values.astype(np.float32, copy=False).reshape(legacy[0], -1)
+    for row in rows:
+        datum = caffe_pb2.Datum(channels=legacy[1], height=legacy[2], width=legacy[3])
+        datum.float_data.extend(row.tolist())
+        yield datum.SerializeToString()
