@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 import caffejax
-from caffejax.errors import DataError
 from caffejax.frontend import prototxt
 from caffejax.frontend.prototxt import ForkParam, ForkParamField, register_fork_param
 from caffejax.lower import forks, registry
@@ -738,8 +737,8 @@ def test_a_python_data_layer_serves_batches_of_changing_shapes(layers_module):
 
 def test_a_solver_trains_through_a_python_data_layer_of_changing_shapes(layers_module):
     """Three SGD steps over images of two sizes give the weights of three steps over the same arrays fed by hand
-    (FCN's solve.py trains so: batch 1, each image its own size); iter_size over batches of different shapes is
-    refused, naming the blob and the shapes."""
+    (FCN's solve.py trains so: batch 1, each image its own size). With iter_size 2, the two passes of an
+    iteration (one per image) run one by one, their gradients summed, as Caffe's Solver::Step runs them."""
     def solver_for(net_text, **extra):
         param = caffe_pb2.SolverParameter(type="SGD", base_lr=0.1, momentum=0.9, lr_policy="fixed", max_iter=10,
                                           **extra)
@@ -758,8 +757,38 @@ def test_a_solver_trains_through_a_python_data_layer_of_changing_shapes(layers_m
         fed.step(1)
     for blob, twin in zip(solver.net.params["score"], fed.net.params["score"]):
         np.testing.assert_allclose(blob.data, twin.data, rtol=1e-5, atol=1e-6)
-    with pytest.raises(DataError, match=r"iter_size 2: the batches of 'data' differ in shape"):
-        solver_for(IMAGES_NET, iter_size=2).step(1)
+    solver, fed = solver_for(IMAGES_NET, iter_size=2), solver_for(FED_IMAGES_NET, iter_size=2)
+    for blob, twin in zip(solver.net.params["score"], fed.net.params["score"]):
+        twin.data[...] = blob.data
+    images = _images_served("5x7 6x4")
+    for _ in range(2):
+        solver.step(1)
+        fed.net.clear_param_diffs()
+        for _ in range(2):  # Caffe's passes: the diffs add up, ApplyUpdate divides them by iter_size
+            for name, array in zip(("data", "label"), next(images)):
+                fed.net.blobs[name].reshape(*array.shape)
+                fed.net.blobs[name].data[...] = array
+            fed.net.forward()
+            fed.net.backward()
+        fed.apply_update()
+    for blob, twin in zip(solver.net.params["score"], fed.net.params["score"]):
+        np.testing.assert_allclose(blob.data, twin.data, rtol=1e-5, atol=1e-6)
+
+
+def _images_served(sizes: str):
+    """The batches a new net's Images layer with these sizes serves, one by one: (image, label). Caffe's SetUp
+    runs reshape once before the first forward's (and Images draws its image there)."""
+    from caffejax.runtime.blob import Blob
+
+    images = sys.modules["caffejax_test_pylayers"].Images()
+    images.param_str = sizes
+    top = [Blob((1,)), Blob((1,))]
+    images.setup([], top)
+    images.reshape([], top)
+    while True:
+        images.reshape([], top)
+        images.forward([], top)
+        yield [np.array(t.data) for t in top]
 
 
 def _softmax_loss_grads(net, x, y):

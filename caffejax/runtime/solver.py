@@ -30,6 +30,7 @@ prototxt's batch and the diffs are averaged before ApplyUpdate (caffejax.runtime
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -397,15 +398,16 @@ class Solver:
         values = self.net._returned_values(self.net.graph.layers)
         return {blob for blob, value in self.net.graph.blob_value.items() if value in values}
 
-    def _pull_batches(self) -> dict[str, np.ndarray]:
-        """iter_size batches from the train net's data layers, stacked per top (Caffe pulls one per pass).
+    def _pull_batches(self) -> list[dict[str, np.ndarray]]:
+        """iter_size batches from the train net's data layers, one per pass (Caffe pulls one per pass): top ->
+        array. None where the net has no data layer that reads its own batches.
 
         Over several devices, a pass's batch is one per device, and the net's blobs get the last of them.
         """
         net = self.net
         pulled = _pulled_layers(net.graph)
         if not pulled:
-            return {}
+            return None
 
         def pull():
             net._pull_batches(pulled)
@@ -418,19 +420,22 @@ class Solver:
             for top, array in batches[-1].items():
                 net.blobs[top].reshape(array.shape)
                 net.blobs[top]._data.set(array)
-        stacked = {}
-        for top in batches[0]:
-            shapes = {b[top].shape for b in batches}
-            if len(shapes) > 1:
-                raise DataError(f"iter_size {self.param.iter_size}: the batches of '{top}' differ in shape "
-                                f"({sorted(shapes)}); one iteration needs equal shapes")
-            stacked[top] = np.stack([b[top] for b in batches])
-        return stacked
+        return batches
 
     def _train_iteration(self, rate: float):
-        """Forward/backward iter_size times and apply the update; returns (loss, gradient norm) on device."""
+        """Forward/backward iter_size times and apply the update; returns (loss, gradient norm) on device. Passes
+        whose batches differ in shape (a data layer serving images of their own size) run one by one."""
         net = self.net
-        stacked = self._pull_batches()
+        batches = self._pull_batches()
+        stacked = {}
+        for top in batches[0] if batches else ():
+            shapes = {b[top].shape for b in batches}
+            if len(shapes) > 1 and self._parallel is None:
+                return self._train_iteration_by_passes(rate, batches)
+            if len(shapes) > 1:
+                raise DataError(f"iter_size {self.param.iter_size}: the batches of '{top}' differ in shape "
+                                f"({sorted(shapes)}); over several devices one iteration needs equal shapes")
+            stacked[top] = np.stack([b[top] for b in batches])
         net._sync_shapes()
         graph = net.graph
         pulled_values = {top: value for layer in _pulled_layers(graph)
@@ -506,9 +511,10 @@ class Solver:
             blob._data.set(params[learnable.layer][learnable.index])
             blob._diff.set(update)
 
-    def _train_iteration_by_passes(self, rate: float):
+    def _train_iteration_by_passes(self, rate: float, batches: list[dict[str, np.ndarray]] | None = None):
         """One iteration as Caffe's Solver::Step runs it, for the callbacks: on_start, iter_size forward and
-        backward passes of the net accumulating the param diffs, on_gradients_ready, the update."""
+        backward passes of the net accumulating the param diffs, on_gradients_ready, the update. ``batches``:
+        each pass's batch, already pulled (else each forward pulls its own)."""
         net = self.net
         if self._parallel is not None:  # layer callbacks set on the train net after the solver was made
             raise UnsupportedError("layer callbacks on a solver's net over several devices: the devices run one "
@@ -517,8 +523,9 @@ class Solver:
         for on_start, _ in self._callbacks:
             on_start()
         loss = 0.0
-        for _ in range(self.param.iter_size):
-            net.forward()
+        for k in range(self.param.iter_size):
+            with _serving(net, batches[k]) if batches else contextlib.nullcontext():
+                net.forward()
             net.backward()
             if net.debug_info:
                 log_param_norms(net)  # the end of Net::Backward(), which ForwardBackward calls
@@ -927,6 +934,32 @@ SOLVER_TYPES: dict[str, type[Solver]] = {cls.type: cls for cls in (SGDSolver, Ne
 def _pulled_layers(graph: Graph):
     """Data layers whose batches come from a DataSource (not written by the user)."""
     return [layer for layer in graph.layers if pulls_batches(layer)]
+
+
+class _Served:
+    """A data source that hands out one batch already pulled (a top's arrays, in the layer's top order)."""
+
+    def __init__(self, arrays: list[np.ndarray]):
+        self.arrays = arrays
+
+    def next_batch(self) -> list[np.ndarray]:
+        return self.arrays
+
+    def close(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _serving(net: Net, batch: dict[str, np.ndarray]):
+    """The net's data layers serve ``batch`` (top -> array) on the next forward instead of reading their own."""
+    layers = _pulled_layers(net.graph)
+    sources = {layer.name: net._data_source(layer) for layer in layers}  # their own, put back after
+    for layer in layers:
+        net._sources[layer.name] = _Served([batch[top] for top in layer.tops])
+    try:
+        yield
+    finally:
+        net._sources.update(sources)
 
 
 _UNHELD_SPARE = 3
