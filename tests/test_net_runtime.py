@@ -157,6 +157,11 @@ def test_hdf5_round_trip(lenet, tmp_path):
     for name, blobs in lenet.params.items():
         for a, b in zip(blobs, again.params[name]):
             np.testing.assert_array_equal(a.data, b.data)
+    import h5py
+
+    with h5py.File(path, "r") as f:  # Net::ToHDF5 makes a group for every layer, empty where it has no blobs
+        assert list(f) == ["data"] and set(f["data"]) == set(lenet._layer_names)
+        assert len(f["data/pool1"]) == 0 and sorted(f["data/conv1"]) == ["0", "1"]
 
 
 def test_copy_from_shape_mismatch_names_layer_and_shapes(tmp_path):

@@ -21,7 +21,7 @@ from caffejax.errors import (CaffejaxError, DataSourceUnavailable, NumericalErro
                              WeightsError, layer_error)
 from caffejax.fileio import atomic_write
 from caffejax.frontend.build import build_graph, load_net_param
-from caffejax.frontend.caffemodel import encode_net, read_weights, write_hdf5
+from caffejax.frontend.caffemodel import encode_net, read_weights
 from caffejax.frontend.prototxt import locate_layer_error
 from caffejax.frontend.ir import Graph
 from caffejax.lower.fillers import HostKey, fold_in
@@ -35,6 +35,7 @@ from caffejax.runtime.debug_info import log_backward, log_forward, log_inputs
 from caffejax.runtime.memory import DeviceMemoryErrors
 from caffejax.runtime.net_init_log import log_net_init
 from caffejax.runtime.program_cache import describe_graph, jit_through_cache
+from caffejax.runtime.snapshot import write_model_hdf5
 from caffejax.runtime.xla_options import compiler_options, matmul_flops
 
 log = logging.getLogger("caffejax")
@@ -1178,10 +1179,8 @@ class Net:
         atomic_write(path, encode_net(self._proto_for_save(), self._blob_arrays()))
 
     def save_hdf5(self, path: str) -> None:
-        """Caffe's HDF5 layout: ``data/<layer>/<i>`` for owners of learnable blobs."""
-        owners = {name: [None if a is None else np.asarray(a) for a in arrays]
-                  for name, arrays in self.param_arrays().items()}
-        write_hdf5(path, owners)
+        """pycaffe's save_hdf5, Net::ToHDF5 without diffs: ``data/<layer>/<i>`` (:func:`write_model_hdf5`)."""
+        write_model_hdf5(self, path, write_diff=False)
 
     def load_hdf5(self, path: str) -> None:
         self.copy_from(path)

@@ -72,13 +72,12 @@ def write_model_binary(net, path: str, write_diff: bool) -> None:
 
 
 def write_model_hdf5(net, path: str, write_diff: bool) -> None:
-    """Net::ToHDF5: ``data/<layer>/<j>`` for the blobs a layer owns, ``diff/<layer>/<j>`` for all of them."""
+    """Net::ToHDF5: a group ``data/<layer>`` for every layer (empty for one without learnable blobs) holding
+    ``<j>`` for the blobs the layer owns, and with ``write_diff`` ``diff/<layer>/<j>`` for all of them."""
     data: dict[str, list[np.ndarray | None]] = {}
     diffs: dict[str, list[np.ndarray]] = {}
     for layer in net.graph.layers:
         blobs = net.params.get(layer.name, [])
-        if not blobs:
-            continue
         data[layer.name] = [np.asarray(blob.data) if slot.is_owner else None
                             for slot, blob in zip(layer.params, blobs)]
         diffs[layer.name] = [np.asarray(blob.diff) for blob in blobs]
