@@ -64,6 +64,13 @@ class OutOfMemoryError(ShapeError, MemoryError):
     """The net's blobs do not fit in the host's or the device's memory (a mistyped dim, a batch too big)."""
 
 
+class UnknownBlobError(GraphError, KeyError):
+    """A blob name the net does not have (``net.forward(blobs=...)``, ``net.backward(diffs=...)``). Also a KeyError,
+    which is what pycaffe raised (reading ``net.blobs[name]`` after the pass)."""
+
+    __str__ = Exception.__str__  # the message as written, not KeyError's quoted repr
+
+
 class WeightsError(CaffejaxError):
     """A caffemodel (binary or HDF5) does not fit the net, or is corrupted."""
 

@@ -718,3 +718,19 @@ def test_compiled_inference_takes_a_data_layers_tops_as_inputs():
     expected = np.exp(z - z.max(1, keepdims=True))
     expected /= expected.sum(1, keepdims=True)
     np.testing.assert_allclose(infer({"data": x, "label": np.zeros(5, np.float32)})["prob"], expected, rtol=1e-5)
+
+
+def test_unknown_blob_names_are_refused_before_the_pass(lenet, monkeypatch):
+    """net.forward(blobs=[...]) and net.backward(diffs=[...]) with a name the net lacks: a GraphError naming it
+    (and the net), before any pass runs. It was a bare KeyError ('nope') after the pass; it is still a KeyError,
+    as pycaffe's was."""
+    from caffejax.errors import UnknownBlobError
+
+    monkeypatch.setattr(lenet, "_forward", lambda *a, **k: pytest.fail("ran a pass"))
+    monkeypatch.setattr(lenet, "_backward", lambda *a, **k: pytest.fail("ran a pass"))
+    for call, text in ((lambda: lenet.forward(blobs=["ip1", "nope"]), "forward(blobs=...): no blob named 'nope'"),
+                       (lambda: lenet.backward(diffs=["nope", "ip9"]),
+                        "backward(diffs=...): no blob named 'nope', 'ip9' in net 'LeNet'")):
+        with pytest.raises(UnknownBlobError) as error:
+            call()
+        assert isinstance(error.value, (caffejax.GraphError, KeyError)) and text in str(error.value)

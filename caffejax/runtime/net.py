@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from caffejax.errors import (CaffejaxError, DataSourceUnavailable, NumericalError, OutOfMemoryError, ShapeError,
-                             WeightsError, layer_error)
+                             UnknownBlobError, WeightsError, layer_error)
 from caffejax.fileio import atomic_write
 from caffejax.frontend.build import build_graph, load_net_param
 from caffejax.frontend.caffemodel import encode_net, read_weights
@@ -473,6 +473,14 @@ class Net:
     def layer_dict(self) -> collections.OrderedDict:
         return collections.OrderedDict((layer.name, layer) for layer in self.layers)
 
+    def _check_blob_names(self, names: Sequence[str], argument: str) -> None:
+        """Blob names asked for before the pass runs, so that a misspelt one costs no pass (pycaffe's KeyError
+        came after it)."""
+        unknown = [name for name in names if name not in self.blobs]
+        if unknown:
+            raise UnknownBlobError(f"{argument}: no blob named {', '.join(map(repr, unknown))} in net "
+                                   f"'{self._graph.name}'")
+
     def _layer_index(self, name: str) -> int:
         try:
             return self._layer_names.index(name)
@@ -897,6 +905,7 @@ class Net:
                 **kwargs) -> dict[str, np.ndarray]:
         """pycaffe's forward: optional input arrays by name; returns the outputs (and ``blobs``) by name."""
         blobs = list(blobs or [])
+        self._check_blob_names(blobs, "forward(blobs=...)")
         start_ind = 0 if start is None else self._layer_index(start)
         if end is not None:
             end_ind = self._layer_index(end)
@@ -1016,6 +1025,7 @@ class Net:
                  **kwargs) -> dict[str, np.ndarray]:
         """pycaffe's backward: optional top diffs by output name; returns the inputs' (and ``diffs``) diffs."""
         diffs = list(diffs or [])
+        self._check_blob_names(diffs, "backward(diffs=...)")
         start_ind = len(self._graph.layers) - 1 if start is None else self._layer_index(start)
         if end is not None:
             end_ind = self._layer_index(end)
