@@ -10,7 +10,7 @@ import os
 import numpy as np
 
 from caffejax import io as caffe_io
-from caffejax.errors import DetectorWindowError, ImageFileError, ShapeError, UnsupportedError
+from caffejax.errors import DetectorWindowError, ShapeError, UnsupportedError
 from caffejax.lower.registry import TEST
 from caffejax.runtime.net import Net
 
@@ -127,10 +127,7 @@ class Detector(Net):
     def _load_image(self, image_fname) -> np.ndarray:
         """The image as caffe.io loads it: colour, or gray for a net whose input has one channel."""
         color = self.blobs[self.inputs[0]].data.shape[1] != 1
-        try:
-            return caffe_io.load_image(image_fname, color=color).astype(np.float32)
-        except OSError as error:  # a missing file, or PIL's UnidentifiedImageError
-            raise ImageFileError(f"Detector: cannot read image {image_fname!r}: {error}") from error
+        return caffe_io.load_image(image_fname, color=color).astype(np.float32)  # ImageFileError names the file
 
     def detect_selective_search(self, image_fnames):
         """Detections over the Selective Search proposals of each image (R-CNN's ``selective_search_rcnn``),

@@ -133,5 +133,5 @@ class DetectorWindowError(ShapeError, ValueError):
 
 
 class ImageFileError(DataError, OSError):
-    """An image file caffe.Detector cannot read (missing, or not an image). Also an OSError, which is what
-    pycaffe's caffe.io.load_image raised."""
+    """An image file caffe.io.load_image (and so caffe.Classifier's and caffe.Detector's callers) cannot read:
+    missing, or not an image. Also an OSError, which is what pycaffe's caffe.io.load_image raised."""

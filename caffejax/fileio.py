@@ -21,8 +21,11 @@ def atomic_write(path: str, chunks: Iterable[bytes] | bytes) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     host = _host()
     _remove_leftovers(directory, host)
-    fd, tmp = tempfile.mkstemp(prefix=f"{os.path.basename(path)}{_MARKER}{host}.{os.getpid()}.", suffix=".tmp",
-                               dir=directory)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f"{os.path.basename(path)}{_MARKER}{host}.{os.getpid()}.", suffix=".tmp",
+                                   dir=directory)
+    except OSError as error:  # named as the file asked for, not the temporary one beside it (a missing folder)
+        raise type(error)(error.errno, error.strerror, path) from None
     try:
         with os.fdopen(fd, "wb") as f:
             for chunk in ([chunks] if isinstance(chunks, (bytes, bytearray, memoryview)) else chunks):

@@ -26,10 +26,11 @@ Deliberate differences:
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 
-from caffejax.errors import BlobProtoError, DatumError, ShapeError, UnsupportedError, WeightsError
+from caffejax.errors import BlobProtoError, DatumError, ImageFileError, ShapeError, UnsupportedError, WeightsError
 from caffejax.frontend import caffemodel
 from caffejax.proto import caffe_pb2
 
@@ -240,9 +241,13 @@ def load_image(filename, color: bool = True) -> np.ndarray:
         from PIL import Image
     except ImportError:
         raise UnsupportedError("caffe.io.load_image needs Pillow: pip install 'caffejax[data]'") from None
-    with Image.open(filename) as im:
-        im.load()
-        img = _image_as_float(im)
+    try:
+        with Image.open(filename) as im:
+            im.load()
+            img = _image_as_float(im)
+    except OSError as error:  # a missing file, or PIL's UnidentifiedImageError for a file that is no image
+        raise ImageFileError(f"caffe.io.load_image: cannot read image {os.fspath(filename)!r}: "
+                             f"{error.strerror or error}") from error
     if not color and img.ndim == 3:
         img = img[:, :, :3] @ _RGB_TO_GRAY
     img = img.astype(np.float32)

@@ -241,3 +241,15 @@ def test_a_write_removes_only_what_killed_writers_of_this_host_left(tmp_path):
     assert not stale.exists() and running.exists() and other_host.exists() and other_program.exists()
     assert sorted(p.name for p in tmp_path.glob("*.tmp")) == sorted(p.name for p in (running, other_host,
                                                                                       other_program))
+
+
+def test_a_write_into_a_missing_folder_names_the_file_asked_for(tmp_path):
+    """Net.save, snapshots and every other atomic write into a folder that does not exist: the OSError names
+    the file asked for, not the temporary file beside it."""
+    target = tmp_path / "no_such_folder" / "w.caffemodel"
+    with pytest.raises(FileNotFoundError) as error:
+        fileio.atomic_write(str(target), b"x")
+    assert error.value.filename == str(target) and str(target) in str(error.value)
+    net = caffejax.Net('layer { name: "x" type: "Input" top: "x" input_param { shape { dim: 1 } } }', caffejax.TEST)
+    with pytest.raises(FileNotFoundError, match="no_such_folder/w.caffemodel'$"):
+        net.save(str(target))

@@ -229,3 +229,16 @@ def test_oversample_takes_corners_centre_and_their_mirrors():
         np.testing.assert_array_equal(crops[k], want)
         np.testing.assert_array_equal(crops[5 + k], want[:, ::-1])
         np.testing.assert_array_equal(crops[10 + k], want + 100)
+
+
+def test_load_image_names_a_missing_or_unreadable_file(tmp_path):
+    """An ImageFileError (an OSError, as pycaffe's was) naming the file, not PIL's own error from inside it."""
+    pytest.importorskip("PIL")
+    from caffejax.errors import ImageFileError
+
+    (tmp_path / "notes.jpg").write_bytes(b"not an image")
+    for path, reason in ((tmp_path / "missing.png", "No such file or directory"),
+                         (tmp_path / "notes.jpg", "cannot identify")):
+        with pytest.raises(ImageFileError, match=f"cannot read image '{path}': {reason}") as error:
+            caffe.io.load_image(str(path))
+        assert isinstance(error.value, OSError)

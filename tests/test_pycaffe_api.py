@@ -163,3 +163,12 @@ def test_share_with_checks_every_layer_of_the_other_net_as_caffe_does():
     n.share_with(other)
     other.params["a"][0].data[...] = 3.0
     np.testing.assert_array_equal(n.params["b"][0].data, 3.0)
+
+
+def test_a_net_from_something_not_a_prototxt_says_what_it_takes():
+    """Net(dict) or Net(bytes): a TypeError saying what a net comes from; it was AttributeError ("'dict' object has
+    no attribute 'split'") or TypeError ("a bytes-like object is required") from inside the prototxt parser."""
+    for source, extra in (({"layer": []}, "not a dict$"), (b'name: "x"', "not a bytes \\(decode the bytes first")):
+        with pytest.raises(TypeError, match="a NetParameter comes from a prototxt path, prototxt text \\(str\\) or a "
+                                            "caffe_pb2.NetParameter, " + extra):
+            caffejax.Net(source, caffejax.TEST)

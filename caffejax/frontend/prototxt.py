@@ -124,6 +124,12 @@ def parse_solver_text(source: str, *, is_path: bool | None = None) -> caffe_pb2.
 
 
 def _parse_source(source: str, msg: M, is_path: bool | None) -> M:
+    if not isinstance(source, (str, os.PathLike)):
+        name = msg.DESCRIPTOR.name
+        raise TypeError(f"a {name} comes from a prototxt path, prototxt text (str) or a caffe_pb2.{name}, not a "
+                        f"{type(source).__name__}" + (" (decode the bytes first; a binary protobuf is read with "
+                                                       "caffejax.frontend.caffemodel.read_binary_net)"
+                                                       if isinstance(source, (bytes, bytearray)) else ""))
     if is_path is None:
         is_path = isinstance(source, os.PathLike) or ("\n" not in source and "{" not in source
                                                        and ":" not in source.split(os.sep)[-1])
