@@ -207,3 +207,26 @@ def test_copying_weights_logs_the_files_layers_the_net_lacks(tmp_path, caplog):
     assert messages.index("Network initialization done.") < messages.index("Ignoring source layer relu")
     _, messages = init_messages(caplog, lambda: net.copy_from(str(tmp_path / "w.caffemodel")))
     assert messages == ["Ignoring source layer relu", "Ignoring source layer fc8"]
+
+
+def test_a_weights_file_that_fills_nothing_is_warned_of(tmp_path, caplog):
+    """Caffe copies nothing, silently, from a file none of whose layers the net has, or from one with no layers
+    at all (bytes of another kind parse as an empty NetParameter). caffejax warns, naming the file and the net;
+    a file that fills some of the net's layers (finetuning) gives no warning."""
+    net_text = ('name: "small"\nlayer { name: "in" type: "Input" top: "x" input_param { shape { dim: 1 dim: 3 } } }\n'
+                'layer { name: "ip" type: "InnerProduct" bottom: "x" top: "y" inner_product_param { num_output: 2 } }\n')
+    caffejax.Net(net_text, caffejax.TEST).save(str(tmp_path / "w.caffemodel"))
+    (tmp_path / "notes.caffemodel").write_bytes(b"x\n")  # field 15 = 10: a valid, empty NetParameter
+    renamed = caffejax.Net(net_text.replace('"ip"', '"ip_new"'), caffejax.TEST)
+    cases = [(renamed, "w.caffemodel", "has no layer with weights whose name is a layer of this net"),
+             (caffejax.Net(net_text, caffejax.TEST), "notes.caffemodel", "has no layers")]
+    for net, name, what in cases:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="caffejax"):
+            net.copy_from(str(tmp_path / name))
+        assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+            f"{tmp_path / name} {what}: no weights were copied into net 'small'"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="caffejax"):
+        caffejax.Net(net_text, caffejax.TEST).copy_from(str(tmp_path / "w.caffemodel"))
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]

@@ -1140,6 +1140,12 @@ class Net:
                         "this layer's parameters from scratch rather than copying them, rename the layer")
                 targets.append(self._param_blobs[slot.storage])
                 arrays.append(np.asarray(array, self._dtype).reshape(slot.shape))
+        if not targets and any(slot.is_owner for layer in self._graph.layers for slot in layer.params):
+            # Caffe copies nothing silently; a file whose layers all have other names (or that has none: a
+            # protobuf of another kind parses as an empty NetParameter) is most likely the wrong file.
+            what = "has no layers" if not weights.blobs and not len(weights.net.layer) and not len(
+                weights.net.layers) else "has no layer with weights whose name is a layer of this net"
+            log.warning("%s %s: no weights were copied into net '%s'", path, what, self._graph.name)
         # Waited for: device_put copies in the background, from the memory-mapped file, and a blob that keeps
         # the device value (no host copy held) would otherwise return before its weights are there (a loop of
         # copy_from calls queued 244 MB copies of AlexNet faster than they ran, until memory ran out).
