@@ -9,8 +9,9 @@
 # (training programs compiled in 68-88 s, inference in 1.6-12.5 s), GoogLeNet at batch 16 alone 100 s, and
 # MobileNet v2's batch-16 inference had not compiled after 2 minutes. One lease covers about two nets: pick them
 # with NETS (and BATCHES), most wanted first, and BENCH_ARGS (say "--no-solver --no-bf16") to leave parts out.
-# Still open there: whether XLA's autotuning is the compile time (XLA_FLAGS=--xla_gpu_autotune_level=0 passes
-# through to both runs) and what it buys at run time.
+# Still open there: whether XLA's autotuning is the compile time, and what it buys at run time. COMPILE_AB=
+# "resnet50:16" answers it before the bench: python -m bench.compile_ab compiles that net's training step in
+# fresh processes, as the image has XLA_FLAGS and with --xla_gpu_autotune_level=0 (compile_ab.log).
 #
 # What comes back under $OUT: env.txt (versions, devices), tests.log (the Caffe-parity tests, run on the
 # accelerator), bench.log and bench.json (python -m bench.run there: fp32 and bf16 inference and the training
@@ -23,7 +24,8 @@
 #         --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .device/wheels \
 #         'protobuf>=6.33.5,<7' lmdb
 # Knobs: NETS (comma-separated bench nets; default all six), BATCHES (default 1,16), TEST_SECONDS (150),
-# TEST_WORKERS (8), BENCH_SECONDS (300), GEMM_N (the ceilings' matrix size, 8192), BENCH_ARGS (more bench.run flags).
+# TEST_WORKERS (8), BENCH_SECONDS (300), GEMM_N (the ceilings' matrix size, 8192), BENCH_ARGS (more bench.run flags),
+# COMPILE_AB (net:batch, unset: skipped), COMPILE_AB_SECONDS (the compile A/B's limit, 400), SKIP_TESTS=1.
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
@@ -62,6 +64,14 @@ for label, dtype, precision in [("fp32 HIGHEST", jnp.float32, "highest"), ("fp32
 PY
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv 2>/dev/null | tee -a "$OUT/env.txt"
 
+if [ -n "${COMPILE_AB:-}" ]; then
+  echo "== training-step compile A/B: ${COMPILE_AB}"
+  timeout "${COMPILE_AB_SECONDS:-400}" $py -m bench.compile_ab "${COMPILE_AB%%:*}" --batch "${COMPILE_AB##*:}" \
+    --flags=--xla_gpu_autotune_level=0 --timeout 190 >"$OUT/compile_ab.log" 2>&1
+  echo "compile_ab exit $?"; tail -4 "$OUT/compile_ab.log"
+fi
+
+[ "${SKIP_TESTS:-0}" = 1 ] || {
 echo "== Caffe-parity tests on $($py -c 'import jax; print(jax.default_backend())')"
 # Several workers share the one GPU (tests/conftest.py has each take memory as it needs it).
 timeout "${TEST_SECONDS:-150}" $py -m pytest -v -rfE -n "${TEST_WORKERS:-8}" \
@@ -70,6 +80,7 @@ echo "pytest exit $? (124: stopped at TEST_SECONDS)"; grep -E "FAILED|ERROR" "$O
 # The tally of the -v lines, which stands even where the timeout came before pytest's own summary.
 echo "tests reported: $(grep -oE '^\[gw[0-9]+\] \[ *[0-9]+%\] [A-Z]+' "$OUT/tests.log" | awk '{print $NF}' | sort | uniq -c | xargs)"
 tail -1 "$OUT/tests.log"
+}
 
 echo "== bench"
 bench_args=(--no-opencv --no-coldstart --batches "${BATCHES:-1,16}" --out "$OUT/bench.json" ${BENCH_ARGS:-})

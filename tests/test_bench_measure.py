@@ -3,6 +3,7 @@ profile command."""
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import types
 
+import jax
 import numpy as np
 import pytest
 
@@ -211,3 +213,16 @@ def test_bench_run_leaves_out_what_its_flags_name(tmp_path, capsys):
     batch = json.loads(out.read_text())["nets"]["lenet"]["batches"]["1"]
     assert "train" in batch and "fwd" in batch and "solver" not in batch and "bf16" not in batch
     assert "Solver.step" not in capsys.readouterr().out
+
+
+def test_compile_ab_times_each_flag_setting_in_its_own_process(capsys):
+    """bench.compile_ab: the training step compiled and timed with the environment's XLA flags and with each
+    --flags setting, in fresh processes; a setting XLA refuses is reported as that run's error, not a crash."""
+    from bench import compile_ab
+
+    status = compile_ab.main(["lenet", "--batch", "1", "--steps", "5", "--flags=--xla_no_such_flag=1"])
+    out = capsys.readouterr().out
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert status == 1 and [row["flags"] for row in rows] == ["", "--xla_no_such_flag=1"]
+    assert rows[0]["compile_s"] > 0 and rows[0]["step_ms"] > 0 and rows[0]["backend"] == jax.default_backend()
+    assert "xla_no_such_flag" in rows[1]["error"] and "lenet batch 1, training step" in out
