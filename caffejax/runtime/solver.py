@@ -398,7 +398,7 @@ class Solver:
         values = self.net._returned_values(self.net.graph.layers)
         return {blob for blob, value in self.net.graph.blob_value.items() if value in values}
 
-    def _pull_batches(self) -> list[dict[str, np.ndarray]]:
+    def _pull_batches(self) -> list[dict[str, np.ndarray]] | None:
         """iter_size batches from the train net's data layers, one per pass (Caffe pulls one per pass): top ->
         array. None where the net has no data layer that reads its own batches.
 
@@ -512,9 +512,10 @@ class Solver:
             blob._diff.set(update)
 
     def _train_iteration_by_passes(self, rate: float, batches: list[dict[str, np.ndarray]] | None = None):
-        """One iteration as Caffe's Solver::Step runs it, for the callbacks: on_start, iter_size forward and
-        backward passes of the net accumulating the param diffs, on_gradients_ready, the update. ``batches``:
-        each pass's batch, already pulled (else each forward pulls its own)."""
+        """One iteration as Caffe's Solver::Step runs it: on_start, iter_size forward and backward passes of the
+        net accumulating the param diffs, on_gradients_ready, the update. For the callbacks, and for passes whose
+        batches differ in shape: ``batches`` holds each pass's batch, already pulled (else each forward pulls its
+        own)."""
         net = self.net
         if self._parallel is not None:  # layer callbacks set on the train net after the solver was made
             raise UnsupportedError("layer callbacks on a solver's net over several devices: the devices run one "
