@@ -76,7 +76,7 @@ def assign_proto(proto: message.Message, name: str, value: Any) -> None:
     field = proto.DESCRIPTOR.fields_by_name[name]
     is_message = field.message_type is not None
     try:
-        if _is_repeated(field):
+        if field.is_repeated:
             items = value if isinstance(value, (list, tuple)) else [value]
             target = getattr(proto, name)
             for item in items:
@@ -107,12 +107,6 @@ def assign_proto(proto: message.Message, name: str, value: Any) -> None:
 def _assign_dict(proto: message.Message, values: dict) -> None:
     for key, value in values.items():
         assign_proto(proto, key, value)
-
-
-def _is_repeated(field) -> bool:
-    # FieldDescriptor.label is deprecated in recent protobuf; is_repeated replaces it.
-    is_repeated = getattr(field, "is_repeated", None)
-    return is_repeated if is_repeated is not None else field.label == field.LABEL_REPEATED
 
 
 class Top:

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import re
 from typing import Any, Callable, TypeVar
 
-from google.protobuf import descriptor_pb2, descriptor_pool, message, message_factory, text_format
+import numpy as np
+from google.protobuf import descriptor_pb2, descriptor_pool, message, message_factory, text_encoding, text_format
 
 from caffejax.errors import CaffejaxError, ParseError, SchemaError, at_location
 from caffejax.proto import caffe_pb2
@@ -371,13 +373,53 @@ def _fork_aware(msg: M):
 
 
 def to_text(msg) -> str:
-    """``msg`` as prototxt text with its registered fork fields (``text_format.MessageToString`` of a BVLC
-    message drops them: there they are unknown fields, kept only on the wire)."""
+    """``msg`` as prototxt text as Caffe's C++ writes it (TextFormat: its logged parameters, the files
+    upgrade_net_proto_text writes), with its registered fork fields (``text_format.MessageToString`` of a BVLC
+    message drops them: there they are unknown fields, kept only on the wire). Floats print as C++'s SimpleFtoa
+    prints them, ``lr_mult: 1`` and ``scale: 0.00390625``, where Python's protobuf writes ``lr_mult: 1.0``."""
     target = _fork_aware(type(msg)())
-    if type(target) is type(msg):  # no fork field registered: BVLC's message prints everything
-        return text_format.MessageToString(msg)
-    target.ParseFromString(msg.SerializeToString())
-    return text_format.MessageToString(target)
+    if type(target) is not type(msg):
+        target.ParseFromString(msg.SerializeToString())
+        msg = target
+    return "".join(_text_lines(msg, ""))
+
+
+def _text_lines(msg, indent: str):
+    """TextFormat::Printer's lines: set fields in field-number order, a message as ``name {`` ... ``}``."""
+    for field, value in msg.ListFields():
+        for item in value if field.is_repeated else (value,):
+            if field.cpp_type == field.CPPTYPE_MESSAGE:
+                yield f"{indent}{field.name} {{\n"
+                yield from _text_lines(item, indent + "  ")
+                yield f"{indent}}}\n"
+            else:
+                yield f"{indent}{field.name}: {_text_scalar(field, item)}\n"
+
+
+def _text_scalar(field, value) -> str:
+    if field.cpp_type == field.CPPTYPE_ENUM:
+        known = field.enum_type.values_by_number.get(value)
+        return known.name if known is not None else str(value)
+    if field.cpp_type == field.CPPTYPE_STRING:
+        data = value if isinstance(value, bytes) else value.encode("utf-8")
+        return '"' + text_encoding.CEscape(data, as_utf8=False) + '"'
+    if field.cpp_type == field.CPPTYPE_BOOL:
+        return "true" if value else "false"
+    if field.cpp_type == field.CPPTYPE_FLOAT:
+        return _shortest_decimal(value, 6, lambda text: np.float32(text) == np.float32(value))
+    if field.cpp_type == field.CPPTYPE_DOUBLE:
+        return _shortest_decimal(value, 15, lambda text: float(text) == value)
+    return str(value)
+
+
+def _shortest_decimal(value: float, digits: int, round_trips) -> str:
+    """C++ protobuf's SimpleFtoa (6 significant digits, else 9) and SimpleDtoa (15, else 17)."""
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    text = f"{value:.{digits}g}"
+    return text if round_trips(text) else f"{value:.{digits + (3 if digits == 6 else 2)}g}"
 
 
 def _fork_hint(reason: str) -> str:

@@ -248,12 +248,6 @@ def _v1_type_value(name: str) -> int:
     return caffe_pb2.V1LayerParameter.LayerType.Value(name)
 
 
-def _is_repeated(field: Any) -> bool:
-    # FieldDescriptor.is_repeated is the current spelling; older protobuf releases only have .label.
-    flag = getattr(field, "is_repeated", None)
-    return bool(flag) if flag is not None else field.label == field.LABEL_REPEATED
-
-
 def _assign(message: Any, field_name: str, value: Any) -> None:
     """Set a field the way Caffe's generated setter would: add_* for repeated, CopyFrom for messages.
 
@@ -262,11 +256,11 @@ def _assign(message: Any, field_name: str, value: Any) -> None:
     """
     field = message.DESCRIPTOR.fields_by_name[field_name]
     if field.message_type is not None:
-        if _is_repeated(field):
+        if field.is_repeated:
             getattr(message, field_name).add().CopyFrom(value)
         else:
             getattr(message, field_name).CopyFrom(value)
-    elif _is_repeated(field):
+    elif field.is_repeated:
         getattr(message, field_name).append(value)
     else:
         setattr(message, field_name, value)
