@@ -889,3 +889,19 @@ def test_extract_features_stores_each_images_blobs_as_caffe_does(tmp_path, capsy
                            (["fc9", "c"], "Unknown feature blob name fc9 in the network")):
         status, err = run(argv[:3] + names + argv[5:], capsys)
         assert status == 1 and re.search(message, err), err
+
+
+def test_no_stage_flag_is_one_empty_stage_as_in_caffe(tmp_path, capsys):
+    """caffe.cpp splits -stage at ',' (boost::split), so without -stage a net gets one empty stage: its logged
+    state reads level 0 and stage "" as Caffe's logs do, and a rule naming not_stage: "" drops its layer."""
+    (tmp_path / "net.prototxt").write_text(
+        'layer { name: "x" type: "Input" top: "x" input_param { shape { dim: 2 dim: 3 } } }\n'
+        'layer { name: "gone" type: "ReLU" bottom: "x" top: "y" exclude { stage: "" } }\n'
+        'layer { name: "ip" type: "InnerProduct" bottom: "x" top: "z" inner_product_param { num_output: 2 } }\n')
+    status, err = run(["time", "-model", tmp_path / "net.prototxt", "-iterations", "1", "-phase", "TEST"], capsys)
+    assert status == 0, err
+    assert 'state {\n  phase: TEST\n  level: 0\n  stage: ""\n}' in err
+    assert "Creating Layer ip" in err and "Creating Layer gone" not in err
+    status, err = run(["time", "-model", tmp_path / "net.prototxt", "-iterations", "1", "-phase", "TEST",
+                       "-stage", "deploy"], capsys)
+    assert status == 0 and 'stage: "deploy"\n}' in err and "Creating Layer gone" in err

@@ -173,7 +173,9 @@ def _phase(text: str) -> int:
 
 
 def _stages(args) -> list[str]:
-    return [s for s in args.stage.split(",") if s]
+    """caffe.cpp's get_stages_from_flags: boost::split of -stage at ',', so no -stage is one empty stage (its
+    nets log ``stage: ""``, and a rule naming ``stage: ""`` or ``not_stage: ""`` sees it, as in Caffe)."""
+    return args.stage.split(",")
 
 
 def _model_file(path: str) -> str:
@@ -203,11 +205,7 @@ def train(args) -> int:
     """Caffe's train. As there, the flags rewrite the solver's settings before the solver is made: -level and
     -stage its ``train_state`` (the level always, so a solver file's train_state level gives way to -level's
     default 0), -weights replaces its ``weights`` field and -snapshot clears it (the state's learned net is
-    what the training resumes from).
-
-    Differs from Caffe: with no -stage, Caffe's train adds one empty stage (boost::split of ""), which only a
-    rule naming ``stage: ""`` could notice; caffejax adds none.
-    """
+    what the training resumes from)."""
     from caffejax.runtime.solver import read_solver_param, solver_for
 
     if args.snapshot and args.weights:
