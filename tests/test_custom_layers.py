@@ -222,6 +222,64 @@ def test_ssd_normalize_permute_and_relu6(isolated_registry):
                                     'permute_param { order: 1 order: 1 } }', caffejax.TEST)
 
 
+def _prior_box_net(prior_box_param: str, feature=(8, 6), image=(32, 24)) -> str:
+    return (_input(1, 3, *image, name="data") + _input(1, 2, *feature, name="feat")
+            + f'layer {{ name: "pb" type: "PriorBox" bottom: "feat" bottom: "data" top: "pb" '
+              f'prior_box_param {{ {prior_box_param} }} }}\n')
+
+
+def test_ssd_prior_box_follows_the_layers_formula(isolated_registry):
+    """PriorBox (SSD's prior_box_layer.cpp) by hand: per cell, row-major, the min_size square, the
+    sqrt(min_size * max_size) square, then min_size * sqrt(ar) by min_size / sqrt(ar) per new aspect ratio (its flip
+    next); centres (x + offset) * step with step = image / feature size unless given; corners over img_w / img_h
+    where given (OpenCV ignores img_size, img_h and img_w, and clips by default: Caffe does not); variances in
+    channel 1. Repeated ratios are dropped; bad settings are SchemaErrors."""
+    forks.register_prior_box()
+    net = caffejax.Net(_prior_box_net("min_size: 6 max_size: 24 aspect_ratio: 4 aspect_ratio: 4 variance: 0.1 "
+                                      "variance: 0.1 variance: 0.2 variance: 0.2 img_h: 40 img_w: 50 offset: 0.25"),
+                       caffejax.TEST)
+    top = np.asarray(net.forward()["pb"])
+    assert top.shape == (1, 2, 8 * 6 * 4 * 4)
+    sizes = [(6, 6), (12, 12), (12, 3), (3, 12)]  # min, sqrt(6 * 24), ar 4, its flip 1/4
+    step_w, step_h = np.float32(50 / 6), np.float32(40 / 8)
+    expected = []
+    for h in range(8):
+        for w in range(6):
+            cx, cy = np.float32((w + 0.25) * step_w), np.float32((h + 0.25) * step_h)
+            for bw, bh in sizes:
+                expected += [(cx - bw / 2) / 50, (cy - bh / 2) / 40, (cx + bw / 2) / 50, (cy + bh / 2) / 40]
+    np.testing.assert_allclose(top[0, 0], expected, rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(top[0, 1], np.tile(np.float32([0.1, 0.1, 0.2, 0.2]), 8 * 6 * 4))
+    clipped = caffejax.Net(_prior_box_net("min_size: 30 img_size: 100 step: 10 clip: true"), caffejax.TEST)
+    corners = np.asarray(clipped.forward()["pb"])[0, 0].reshape(8, 6, 4)
+    np.testing.assert_allclose(corners[0, 0], [0, 0, 0.2, 0.2], atol=1e-7)  # centre 5: -0.1 clipped to 0
+    np.testing.assert_allclose(corners[7, 5], [0.4, 0.6, 0.7, 0.9], rtol=1e-6)  # centre (55, 75)
+    for bad, message in (("", "must provide min_size"), ("min_size: 8 max_size: 4", "greater than min_size"),
+                         ("min_size: 8 variance: 0.1 variance: 0.2", "give 1 or 4 positive variances"),
+                         ("min_size: 8 img_size: 30 img_h: 20", "Either img_size or img_h/img_w"),
+                         ("min_size: 8 step: 4 step_w: 2", "Either step or step_h/step_w")):
+        with pytest.raises(caffejax.SchemaError, match=message):
+            caffejax.Net(_prior_box_net(bad), caffejax.TEST)
+
+
+@pytest.mark.parametrize("prior_box_param", [
+    "min_size: 8 max_size: 16 aspect_ratio: 2 clip: false variance: 0.1 variance: 0.1 variance: 0.2 variance: 0.2",
+    "min_size: 8 aspect_ratio: 2 aspect_ratio: 3 flip: false clip: true variance: 0.1",
+    "min_size: 10 min_size: 20 max_size: 15 max_size: 30 aspect_ratio: 3 step: 5 offset: 0.25 clip: false "
+    "variance: 0.2"])
+def test_ssd_prior_box_matches_opencv(prior_box_param, isolated_registry, tmp_path):
+    """OpenCV's PriorBox, another reading of the SSD layer, gives the same boxes where both read the same fields."""
+    cv2 = pytest.importorskip("cv2")
+    forks.register_prior_box()
+    (tmp_path / "pb.prototxt").write_text(_prior_box_net(prior_box_param))
+    net = caffejax.Net(str(tmp_path / "pb.prototxt"), caffejax.TEST)
+    net.save(str(tmp_path / "pb.caffemodel"))
+    theirs = cv2.dnn.readNetFromCaffe(str(tmp_path / "pb.prototxt"), str(tmp_path / "pb.caffemodel"))
+    theirs.setInput(np.zeros((1, 3, 32, 24), np.float32), "data")
+    theirs.setInput(np.zeros((1, 2, 8, 6), np.float32), "feat")
+    np.testing.assert_allclose(np.asarray(net.forward()["pb"]), theirs.forward("pb"), rtol=1e-6, atol=1e-7)
+
+
 def test_relu6_gradient_is_the_forks(isolated_registry):
     forks.register_relu6()
     rule = registry.get_rule("ReLU6")

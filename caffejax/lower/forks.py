@@ -2,7 +2,8 @@
 
 BVLC Caffe does not have these layers; models converted from YOLO, SSD, DeepLab/PSPNet or MobileNet ports use
 them. ``register_all()`` makes all of them available, or one at a time: ``register_upsample()``,
-``register_interp()``, ``register_relu6()``, ``register_permute()``, ``register_normalize()``. Registering
+``register_interp()``, ``register_relu6()``, ``register_permute()``, ``register_normalize()``,
+``register_prior_box()``. Registering
 declares the fork's LayerParameter field (``upsample_param``, ``interp_param``, ...) to the prototxt parser
 (caffejax.frontend.prototxt.register_fork_param), so prototxts using it parse, and adds the layer's rule.
 Each rule follows the fork's C++ layer, named in its docstring.
@@ -256,6 +257,134 @@ def normalize(ctx: LayerContext, bottoms, params):
     return [top.reshape(x.shape)]
 
 
+# ---- PriorBox: SSD's default boxes for one feature map (SSD's prior_box_layer.cpp) --------------------------------
+
+PRIOR_BOX_PARAM = ForkParam("prior_box_param", "PriorBoxParameter", 203,
+                            (ForkParamField("min_size", "float", 1, repeated=True),
+                             ForkParamField("max_size", "float", 2, repeated=True),
+                             ForkParamField("aspect_ratio", "float", 3, repeated=True),
+                             ForkParamField("flip", "bool", 4, default=True),
+                             ForkParamField("clip", "bool", 5, default=False),
+                             ForkParamField("variance", "float", 6, repeated=True),
+                             ForkParamField("img_size", "uint32", 7),
+                             ForkParamField("img_h", "uint32", 8),
+                             ForkParamField("img_w", "uint32", 9),
+                             ForkParamField("step", "float", 10),
+                             ForkParamField("step_h", "float", 11),
+                             ForkParamField("step_w", "float", 12),
+                             ForkParamField("offset", "float", 13, default=0.5)),
+                            origin="SSD (weiliu89/caffe)")
+
+
+@dataclasses.dataclass(frozen=True)
+class _PriorBoxes:
+    """PriorBoxLayer::LayerSetUp's settings: sizes, aspect ratios (1 first, then each new one and its flip),
+    variances, and the image size and steps where the prototxt gives them (0: taken from the bottoms)."""
+
+    min_sizes: tuple[float, ...]
+    max_sizes: tuple[float, ...]
+    aspect_ratios: tuple[float, ...]
+    variance: tuple[float, ...]
+    img_h: int
+    img_w: int
+    step_h: float
+    step_w: float
+
+    @property
+    def num_priors(self) -> int:
+        return len(self.aspect_ratios) * len(self.min_sizes) + len(self.max_sizes)
+
+
+def _prior_boxes(ctx: LayerContext) -> _PriorBoxes:
+    p = fork_param(ctx.layer, "prior_box_param")
+    if not p.min_size:
+        raise ctx.error("must provide min_size", SchemaError)
+    if any(size <= 0 for size in p.min_size):
+        raise ctx.error(f"min_size must be positive, got {list(p.min_size)}", SchemaError)
+    ratios = [np.float32(1.0)]
+    for ar in p.aspect_ratio:
+        ar = np.float32(ar)
+        if all(abs(float(ar) - float(r)) >= 1e-6 for r in ratios):  # a repeated ratio is ignored
+            ratios.append(ar)
+            if p.flip:
+                ratios.append(np.float32(1.0 / float(ar)))
+    if p.max_size and len(p.max_size) != len(p.min_size):
+        raise ctx.error(f"{len(p.max_size)} max_size for {len(p.min_size)} min_size; give one per min_size",
+                        SchemaError)
+    if any(hi <= lo for lo, hi in zip(p.min_size, p.max_size)):
+        raise ctx.error("max_size must be greater than min_size", SchemaError)
+    variance = tuple(p.variance) or (0.1,)
+    if len(variance) not in (1, 4) or any(v <= 0 for v in variance):
+        raise ctx.error(f"give 1 or 4 positive variances, got {list(p.variance)}", SchemaError)
+    img_h, img_w = _given_or_pair(ctx, p, "img_size", "img_h", "img_w")
+    step_h, step_w = _given_or_pair(ctx, p, "step", "step_h", "step_w")
+    return _PriorBoxes(tuple(p.min_size), tuple(p.max_size), tuple(ratios), variance, img_h, img_w, step_h, step_w)
+
+
+def _given_or_pair(ctx: LayerContext, p, single: str, height: str, width: str) -> tuple[float, float]:
+    """LayerSetUp's img_size or img_h/img_w (step or step_h/step_w): (height, width), 0 where neither is given."""
+    if p.HasField(height) or p.HasField(width):
+        if p.HasField(single):
+            raise ctx.error(f"Either {single} or {height}/{width} should be specified; not both.", SchemaError)
+        values = getattr(p, height), getattr(p, width)
+        if min(values) <= 0:
+            raise ctx.error(f"{height} and {width} should be larger than 0, got {values[0]} and {values[1]}",
+                            SchemaError)
+        return values
+    if p.HasField(single):
+        if getattr(p, single) <= 0:
+            raise ctx.error(f"{single} should be larger than 0.", SchemaError)
+        return getattr(p, single), getattr(p, single)
+    return 0, 0
+
+
+def prior_box(ctx: LayerContext, bottoms, params):
+    """SSD's default boxes for a feature map (bottom 0) over an image (bottom 1, or img_size / img_h, img_w):
+    top (1, 2, H * W * num_priors * 4), channel 0 the boxes' (xmin, ymin, xmax, ymax) as fractions of the image,
+    channel 1 their variances. Per cell, row-major: for each min_size, its square box, then the square of
+    sqrt(min_size * max_size), then one box per aspect ratio other than 1 (min_size * sqrt(ar) wide, min_size /
+    sqrt(ar) high; OpenCV's PriorBox gives the same). As the C++ layer, the sizes are
+    truncated to integers (``int min_size_``), the centres are float and the corners computed in double and
+    stored as float; the values depend on the shapes only, so they enter the program as a constant."""
+    feature, image = bottoms
+    if feature.ndim != 4 or image.ndim != 4:
+        raise ctx.error(f"the bottoms must have 4 axes (num, channels, height, width), got {tuple(feature.shape)} "
+                        f"and {tuple(image.shape)}", ShapeError)
+    p = fork_param(ctx.layer, "prior_box_param")
+    boxes = _prior_boxes(ctx)
+    layer_h, layer_w = feature.shape[2], feature.shape[3]
+    img_h, img_w = (boxes.img_h, boxes.img_w) if boxes.img_h and boxes.img_w else image.shape[2:]
+    f32 = np.float32
+    if boxes.step_h and boxes.step_w:
+        step_h, step_w = f32(boxes.step_h), f32(boxes.step_w)
+    else:
+        step_h, step_w = f32(f32(img_h) / f32(layer_h)), f32(f32(img_w) / f32(layer_w))
+    sizes = []  # (width, height) of each prior, as float, in the layer's order
+    for s, min_size in enumerate(boxes.min_sizes):
+        lo = int(min_size)
+        sizes.append((f32(lo), f32(lo)))
+        if boxes.max_sizes:
+            side = f32(math.sqrt(lo * int(boxes.max_sizes[s])))
+            sizes.append((side, side))
+        for ar in boxes.aspect_ratios:
+            if abs(float(ar) - 1.0) < 1e-6:
+                continue
+            sizes.append((f32(lo * math.sqrt(ar)), f32(lo / math.sqrt(ar))))
+    size = np.array(sizes, np.float64)  # (num_priors, 2)
+    offset = f32(p.offset)
+    center_x = ((np.arange(layer_w, dtype=np.float32) + offset) * step_w).astype(np.float64)
+    center_y = ((np.arange(layer_h, dtype=np.float32) + offset) * step_h).astype(np.float64)
+    cx, cy = center_x[None, :, None], center_y[:, None, None]
+    half_w, half_h = size[None, None, :, 0] / 2.0, size[None, None, :, 1] / 2.0
+    corners = np.stack(np.broadcast_arrays((cx - half_w) / img_w, (cy - half_h) / img_h, (cx + half_w) / img_w,
+                                           (cy + half_h) / img_h), axis=-1).astype(np.float32)  # H, W, priors, 4
+    if p.clip:
+        corners = np.clip(corners, 0.0, 1.0)
+    variance = np.broadcast_to(np.asarray(boxes.variance, np.float32), corners.shape)
+    top = np.stack([corners.reshape(-1), variance.reshape(-1)])[None]
+    return [jnp.asarray(top, feature.dtype)]
+
+
 def _check_4d(ctx: LayerContext, x) -> None:
     if x.ndim != 4:
         raise ctx.error(f"the bottom must have 4 axes (num, channels, height, width), got {tuple(x.shape)}")
@@ -270,6 +399,7 @@ FORK_LAYERS: tuple[ForkLayer, ...] = (
     ForkLayer("Permute", permute, "register_permute", PERMUTE_PARAM.origin, PERMUTE_PARAM),
     ForkLayer("Normalize", normalize, "register_normalize", NORMALIZE_PARAM.origin, NORMALIZE_PARAM,
               param_shapes=_normalize_shapes, init_params=_normalize_init),
+    ForkLayer("PriorBox", prior_box, "register_prior_box", PRIOR_BOX_PARAM.origin, PRIOR_BOX_PARAM, bottoms=(2, 2)),
 )
 
 
@@ -314,6 +444,10 @@ def register_permute(override: bool = False) -> None:
 
 def register_normalize(override: bool = False) -> None:
     register(_by_type("Normalize"), override)
+
+
+def register_prior_box(override: bool = False) -> None:
+    register(_by_type("PriorBox"), override)
 
 
 def register_all(override: bool = False) -> None:
