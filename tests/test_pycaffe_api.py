@@ -172,3 +172,16 @@ def test_a_net_from_something_not_a_prototxt_says_what_it_takes():
         with pytest.raises(TypeError, match="a NetParameter comes from a prototxt path, prototxt text \\(str\\) or a "
                                             "caffe_pb2.NetParameter, " + extra):
             caffejax.Net(source, caffejax.TEST)
+
+
+def test_blob_reshape_refuses_negative_and_fractional_dims():
+    """Blob::Reshape CHECKs every dim >= 0. caffejax took -1 silently and failed later inside NumPy ('negative
+    dimensions are not allowed') at the first read, and cut 2.5 to 2. Whole numbers of any type still do."""
+    net = caffejax.Net('layer { name: "x" type: "Input" top: "x" input_param { shape { dim: 2 dim: 3 } } }',
+                       caffejax.TEST)
+    for dims in ((-1, 3), (2.5, 3), ("2", 3)):
+        with pytest.raises(caffejax.ShapeError, match=r"every dim must be a whole number >= 0"):
+            net.blobs["x"].reshape(*dims)
+        assert net.blobs["x"].shape == (2, 3) and net.blobs["x"].data.shape == (2, 3)
+    net.blobs["x"].reshape(np.int64(4), 3.0)
+    assert net.blobs["x"].shape == (4, 3) and net.forward()["x"].shape == (4, 3)

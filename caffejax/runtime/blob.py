@@ -20,7 +20,7 @@ import sys
 
 import numpy as np
 
-from caffejax.errors import OutOfMemoryError
+from caffejax.errors import OutOfMemoryError, ShapeError
 
 # sys.getrefcount of a slot's host array that only the slot holds: the slot's reference and the call's own.
 _UNHELD = 2
@@ -168,6 +168,12 @@ class Blob:
         """Change the shape (data and diff are reset); the net picks it up on the next forward/reshape."""
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = tuple(shape[0])
+        try:
+            bad = [d for d in shape if d < 0 or int(d) != d]
+        except (TypeError, ValueError):
+            bad = [d for d in shape if not isinstance(d, (int, np.integer))]
+        if bad:  # Blob::Reshape's CHECK_GE(shape[i], 0); a fraction would be cut silently
+            raise ShapeError(f"Blob.reshape{tuple(shape)}: every dim must be a whole number >= 0, got {bad}")
         self._data.reshape(shape)
         self._diff.reshape(shape)
 
