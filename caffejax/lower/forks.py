@@ -290,10 +290,6 @@ class _PriorBoxes:
     step_h: float
     step_w: float
 
-    @property
-    def num_priors(self) -> int:
-        return len(self.aspect_ratios) * len(self.min_sizes) + len(self.max_sizes)
-
 
 def _prior_boxes(ctx: LayerContext) -> _PriorBoxes:
     p = fork_param(ctx.layer, "prior_box_param")
@@ -340,16 +336,15 @@ def _given_or_pair(ctx: LayerContext, p, single: str, height: str, width: str) -
 
 def prior_box(ctx: LayerContext, bottoms, params):
     """SSD's default boxes for a feature map (bottom 0) over an image (bottom 1, or img_size / img_h, img_w):
-    top (1, 2, H * W * num_priors * 4), channel 0 the boxes' (xmin, ymin, xmax, ymax) as fractions of the image,
+    top (1, 2, H * W * priors per cell * 4), channel 0 the boxes' (xmin, ymin, xmax, ymax) as fractions of the image,
     channel 1 their variances. Per cell, row-major: for each min_size, its square box, then the square of
     sqrt(min_size * max_size), then one box per aspect ratio other than 1 (min_size * sqrt(ar) wide, min_size /
     sqrt(ar) high; OpenCV's PriorBox gives the same). As the C++ layer, the sizes are
     truncated to integers (``int min_size_``), the centres are float and the corners computed in double and
     stored as float; the values depend on the shapes only, so they enter the program as a constant."""
     feature, image = bottoms
-    if feature.ndim != 4 or image.ndim != 4:
-        raise ctx.error(f"the bottoms must have 4 axes (num, channels, height, width), got {tuple(feature.shape)} "
-                        f"and {tuple(image.shape)}", ShapeError)
+    _check_4d(ctx, feature)
+    _check_4d(ctx, image)
     p = fork_param(ctx.layer, "prior_box_param")
     boxes = _prior_boxes(ctx)
     layer_h, layer_w = feature.shape[2], feature.shape[3]
@@ -370,7 +365,7 @@ def prior_box(ctx: LayerContext, bottoms, params):
             if abs(float(ar) - 1.0) < 1e-6:
                 continue
             sizes.append((f32(lo * math.sqrt(ar)), f32(lo / math.sqrt(ar))))
-    size = np.array(sizes, np.float64)  # (num_priors, 2)
+    size = np.array(sizes, np.float64)  # (priors per cell, 2)
     offset = f32(p.offset)
     center_x = ((np.arange(layer_w, dtype=np.float32) + offset) * step_w).astype(np.float64)
     center_y = ((np.arange(layer_h, dtype=np.float32) + offset) * step_h).astype(np.float64)

@@ -156,9 +156,6 @@ def python(ctx: LayerContext, bottoms, params):
     bottom_shapes = tuple(tuple(int(d) for d in b.shape) for b in bottoms)
     instance = _instance(ctx)
     top_shapes = _top_shapes(ctx, instance, bottom_shapes, dtype)
-    if len(top_shapes) != ctx.num_tops:
-        raise ctx.error(f"the layer's reshape gave {len(top_shapes)} tops, the prototxt names {ctx.num_tops}",
-                        GraphError)
     param_shapes = [tuple(int(d) for d in p.shape) for p in params]
     if param_shapes != instance.blob_shapes:
         raise ctx.error(f"the layer's setup made learnable blobs of shapes {instance.blob_shapes}, the net holds "
@@ -233,6 +230,9 @@ def _top_shapes(ctx: LayerContext, instance: _Instance, bottom_shapes: tuple[Sha
         bottom = [Blob(shape, dtype) for shape in bottom_shapes]
         top = [Blob(shape, dtype) for shape in instance.last_top_shapes]
         _call(ctx, "reshape", instance.obj.reshape, bottom, top)
+        if len(top) != ctx.num_tops:
+            raise ctx.error(f"the layer's reshape gave {len(top)} tops, the prototxt names {ctx.num_tops}",
+                            GraphError)
         shapes = instance.top_shapes[bottom_shapes] = instance.last_top_shapes = \
             [tuple(int(d) for d in t.shape) for t in top]
     return shapes
@@ -254,11 +254,7 @@ def data_layer_top_shapes(layer_param, phase: int, python_layers: PythonLayers |
     _set_up(ctx, instance, (), np.dtype(np.float32))
     if instance.blob_shapes:
         return None
-    shapes = _top_shapes(ctx, instance, (), np.dtype(np.float32))
-    if len(shapes) != ctx.num_tops:
-        raise ctx.error(f"the layer's reshape gave {len(shapes)} tops, the prototxt names {ctx.num_tops}",
-                        GraphError)
-    return shapes
+    return _top_shapes(ctx, instance, (), np.dtype(np.float32))
 
 
 def calls_back(layer) -> bool:

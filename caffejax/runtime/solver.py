@@ -167,8 +167,9 @@ class Solver:
         if self._parallel is not None:
             python = [layer.name for layer in self.net.graph.layers if calls_back(layer)]
             if python and self._parallel.mesh.size > 1:
-                # Each device's part of the program would call the one layer object, in no set order: a data
-                # layer would hand the devices its batches in a different order on every run.
+                # Each device's part of the program would call the one layer object, in no set order: a layer
+                # that keeps state (a sampler) would see the devices' calls in a different order on every run.
+                # Python data layers run on the host before the program and are dealt out like other data layers.
                 raise UnsupportedError(f"Python layers {python} run on the host, where one object serves every "
                                        f"device; train a net holding them on one device, not "
                                        f"{self._parallel.mesh.size}")
