@@ -33,6 +33,13 @@ __all__ = ["export_stablehlo", "load_stablehlo", "StableHLOModel", "to_flax", "s
 
 def _forward_fn(graph, program):
     """``f(params, inputs, key) -> outputs``: the whole net's forward over blobs named as Caffe names them."""
+    on_host = next((layer for layer in graph.layers if layer.runs_on_host), None)
+    if on_host is not None:
+        raise UnsupportedError(
+            f"layer '{on_host.name}' (type {on_host.type}) makes a top whose shape depends on the data, which a "
+            f"traced program cannot have (caffejax runs it on the host, after the program). Export the net without "
+            f"it, with its bottoms {list(on_host.bottoms)} as outputs, and run it on them yourself (for "
+            f"DetectionOutput: caffejax.lower.forks.detect(layer_param, bottoms))")
     fed = graph.fed
     outputs = tuple(graph.outputs)
 

@@ -19,6 +19,23 @@ if "PYTEST_XDIST_WORKER" in os.environ:
     # One process per core (README's -n auto): on a GPU each would otherwise claim 75% of its memory up front.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+@pytest.fixture
+def isolated_registry(monkeypatch):
+    """Registrations made by a test (layer rules, fork fields) disappear after it (the registry is process-wide)."""
+    from caffejax.frontend import prototxt
+    from caffejax.lower import registry
+
+    registry.registered_types()  # the BVLC families are in before the copy
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.setattr(prototxt, "_FORK_PARAMS", dict(prototxt._FORK_PARAMS))
+
+
+def input_layer(*shape, name: str = "x") -> str:
+    """An Input layer's prototxt: top ``name`` of ``shape``."""
+    dims = " ".join(f"dim: {d}" for d in shape)
+    return f'layer {{ name: "in_{name}" type: "Input" top: "{name}" input_param {{ shape {{ {dims} }} }} }}\n'
+
+
 # Tolerances of ../shared/reference/README.md (mixed: rtol, and atol scaled to the blob's magnitude).
 FORWARD_RTOL, FORWARD_ATOL = 1e-4, 1e-5
 DIFF_RTOL, DIFF_ATOL = 1e-3, 1e-4

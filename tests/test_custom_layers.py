@@ -15,19 +15,7 @@ from caffejax.frontend import prototxt
 from caffejax.frontend.prototxt import ForkParam, ForkParamField, register_fork_param
 from caffejax.lower import forks, registry
 from caffejax.proto import caffe_pb2
-
-
-@pytest.fixture
-def isolated_registry(monkeypatch):
-    """Registrations made by a test disappear after it (the registry is process-wide)."""
-    registry.registered_types()  # the BVLC families are in before the copy
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
-    monkeypatch.setattr(prototxt, "_FORK_PARAMS", dict(prototxt._FORK_PARAMS))
-
-
-def _input(*shape, name="x") -> str:
-    dims = " ".join(f"dim: {d}" for d in shape)
-    return f'layer {{ name: "in_{name}" type: "Input" top: "{name}" input_param {{ shape {{ {dims} }} }} }}\n'
+from conftest import input_layer as _input
 
 
 # ---- register_layer ---------------------------------------------------------------------------------------------

@@ -389,6 +389,24 @@ def test_compile_inference_over_devices_is_the_one_device_program():
 
 
 @needs_four
+def test_detections_over_devices_are_the_one_device_ones(isolated_registry):
+    """A layer run on the host (SSD's DetectionOutput) finishes what the devices gathered: compile_inference and
+    data_parallel_forward over four devices find Net.forward's detections."""
+    from caffejax.lower import forks
+    from test_ssd_detection import SSD_PARAM, _ssd_text
+
+    forks.register_all()
+    net = caffejax.Net(_ssd_text(SSD_PARAM, True).replace("dim: 2 ", "dim: 4 ", 1), caffejax.TEST)
+    images = np.random.default_rng(0).standard_normal((4, 3, 32, 32)).astype(np.float32)
+    one = np.asarray(net.forward(data=images)["detection_out"])
+    assert set(one[0, 0, :, 0]) == {0, 1, 2, 3}
+    np.testing.assert_allclose(caffejax.compile_inference(net, devices=4)({"data": images})["detection_out"], one,
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(data_parallel_forward(net, 4)(data=images)["detection_out"], one, rtol=1e-5,
+                               atol=1e-6)
+
+
+@needs_four
 def test_compile_inference_takes_inputs_from_any_device_and_runs_on_the_default_one(tmp_path, monkeypatch):
     from conftest import BUNDLED
     from caffejax.runtime import program_cache

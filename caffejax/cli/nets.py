@@ -364,12 +364,14 @@ def time(args) -> int:
     fed = {value: net.blobs[name].data for name, value in graph.fed.items()}
     key = jax.random.key(0)
     forward, forward_backward = whole_net_programs(net)
+    # Caffe's forward runs every layer: the whole-net forward timed ends with the layers run on the host.
+    timed_forward = _then_on_host(graph, forward) if graph.made_on_host else forward
     log.info("Performing Backward")
     jax.block_until_ready(forward_backward(params, fed, key))  # compiled here, so no timed iteration compiles
 
     log.info("*** Benchmark begins ***")
     log.info("Testing for %d iterations.", iterations)
-    whole_forward = _mean_seconds(forward, (params, fed, key), iterations)
+    whole_forward = _mean_seconds(timed_forward, (params, fed, key), iterations)
     iteration_seconds = []
     for j in range(iterations):
         start = clock.perf_counter()
@@ -388,6 +390,8 @@ def time(args) -> int:
     for layer in graph.layers:
         if layer.is_input:
             fwd, bwd = _fed_layer_seconds(net, layer, iterations), None
+        elif layer.runs_on_host:
+            fwd, bwd = _host_layer_seconds(layer, env, iterations), None
         else:
             fwd, bwd = _layer_times(program, layer, params, env, layouts, key, iterations)
         log.info("%10s\tforward: %s ms.", layer.name, log_float(fwd * 1e3))
@@ -462,6 +466,14 @@ def _log_program_profiles(graph, programs, args, iterations: int) -> None:
             log.info("%s", line)
 
 
+def _program_output_values(graph) -> list[str]:
+    """The values ``time``'s whole-net programs return: the net's outputs (for layers run on the host, what they
+    read: Graph.program_outputs) and the blobs silenced. Caffe's Forward runs every layer. A blob only a Silence
+    layer reads is no output, so it is returned too: else XLA drops the layers that make it."""
+    silenced = [v for layer in graph.layers if not layer.is_input and not layer.top_values for v in layer.bottom_values]
+    return list(dict.fromkeys([graph.blob_value[name] for name in graph.program_outputs] + silenced))
+
+
 def whole_net_programs(net):
     """``time``'s two whole-net programs, ``(params, fed values, key) -> ...``: the forward, which returns the net's
     outputs as ``Net.forward`` does (its other blobs are not copied out) and the blobs silenced, and
@@ -473,8 +485,7 @@ def whole_net_programs(net):
     graph, program = net.graph, net._program
     # Caffe's Forward runs every layer. A blob only a Silence layer reads is no output, so it is returned too:
     # else XLA drops the layers that make it.
-    silenced = [v for layer in graph.layers if not layer.is_input and not layer.top_values for v in layer.bottom_values]
-    outputs = list(dict.fromkeys([graph.blob_value[name] for name in graph.outputs] + silenced))
+    outputs = _program_output_values(graph)
 
     # Only outputs come back, so Convolution -> BatchNorm chains whose inner values are blobs fold, as in
     # Net.forward's pass and a solver's iteration (not over a Python layer: Net._reruns).
@@ -492,6 +503,29 @@ def whole_net_programs(net):
 
     return (jax.jit(forward, compiler_options=compiler_options(graph)),
             jax.jit(forward_backward, compiler_options=compiler_options(graph, backward=True)))
+
+
+def _then_on_host(graph, forward):
+    """``forward`` (a whole-net program) followed by the layers run on the host, on what it returned."""
+    from caffejax.lower.program import run_host_layers
+
+    values = _program_output_values(graph)
+
+    def run(*args):
+        outputs = forward(*args)
+        run_host_layers(graph.layers, dict(zip(values, outputs)))
+        return outputs
+
+    return run
+
+
+def _host_layer_seconds(layer, env, iterations: int) -> float:
+    """A layer run on the host (Layer.runs_on_host), on the bottoms the whole net gave it."""
+    from caffejax.lower.registry import get_rule
+
+    forward = get_rule(layer.type).host_forward
+    bottoms = [np.asarray(env[value]) for value in layer.bottom_values]
+    return _mean_seconds(lambda: forward(layer.proto, bottoms), (), iterations)
 
 
 def _mean_seconds(fn, args, iterations: int) -> float:

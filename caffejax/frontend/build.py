@@ -109,6 +109,7 @@ class _Builder:
         self.loss_weights: dict[str, float] = {}
         self.top_shapes_by_config: dict[tuple, list[Shape]] = {}
         self.rules: list[LayerRule] = []  # one per layer, in order (layer names need not be unique)
+        self.host_tops: dict[str, Any] = {}  # blob -> the host layer (LayerRule.host_forward) that made it
 
     # -- one layer ------------------------------------------------------------------------------------------
     def add_layer(self, index: int, lp) -> None:
@@ -128,6 +129,12 @@ class _Builder:
                 raise layer_error(GraphError, lp.name, lp.type,
                                   f"unknown bottom blob '{blob}' (bottom index {j}): no earlier layer produces "
                                   "it, or it was already consumed")
+            maker = self.host_tops.get(blob)
+            if maker is not None and rule.host_forward is None:
+                raise layer_error(GraphError, lp.name, lp.type,
+                                  f"reads blob '{blob}', the top of layer '{maker.name}' (type {maker.type}), "
+                                  "whose shape depends on the data: that layer runs on the host after the "
+                                  "compiled program, and no compiled layer may read what it makes")
             self.available.discard(blob)
             bottom_values.append(self.blob_value[blob])
             need = self.blob_need_backward[blob]
@@ -148,7 +155,7 @@ class _Builder:
                     self.blob_first_value[AUTOMATIC_TOP] = value
                     self.blob_need_backward[AUTOMATIC_TOP] = False
             elif j < len(lp.bottom) and blob == lp.bottom[j]:
-                if not rule.in_place:
+                if not rule.in_place or rule.host_forward is not None:
                     raise layer_error(GraphError, lp.name, lp.type, f"cannot run in place (top '{blob}')")
                 value = f"{blob}@{index}"
             elif blob in self.blob_value:
@@ -197,13 +204,18 @@ class _Builder:
 
         state_in, state_out = self._state_values(lp, rule, bottom_shapes)
         loss_weights = self._loss_weights(lp, rule, len(tops))
+        if rule.host_forward is not None and any(loss_weights):
+            raise layer_error(SchemaError, lp.name, lp.type, "runs on the host after the compiled program and has "
+                              f"no gradient, so its tops cannot carry a loss_weight (got {loss_weights})")
         for blob, weight in zip(tops, loss_weights):
             self.loss_weights[blob] = weight
         layer = Layer(name=lp.name, type=lp.type, proto=lp, bottoms=list(lp.bottom), tops=tops,
                       bottom_values=bottom_values, top_values=top_values, params=params,
                       loss_weights=loss_weights, need_backward=need_backward,
                       bottom_need_backward=bottom_need, param_need_backward=param_need, is_input=is_input,
-                      state_in=state_in, state_out=state_out)
+                      state_in=state_in, state_out=state_out, runs_on_host=rule.host_forward is not None)
+        if layer.runs_on_host:
+            self.host_tops.update((blob, lp) for blob in tops)
         if need_backward:
             for blob in tops:
                 self.blob_need_backward[blob] = True

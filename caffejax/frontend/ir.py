@@ -65,6 +65,9 @@ class Layer:
     # before running (absent from the inputs: Caffe's zeros) and the ids of what it leaves for the next run.
     state_in: list[str] = dataclasses.field(default_factory=list)
     state_out: list[str] = dataclasses.field(default_factory=list)
+    # Its top shapes depend on the data (LayerRule.host_forward): it runs on the host after the compiled program,
+    # on the bottoms the program returns, and is no part of any program.
+    runs_on_host: bool = False
 
     @property
     def in_place(self) -> list[bool]:
@@ -116,6 +119,25 @@ class Graph:
         """Blobs fed from outside the program (tops of Input and data layers): blob name -> value id."""
         return {top: value for layer in self.layers if layer.is_input
                 for top, value in zip(layer.tops, layer.top_values)}
+
+    @property
+    def made_on_host(self) -> set[str]:
+        """The blobs layers run on the host make (``Layer.runs_on_host``: their shapes depend on the data)."""
+        return {top for layer in self.layers if layer.runs_on_host for top in layer.tops}
+
+    @property
+    def read_on_host(self) -> list[str]:
+        """The blobs a program hands to the layers run on the host, which run on them after it."""
+        made = self.made_on_host
+        return list(dict.fromkeys(blob for layer in self.layers if layer.runs_on_host for blob in layer.bottoms
+                                  if blob not in made))
+
+    @property
+    def program_outputs(self) -> list[str]:
+        """The blobs a program over the whole net hands back: the net's outputs but those made on the host, and
+        the blobs read on the host."""
+        made = self.made_on_host
+        return list(dict.fromkeys([blob for blob in self.outputs if blob not in made] + self.read_on_host))
 
     @property
     def state(self) -> dict[str, str]:

@@ -239,8 +239,10 @@ _RESERVED_NUMBERS = range(19000, 20000)  # protobuf's own
 class ForkParamField:
     """One field of a fork's parameter message, as its caffe.proto declares it.
 
-    ``type`` is a protobuf scalar type (``"int32"``, ``"float"``, ``"bool"``, ``"string"``...) or the name of
-    one of caffe.proto's messages (``"FillerParameter"``). ``default`` is the ``[default = ...]`` value.
+    ``type`` is a protobuf scalar type (``"int32"``, ``"float"``, ``"bool"``, ``"string"``...), the name of
+    one of caffe.proto's messages (``"FillerParameter"``), or of one of the fork's own messages or enums
+    (:class:`ForkMessage`, :class:`ForkEnum`). ``default`` is the ``[default = ...]`` value (an enum's value by
+    name).
     """
 
     name: str
@@ -266,6 +268,27 @@ class ForkParam:
     number: int
     fields: tuple[ForkParamField, ...]
     origin: str = ""
+    messages: tuple["ForkMessage", ...] = ()  # further messages its fields use (SSD's nms_param)
+    enums: tuple["ForkEnum", ...] = ()  # enums nested in ``message``
+
+
+@dataclasses.dataclass(frozen=True)
+class ForkMessage:
+    """A further message a fork declares for its parameter's fields, e.g. SSD's NonMaximumSuppressionParameter,
+    with the enums nested in it."""
+
+    name: str
+    fields: tuple[ForkParamField, ...]
+    enums: tuple["ForkEnum", ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class ForkEnum:
+    """An enum nested in a fork's parameter message: its values as (name, number), e.g. SSD's
+    ``CodeType { CORNER = 1; CENTER_SIZE = 2; CORNER_SIZE = 3; }``."""
+
+    name: str
+    values: tuple[tuple[str, int], ...]
 
 
 _FORK_PARAMS: dict[str, ForkParam] = {}  # part of the layer registry: field name -> its declaration
@@ -311,24 +334,40 @@ def _check_fork_param(fork: ForkParam) -> None:
         problems.append(f"number {fork.number} is LayerParameter's '{taken_numbers[fork.number]}'")
     if not 0 < fork.number <= _MAX_FIELD_NUMBER or fork.number in _RESERVED_NUMBERS:
         problems.append(f"number {fork.number} is not a usable protobuf field number")
-    messages = set(caffe_pb2.DESCRIPTOR.message_types_by_name) | {f.message for f in _FORK_PARAMS.values()}
-    if not re.fullmatch(r"[A-Za-z_]\w*", fork.message) or fork.message in messages:
-        problems.append(f"message name '{fork.message}' is taken or invalid")
-    names, numbers = set(), set()
-    for f in fork.fields:
-        if f.name in names or f.number in numbers or not 0 < f.number <= _MAX_FIELD_NUMBER:
-            problems.append(f"field '{f.name}' = {f.number} repeats a name or number, or the number is invalid")
-        names.add(f.name)
-        numbers.add(f.number)
-        if f.type not in _SCALAR_TYPES and f.type not in caffe_pb2.DESCRIPTOR.message_types_by_name:
-            problems.append(f"field '{f.name}' has unknown type '{f.type}'")
-        elif f.default is not None and (f.repeated or f.type not in _SCALAR_TYPES):
-            problems.append(f"field '{f.name}' cannot have a default (repeated or message-typed)")
+    messages = set(caffe_pb2.DESCRIPTOR.message_types_by_name)
+    for other in _FORK_PARAMS.values():
+        messages.update([other.message, *(m.name for m in other.messages)])
+    own = [fork.message, *(m.name for m in fork.messages)]
+    for name in own:
+        if not re.fullmatch(r"[A-Za-z_]\w*", name) or name in messages or own.count(name) > 1:
+            problems.append(f"message name '{name}' is taken or invalid")
+    extra_names = set(own[1:])
+    for fields, enum_list in ((fork.fields, fork.enums), *((m.fields, m.enums) for m in fork.messages)):
+        enums = {e.name: e for e in enum_list}
+        for e in enum_list:
+            value_names = [v for v, _ in e.values]
+            if (not re.fullmatch(r"[A-Za-z_]\w*", e.name) or not e.values
+                    or len(set(value_names)) < len(value_names) or len({n for _, n in e.values}) < len(e.values)):
+                problems.append(f"enum '{e.name}' needs a valid name and distinct value names and numbers")
+        types = set(_SCALAR_TYPES) | set(caffe_pb2.DESCRIPTOR.message_types_by_name) | extra_names | set(enums)
+        names, numbers = set(), set()
+        for f in fields:
+            if f.name in names or f.number in numbers or not 0 < f.number <= _MAX_FIELD_NUMBER:
+                problems.append(f"field '{f.name}' = {f.number} repeats a name or number, or the number is invalid")
+            names.add(f.name)
+            numbers.add(f.number)
+            if f.type not in types:
+                problems.append(f"field '{f.name}' has unknown type '{f.type}'")
+            elif f.default is not None and (f.repeated or f.type not in _SCALAR_TYPES and f.type not in enums):
+                problems.append(f"field '{f.name}' cannot have a default (repeated or message-typed)")
+            elif f.type in enums and f.default is not None and f.default not in dict(enums[f.type].values):
+                problems.append(f"field '{f.name}': default {f.default!r} is not a value of enum '{f.type}'")
     if problems:
         raise SchemaError(f"cannot register fork field '{fork.field}' ({fork.message}): " + "; ".join(problems))
 
 
-def _field_proto(f: ForkParamField) -> descriptor_pb2.FieldDescriptorProto:
+def _field_proto(f: ForkParamField, enums: dict[str, str] | None = None) -> descriptor_pb2.FieldDescriptorProto:
+    """``f`` as a descriptor; ``enums``: the enums its message may use, name -> full name."""
     proto = descriptor_pb2.FieldDescriptorProto(
         name=f.name, number=f.number,
         label=(descriptor_pb2.FieldDescriptorProto.LABEL_REPEATED if f.repeated
@@ -338,6 +377,11 @@ def _field_proto(f: ForkParamField) -> descriptor_pb2.FieldDescriptorProto:
         if f.default is not None:
             proto.default_value = (str(f.default).lower() if isinstance(f.default, bool) else
                                    repr(float(f.default)) if f.type in ("float", "double") else str(f.default))
+    elif enums and f.type in enums:
+        proto.type = descriptor_pb2.FieldDescriptorProto.TYPE_ENUM
+        proto.type_name = enums[f.type]
+        if f.default is not None:
+            proto.default_value = f.default
     else:
         proto.type = descriptor_pb2.FieldDescriptorProto.TYPE_MESSAGE
         proto.type_name = f".caffe.{f.type}"
@@ -350,7 +394,13 @@ def _extended_pool(forks: tuple[ForkParam, ...]) -> descriptor_pool.DescriptorPo
     file = descriptor_pb2.FileDescriptorProto.FromString(caffe_pb2.DESCRIPTOR.serialized_pb)
     layer = next(m for m in file.message_type if m.name == "LayerParameter")
     for fork in forks:
-        file.message_type.add(name=fork.message, field=[_field_proto(f) for f in fork.fields])
+        declared = [(m.name, m.fields, m.enums) for m in fork.messages] + [(fork.message, fork.fields, fork.enums)]
+        for name, fields, enum_list in declared:
+            enums = {e.name: f".caffe.{name}.{e.name}" for e in enum_list}
+            message = file.message_type.add(name=name, field=[_field_proto(f, enums) for f in fields])
+            for e in enum_list:
+                message.enum_type.add(name=e.name, value=[descriptor_pb2.EnumValueDescriptorProto(name=n, number=i)
+                                                          for n, i in e.values])
         layer.field.add(name=fork.field, number=fork.number,
                         label=descriptor_pb2.FieldDescriptorProto.LABEL_OPTIONAL,
                         type=descriptor_pb2.FieldDescriptorProto.TYPE_MESSAGE, type_name=f".caffe.{fork.message}")

@@ -3,7 +3,7 @@
 BVLC Caffe does not have these layers; models converted from YOLO, SSD, DeepLab/PSPNet or MobileNet ports use
 them. ``register_all()`` makes all of them available, or one at a time: ``register_upsample()``,
 ``register_interp()``, ``register_relu6()``, ``register_permute()``, ``register_normalize()``,
-``register_prior_box()``. Registering
+``register_prior_box()``, ``register_detection_output()``. Registering
 declares the fork's LayerParameter field (``upsample_param``, ``interp_param``, ...) to the prototxt parser
 (caffejax.frontend.prototxt.register_fork_param), so prototxts using it parse, and adds the layer's rule.
 Each rule follows the fork's C++ layer, named in its docstring.
@@ -15,6 +15,7 @@ function to call (:func:`provider_of`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Any, Callable, Sequence
 
@@ -23,12 +24,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from caffejax.errors import SchemaError, ShapeError
+from caffejax.errors import SchemaError, ShapeError, UnsupportedError, layer_error
 from caffejax.frontend.build import MAX_BLOB_ELEMENTS
-from caffejax.frontend.prototxt import ForkParam, ForkParamField, fork_param, register_fork_param
+from caffejax.frontend.prototxt import (ForkEnum, ForkMessage, ForkParam, ForkParamField, fork_param,
+                                        register_fork_param)
 from caffejax.lower.registry import LayerContext, get_rule, register_layer
 
 Shape = tuple[int, ...]
+log = logging.getLogger("caffejax")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +47,7 @@ class ForkLayer:
     init_params: Callable | None = None
     bottoms: tuple[int, int | None] = (1, 1)
     tops: tuple[int, int | None] = (1, 1)
+    host_forward: Callable | None = None  # LayerRule.host_forward: runs on the host, after the program
 
 
 # ---- Upsample: nearest-neighbour by an integer factor (the YOLOv3 ports' upsample_layer.cpp) -----------------
@@ -385,6 +389,269 @@ def _check_4d(ctx: LayerContext, x) -> None:
         raise ctx.error(f"the bottom must have 4 axes (num, channels, height, width), got {tuple(x.shape)}")
 
 
+# ---- DetectionOutput: SSD's decoding and non-maximum suppression (SSD's detection_output_layer.cpp) ---------------
+
+_CODE_TYPE = ForkEnum("CodeType", (("CORNER", 1), ("CENTER_SIZE", 2), ("CORNER_SIZE", 3)))
+DETECTION_OUTPUT_PARAM = ForkParam(
+    "detection_output_param", "DetectionOutputParameter", 204,
+    (ForkParamField("num_classes", "uint32", 1),
+     ForkParamField("share_location", "bool", 2, default=True),
+     ForkParamField("background_label_id", "int32", 3, default=0),
+     ForkParamField("nms_param", "NonMaximumSuppressionParameter", 4),
+     ForkParamField("save_output_param", "SaveOutputParameter", 5),
+     ForkParamField("code_type", "CodeType", 6, default="CORNER"),
+     ForkParamField("keep_top_k", "int32", 7, default=-1),
+     ForkParamField("variance_encoded_in_target", "bool", 8, default=False),
+     ForkParamField("confidence_threshold", "float", 9),
+     ForkParamField("visualize", "bool", 10, default=False),
+     ForkParamField("visualize_threshold", "float", 11),
+     ForkParamField("save_file", "string", 12)),
+    origin="SSD (weiliu89/caffe)",
+    enums=(_CODE_TYPE,),
+    messages=(
+        ForkMessage("NonMaximumSuppressionParameter",
+                    (ForkParamField("nms_threshold", "float", 1, default=0.3),
+                     ForkParamField("top_k", "int32", 2),
+                     ForkParamField("eta", "float", 3, default=1.0))),
+        ForkMessage("ResizeParameter",
+                    (ForkParamField("prob", "float", 1, default=1.0),
+                     ForkParamField("resize_mode", "Resize_mode", 2, default="WARP"),
+                     ForkParamField("height", "uint32", 3, default=0),
+                     ForkParamField("width", "uint32", 4, default=0),
+                     ForkParamField("pad_mode", "Pad_mode", 5, default="CONSTANT"),
+                     ForkParamField("pad_value", "float", 6, repeated=True),
+                     ForkParamField("interp_mode", "Interp_mode", 7, repeated=True),
+                     ForkParamField("height_scale", "uint32", 8, default=0),
+                     ForkParamField("width_scale", "uint32", 9, default=0)),
+                    (ForkEnum("Resize_mode", (("WARP", 1), ("FIT_SMALL_SIZE", 2), ("FIT_LARGE_SIZE_AND_PAD", 3))),
+                     ForkEnum("Pad_mode", (("CONSTANT", 1), ("MIRRORED", 2), ("REPEAT_NEAREST", 3))),
+                     ForkEnum("Interp_mode", (("LINEAR", 1), ("AREA", 2), ("NEAREST", 3), ("CUBIC", 4),
+                                              ("LANCZOS4", 5))))),
+        ForkMessage("SaveOutputParameter",
+                    (ForkParamField("output_directory", "string", 1),
+                     ForkParamField("output_name_prefix", "string", 2),
+                     ForkParamField("output_format", "string", 3),
+                     ForkParamField("label_map_file", "string", 4),
+                     ForkParamField("name_size_file", "string", 5),
+                     ForkParamField("num_test_image", "uint32", 6),
+                     ForkParamField("resize_param", "ResizeParameter", 7)))))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Detection:
+    """DetectionOutputLayer::LayerSetUp's settings."""
+
+    num_classes: int
+    share_location: bool
+    background_label_id: int
+    code_type: int  # 1 CORNER, 2 CENTER_SIZE, 3 CORNER_SIZE
+    variance_encoded_in_target: bool
+    keep_top_k: int
+    confidence_threshold: np.float32
+    nms_threshold: np.float32
+    top_k: int
+    eta: np.float32
+
+
+def _detection(layer_param) -> _Detection:
+    p = fork_param(layer_param, "detection_output_param")
+
+    def fail(message: str, cls=SchemaError):
+        return layer_error(cls, layer_param.name, layer_param.type, message)
+
+    if not p.HasField("num_classes"):
+        raise fail("Must specify num_classes")
+    nms = p.nms_param
+    if not nms.nms_threshold >= 0:
+        raise fail(f"nms_threshold must be non negative, got {nms.nms_threshold}")
+    if not 0 < nms.eta <= 1:
+        raise fail(f"nms_param.eta must be in (0, 1], got {nms.eta}")
+    if p.share_location and p.background_label_id == -1:
+        # DecodeBBoxesAll takes the shared boxes' label -1 for the background and skips them; Forward then stops
+        # with "Could not find location predictions for label -1".
+        raise fail("share_location with background_label_id -1: Caffe takes the shared location predictions "
+                   "(label -1) for the background and finds none to decode")
+    if p.visualize:
+        raise fail("visualize (an OpenCV window drawing the detections) is not supported; remove it",
+                   UnsupportedError)
+    save = p.save_output_param
+    if save.output_directory and save.label_map_file and save.name_size_file:
+        # Caffe saves only when all three are given (it warns and skips otherwise); deploy prototxts often
+        # carry them from evaluation, which OpenCV ignores as well. The top is what a caller reads.
+        log.warning("layer '%s' (type DetectionOutput): save_output_param is not supported; detections are not "
+                    "written to '%s'", layer_param.name, save.output_directory)
+    return _Detection(p.num_classes, p.share_location, p.background_label_id, p.code_type,
+                      p.variance_encoded_in_target, p.keep_top_k,
+                      np.float32(p.confidence_threshold if p.HasField("confidence_threshold")
+                                 else -np.finfo(np.float32).max),
+                      np.float32(nms.nms_threshold), nms.top_k if nms.HasField("top_k") else -1, np.float32(nms.eta))
+
+
+def _legacy_dim(shape: Sequence[int], index: int) -> int:
+    """Blob::LegacyShape: num, channels, height, width of a blob of up to 4 axes (1 past its last axis)."""
+    return shape[index] if index < len(shape) else 1
+
+
+def _detection_counts(layer_param, shapes: Sequence[Shape]) -> tuple[_Detection, int]:
+    """DetectionOutputLayer::Reshape's checks on the bottoms (loc, conf, priors): the settings and the number of
+    priors."""
+    d = _detection(layer_param)
+    loc, conf, prior = shapes
+    if any(len(s) > 4 for s in shapes):
+        raise layer_error(ShapeError, layer_param.name, layer_param.type,
+                          f"bottoms must have at most 4 axes (Caffe's num/channels/height/width), got {list(shapes)}")
+    num_priors = _legacy_dim(prior, 2) // 4
+    num_loc_classes = 1 if d.share_location else d.num_classes
+    problems = []
+    if _legacy_dim(loc, 0) != _legacy_dim(conf, 0):
+        problems.append(f"loc and conf have different nums ({_legacy_dim(loc, 0)} and {_legacy_dim(conf, 0)})")
+    if num_priors * num_loc_classes * 4 != _legacy_dim(loc, 1):
+        problems.append(f"Number of priors must match number of location predictions: {num_priors} priors x "
+                        f"{num_loc_classes} x 4 != {_legacy_dim(loc, 1)} loc channels")
+    if num_priors * d.num_classes != _legacy_dim(conf, 1):
+        problems.append(f"Number of priors must match number of confidence predictions: {num_priors} priors x "
+                        f"{d.num_classes} classes != {_legacy_dim(conf, 1)} conf channels")
+    if problems:
+        raise layer_error(ShapeError, layer_param.name, layer_param.type,
+                          "; ".join(problems) + f" (bottom shapes {[tuple(s) for s in shapes]})")
+    return d, num_priors
+
+
+def detection_output(ctx: LayerContext, bottoms, params):
+    """The top's shape before the first forward: DetectionOutputLayer::Reshape sets (1, 1, 1, 7), since the number
+    of detections is known only after NMS. The detections themselves are :func:`detect`'s, on the host."""
+    _detection_counts(ctx.layer, [tuple(b.shape) for b in bottoms])
+    return [jnp.zeros((1, 1, 1, 7), bottoms[0].dtype)]
+
+
+def _decode(d: _Detection, priors: np.ndarray, variances: np.ndarray, loc: np.ndarray) -> np.ndarray:
+    """bbox_util.cpp's DecodeBBox over every prior: (..., 4) corners as float, with the float and double steps
+    of the C++ (its NormalizedBBox holds floats; ``/ 2.`` is double)."""
+    f32 = np.float32
+    px0, py0, px1, py1 = (priors[:, i] for i in range(4))
+    v = np.ones_like(variances) if d.variance_encoded_in_target else variances
+    x0, y0, x1, y1 = (loc[..., i] for i in range(4))
+    if d.code_type == 1:  # CORNER
+        return np.stack([px0 + v[:, 0] * x0, py0 + v[:, 1] * y0, px1 + v[:, 2] * x1, py1 + v[:, 3] * y1], -1)
+    width, height = px1 - px0, py1 - py0
+    if not (np.all(width > 0) and np.all(height > 0)):
+        raise ValueError("a prior box has no positive width and height (DecodeBBox's CHECK_GT(prior_width, 0))")
+    if d.code_type == 3:  # CORNER_SIZE
+        return np.stack([px0 + v[:, 0] * x0 * width, py0 + v[:, 1] * y0 * height,
+                         px1 + v[:, 2] * x1 * width, py1 + v[:, 3] * y1 * height], -1)
+    center_x = ((px0.astype(np.float64) + px1) / 2.0).astype(f32)
+    center_y = ((py0.astype(np.float64) + py1) / 2.0).astype(f32)
+    cx = v[:, 0] * x0 * width + center_x
+    cy = v[:, 1] * y0 * height + center_y
+    w = np.exp(v[:, 2] * x1) * width
+    h = np.exp(v[:, 3] * y1) * height
+    half_w, half_h = w.astype(np.float64) / 2.0, h.astype(np.float64) / 2.0
+    return np.stack([cx - half_w, cy - half_h, cx + half_w, cy + half_h], -1).astype(f32)
+
+
+def _box_sizes(boxes: np.ndarray) -> np.ndarray:
+    """BBoxSize: width * height, 0 for a box with xmax < xmin or ymax < ymin."""
+    invalid = (boxes[:, 2] < boxes[:, 0]) | (boxes[:, 3] < boxes[:, 1])
+    return np.where(invalid, np.float32(0), (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1]))
+
+
+def _overlaps(boxes: np.ndarray, sizes: np.ndarray, others: np.ndarray, other_sizes: np.ndarray) -> np.ndarray:
+    """JaccardOverlap of each of ``boxes`` (m, 4) with each of ``others`` (n, 4): (m, n), normalized boxes, in
+    float arithmetic (symmetric, as the C++'s is). IntersectBBox's test for disjoint boxes is left out: each of
+    its cases makes the width or the height of the intersection negative, which gives 0 too."""
+    x0, y0, x1, y1 = (boxes[:, i, None] for i in range(4))
+    width = np.minimum(x1, others[:, 2]) - np.maximum(x0, others[:, 0])
+    height = np.minimum(y1, others[:, 3]) - np.maximum(y0, others[:, 1])
+    inter = width * height
+    iou = inter / ((sizes[:, None] + other_sizes) - inter)
+    return np.where((width > 0) & (height > 0), iou, np.float32(0))
+
+
+_NMS_MATRIX_MAX = 2048  # candidates up to which their overlaps are computed at once (16 MiB)
+
+
+def _nms(d: _Detection, boxes: np.ndarray, sizes: np.ndarray, scores: np.ndarray) -> list[int]:
+    """ApplyNMSFast: the scores above the threshold, in descending order (ties by index: a stable sort), at most
+    top_k of them; each kept if its overlap with every box kept before is at most the threshold, which eta
+    lowers after each keep while above 0.5. The largest overlap with the boxes kept so far is carried per
+    candidate; a NaN overlap stays NaN and fails the test, as in the C++."""
+    candidates = np.flatnonzero(scores > d.confidence_threshold)
+    candidates = candidates[np.argsort(-scores[candidates], kind="stable")]
+    if -1 < d.top_k < len(candidates):
+        candidates = candidates[:d.top_k]
+    boxes, sizes = boxes[candidates], sizes[candidates]
+    matrix = _overlaps(boxes, sizes, boxes, sizes) if len(candidates) <= _NMS_MATRIX_MAX else None
+    largest = np.full(len(candidates), -np.inf, np.float32)  # the largest overlap with a kept box
+    kept: list[int] = []
+    threshold = d.nms_threshold
+    for j in range(len(candidates)):
+        if not largest[j] <= threshold:
+            continue
+        kept.append(int(candidates[j]))
+        row = matrix[j] if matrix is not None else _overlaps(boxes[j:j + 1], sizes[j:j + 1], boxes, sizes)[0]
+        np.maximum(largest, row, out=largest)
+        if d.eta < 1 and threshold > 0.5:
+            threshold = np.float32(threshold * d.eta)
+    return kept
+
+
+def detect(layer_param, bottoms: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """DetectionOutputLayer::Forward_cpu on host arrays: loc (N, priors x loc classes x 4), conf (N, priors x
+    classes), priors (1, 2, priors x 4). Per image, each class but the background: the decoded boxes (unclipped)
+    through NMS; then, past keep_top_k, the best keep_top_k over all classes. Top (1, 1, detections, 7), rows
+    [image, label, score, xmin, ymin, xmax, ymax] by image, then label, then the order NMS kept them; with no
+    detection at all, one row per image [i, -1, -1, -1, -1, -1, -1]. Caffe's keep_top_k sort is not stable; here
+    equal scores keep label order."""
+    with np.errstate(over="ignore", invalid="ignore"):  # inf and NaN boxes go through as in the C++
+        return _detect(layer_param, *(np.asarray(b, np.float32) for b in bottoms))
+
+
+def _detect(layer_param, loc: np.ndarray, conf: np.ndarray, prior: np.ndarray) -> list[np.ndarray]:
+    d, num_priors = _detection_counts(layer_param, [b.shape for b in (loc, conf, prior)])
+    num = _legacy_dim(loc.shape, 0)
+    num_loc_classes = 1 if d.share_location else d.num_classes
+    loc = loc.reshape(num, num_priors, num_loc_classes, 4)
+    conf = conf.reshape(num, num_priors, d.num_classes)
+    flat_prior = prior.reshape(-1)
+    priors = flat_prior[:num_priors * 4].reshape(num_priors, 4)
+    variances = flat_prior[num_priors * 4:num_priors * 8].reshape(num_priors, 4)
+    rows = []
+    for i in range(num):
+        decoded = {}  # location label (-1: shared) -> (boxes, sizes)
+        for c in range(num_loc_classes):
+            label = -1 if d.share_location else c
+            if label != d.background_label_id:
+                try:
+                    boxes = _decode(d, priors, variances, loc[i, :, c])
+                except ValueError as e:
+                    raise layer_error(ShapeError, layer_param.name, layer_param.type, str(e)) from None
+                decoded[label] = (boxes, _box_sizes(boxes))
+        labels, kept = [], []
+        for c in range(d.num_classes):
+            if c != d.background_label_id:
+                found = _nms(d, *decoded[-1 if d.share_location else c], conf[i, :, c])
+                labels += [c] * len(found)
+                kept += found
+        labels, kept = np.asarray(labels, np.int64), np.asarray(kept, np.int64)
+        scores = conf[i, kept, labels]
+        if -1 < d.keep_top_k < len(kept):
+            best = np.argsort(-scores, kind="stable")[:d.keep_top_k]
+            # Caffe regroups the best by label (a std::map), each label's in descending score order.
+            best = best[np.argsort(labels[best], kind="stable")]
+            labels, kept, scores = labels[best], kept[best], scores[best]
+        boxes = np.zeros((len(kept), 4), np.float32)
+        for label, (label_boxes, _) in decoded.items():
+            rows_of = slice(None) if d.share_location else labels == label
+            boxes[rows_of] = label_boxes[kept[rows_of]]
+        rows.append(np.column_stack([np.full(len(kept), i, np.float32), labels.astype(np.float32), scores, boxes]))
+    found_rows = np.concatenate(rows) if rows else np.zeros((0, 7), np.float32)
+    if not len(found_rows):
+        top = np.full((1, 1, num, 7), -1, np.float32)
+        top[0, 0, :, 0] = np.arange(num)
+        return [top]
+    return [found_rows.astype(np.float32).reshape(1, 1, len(found_rows), 7)]
+
+
 # ---- registration -------------------------------------------------------------------------------------------------
 
 FORK_LAYERS: tuple[ForkLayer, ...] = (
@@ -395,6 +662,8 @@ FORK_LAYERS: tuple[ForkLayer, ...] = (
     ForkLayer("Normalize", normalize, "register_normalize", NORMALIZE_PARAM.origin, NORMALIZE_PARAM,
               param_shapes=_normalize_shapes, init_params=_normalize_init),
     ForkLayer("PriorBox", prior_box, "register_prior_box", PRIOR_BOX_PARAM.origin, PRIOR_BOX_PARAM, bottoms=(2, 2)),
+    ForkLayer("DetectionOutput", detection_output, "register_detection_output", DETECTION_OUTPUT_PARAM.origin,
+              DETECTION_OUTPUT_PARAM, bottoms=(3, 3), host_forward=detect),
 )
 
 
@@ -414,7 +683,7 @@ def register(fork: ForkLayer, override: bool = False) -> None:
     if current is not None and current.forward is fork.forward:
         return
     register_layer(fork.type, fork.forward, fork.param_shapes, fork.init_params, bottoms=fork.bottoms,
-                   tops=fork.tops, override=override)
+                   tops=fork.tops, host_forward=fork.host_forward, override=override)
 
 
 def _by_type(type_name: str) -> ForkLayer:
@@ -443,6 +712,10 @@ def register_normalize(override: bool = False) -> None:
 
 def register_prior_box(override: bool = False) -> None:
     register(_by_type("PriorBox"), override)
+
+
+def register_detection_output(override: bool = False) -> None:
+    register(_by_type("DetectionOutput"), override)
 
 
 def register_all(override: bool = False) -> None:

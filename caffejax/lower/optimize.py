@@ -135,7 +135,7 @@ def _consumers(graph: Graph) -> dict[str, list[Layer]]:
 
 
 def _output_values(graph: Graph) -> set[str]:
-    return {graph.blob_value[blob] for blob in graph.outputs}
+    return {graph.blob_value[blob] for blob in graph.program_outputs}
 
 
 def _only_consumer(graph: Graph, value: str, users, outputs) -> Layer | None:
@@ -1163,7 +1163,8 @@ class Layouts:
 
 def run_plan(plan: Plan, params: Mapping[str, Sequence[jax.Array]], inputs: Mapping[str, jax.Array]
              ) -> dict[str, jax.Array]:
-    """The plan's forward: inputs by value id (NCHW) -> the net's outputs by blob name (NCHW).
+    """The plan's forward: inputs by value id (NCHW) -> the net's outputs by blob name (NCHW): its
+    ``Graph.program_outputs``, which a layer run on the host then finishes (lower.program.run_host_layers).
 
     Values live in the layout their layer ran in; a layer reading a value in another layout gets it
     transposed, and each (value, layout) transpose is made once.
@@ -1173,7 +1174,7 @@ def run_plan(plan: Plan, params: Mapping[str, Sequence[jax.Array]], inputs: Mapp
     layouts = Layouts(env)
     dtype = jnp.result_type(*inputs.values()) if inputs else jnp.float32
     for layer in graph.layers:
-        if layer.is_input:
+        if layer.is_input or layer.runs_on_host:  # a host layer runs on what the program returns
             continue
         kernel = plan.kernels.get(layer.name)
         layout = layouts.layout_for(kernel, layer.bottom_values)
@@ -1185,4 +1186,4 @@ def run_plan(plan: Plan, params: Mapping[str, Sequence[jax.Array]], inputs: Mapp
             tops = forward(ctx, bottoms, params.get(layer.name, []))
         layouts.produced(layer.top_values, tops, layout)
         env.update(zip(layer.top_values, tops))
-    return {blob: layouts.fetch(graph.blob_value[blob], NCHW) for blob in graph.outputs}
+    return {blob: layouts.fetch(graph.blob_value[blob], NCHW) for blob in graph.program_outputs}

@@ -80,8 +80,8 @@ class NetProgram:
         for layer in layers:
             index = self.position[id(layer)]
             rule = self.rules[index]
-            if layer.is_input or layer.name in absorbed:
-                continue
+            if layer.is_input or layer.runs_on_host or layer.name in absorbed:
+                continue  # a host layer runs after the program (run_host_layers)
             kernel = kernels.get(layer.name) if kernels else None
             chain = self._chain(layer, kernel, running, masks, fold_visible)
             layout = tracked.layout_for(kernel, layer.bottom_values) if tracked else None
@@ -228,6 +228,19 @@ class NetProgram:
     def layers_between(self, start: int = 0, end: int | None = None) -> list[Layer]:
         """Layers start..end inclusive, as Caffe's ForwardFromTo/BackwardFromTo count them."""
         return self.graph.layers[start: len(self.graph.layers) if end is None else end + 1]
+
+
+def run_host_layers(layers: Sequence[Layer], values: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """The layers among ``layers`` that run on the host (``Layer.runs_on_host``: their top shapes depend on the
+    data), in order, after the program: their rules' ``host_forward`` on host copies of their bottoms, read from
+    ``values`` (value id -> array: what the program returned or was fed). Returns their tops by value id, as
+    NumPy arrays."""
+    made: dict[str, np.ndarray] = {}
+    for layer in layers:
+        if layer.runs_on_host:
+            bottoms = [made[v] if v in made else np.asarray(values[v]) for v in layer.bottom_values]
+            made.update(zip(layer.top_values, get_rule(layer.type).host_forward(layer.proto, bottoms)))
+    return made
 
 
 def _no_gradient(x):

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from caffejax.lower.program import run_host_layers
+
 
 @dataclasses.dataclass(frozen=True)
 class NonFinite:
@@ -66,7 +68,10 @@ def find_first_nan(net, params: Mapping[str, list[Any]] | None = None,
                 found = _non_finite(layer, "weights", str(slot.index), params[slot.storage[0]][slot.storage[1]])
                 if found:
                     return found
-            env, _ = program.run_layers([layer], params, env, key, recorded=recorded)
+            if layer.runs_on_host:
+                env.update(run_host_layers([layer], env))
+            else:
+                env, _ = program.run_layers([layer], params, env, key, recorded=recorded)
             for top, value in zip(layer.tops, layer.top_values):
                 found = _non_finite(layer, "top", top, env[value])
                 if found:

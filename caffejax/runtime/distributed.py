@@ -78,7 +78,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from caffejax.errors import CaffejaxError, DataError, ShapeError, UnsupportedError
 from caffejax.frontend.ir import Graph
 from caffejax.lower.optimize import layout_kernels
-from caffejax.lower.program import NetProgram
+from caffejax.lower.program import NetProgram, run_host_layers
 from caffejax.runtime.xla_options import compiler_options
 
 AXIS = "batch"  # the mesh axis the batch is split along
@@ -417,7 +417,11 @@ def data_parallel_forward(net, devices: Devices, blobs: Sequence[str] = ()) -> C
     mesh = batch_mesh(devices)
     local_devices = len(devices_of_this_process(mesh))
     replicas = _Replicas(mesh)
-    wanted = list(dict.fromkeys(list(net.outputs) + list(blobs)))
+    asked = list(dict.fromkeys(list(net.outputs) + list(blobs)))
+    graph = net.graph
+    # Layers run on the host (Layer.runs_on_host) finish the blobs they make from the gathered ones they read.
+    made_on_host = graph.made_on_host
+    wanted = list(dict.fromkeys([blob for blob in asked if blob not in made_on_host] + graph.read_on_host))
     tops = list(net.graph.fed)
     programs: dict[Any, Callable] = {}
 
@@ -448,7 +452,10 @@ def data_parallel_forward(net, devices: Devices, blobs: Sequence[str] = ()) -> C
         if fn is None:
             fn = programs[signature] = compile_for(shapes)
         shared = (replicas.place(net.param_arrays()), replicated(net._next_key(), mesh))
-        outputs = fn(shared, shard_batch(arrays, mesh))
-        return {blob: np.asarray(local_value(value)) for blob, value in outputs.items()}
+        outputs = {blob: np.asarray(local_value(value)) for blob, value in fn(shared, shard_batch(arrays, mesh)).items()}
+        if made_on_host:
+            made = run_host_layers(graph.layers, {graph.blob_value[blob]: array for blob, array in outputs.items()})
+            outputs.update((blob, made[graph.blob_value[blob]]) for blob in asked if blob in made_on_host)
+        return {blob: outputs[blob] for blob in asked}
 
     return forward

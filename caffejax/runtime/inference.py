@@ -28,6 +28,7 @@ from caffejax.errors import CaffejaxError, ShapeError
 from caffejax.frontend.ir import Graph
 from caffejax.lower.optimize import (DEFAULT_PASSES, Plan, aligned_copy, check_passes, make_plan, optimize,
                                      prepare_params, run_plan)
+from caffejax.lower.program import run_host_layers
 from caffejax.runtime.memory import DeviceMemoryErrors, garbage_collection_paused
 from caffejax.runtime.program_cache import compile_program, describe_graph
 from caffejax.runtime.xla_options import bf16_matrix_programs, compiler_options
@@ -43,6 +44,11 @@ class _Program:
     feeds: list[tuple[str, str]]  # (input blob, value id) pairs of the graph's fed layers
     device: Any = None  # where the program runs and its inputs go (None: split over a mesh)
     inputs_to_device_first: bool = False  # see _maps_afresh_on_a_worker
+
+    @property
+    def host_layers(self) -> bool:
+        """Whether layers run on the host after the program (Layer.runs_on_host)."""
+        return any(layer.runs_on_host for layer in self.plan.graph.layers)
 
 
 class InferenceFunction:
@@ -91,7 +97,8 @@ class InferenceFunction:
             fed = _inputs_to_device(fed)
         # A Python layer's failure as its typed error; buffers the device cannot hold as an OutOfMemoryError.
         with self._net._python_layers, DeviceMemoryErrors(program.plan.graph):
-            return program.run(program.params, fed)
+            outputs = program.run(program.params, fed)
+        return _finished_on_host(program.plan.graph, outputs) if program.host_layers else outputs
 
     def _signature(self, shapes: Mapping[str, Sequence[int]]) -> Shapes:
         return tuple((name, tuple(int(d) for d in shapes[name])) for name in sorted(shapes))
@@ -134,7 +141,7 @@ class InferenceFunction:
         params = replicated(prepare_params(plan, self.dtype), self._mesh)
         feeds = list(plan.graph.fed.items())
         sharded = data_parallel(_outputs_as_float32(plan), self._mesh,
-                                {blob: per_example[blob] for blob in plan.graph.outputs},
+                                {blob: per_example[blob] for blob in plan.graph.program_outputs},
                                 compiler_options=compiler_options(plan.graph, dtype=self.dtype))
         mesh = self._mesh
 
@@ -200,6 +207,14 @@ def _maps_afresh_on_a_worker(compiled) -> bool:
     analysis = compiled.memory_analysis()
     return analysis is not None and max(analysis.temp_size_in_bytes,
                                         analysis.output_size_in_bytes) >= _WORKER_HEAP_BYTES
+
+
+def _finished_on_host(graph: Graph, outputs: Mapping[str, Any]) -> dict[str, Any]:
+    """The net's outputs from a program's (``Graph.program_outputs``): the layers run on the host after it (SSD's
+    DetectionOutput) made from the blobs it returned."""
+    made = run_host_layers(graph.layers, {graph.blob_value[blob]: array for blob, array in outputs.items()})
+    return {blob: made[graph.blob_value[blob]] if graph.blob_value[blob] in made else outputs[blob]
+            for blob in graph.outputs}
 
 
 def _outputs_as_float32(plan: Plan) -> Callable[..., dict[str, jax.Array]]:

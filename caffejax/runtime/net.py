@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from caffejax.errors import (CaffejaxError, DataSourceUnavailable, NumericalError, OutOfMemoryError, ShapeError,
-                             UnknownBlobError, WeightsError, layer_error)
+                             UnknownBlobError, UnsupportedError, WeightsError, layer_error)
 from caffejax.fileio import atomic_write
 from caffejax.frontend.build import build_graph, load_net_param
 from caffejax.frontend.caffemodel import encode_net, read_weights
@@ -26,7 +26,7 @@ from caffejax.frontend.prototxt import locate_layer_error
 from caffejax.frontend.ir import Graph
 from caffejax.lower.fillers import HostKey, fold_in
 from caffejax.lower.optimize import layout_kernels
-from caffejax.lower.program import NetProgram
+from caffejax.lower.program import NetProgram, run_host_layers
 from caffejax.lower.python_layer import HostDataLayer, PythonLayers, calls_back
 from caffejax.lower.registry import TRAIN, TEST, get_rule
 from caffejax.runtime import mode
@@ -751,6 +751,7 @@ class Net:
         if keep_inputs:  # one layer run on its own: its backward reads what it read (not the blobs' later data),
             self._layer_inputs[start] = (env, key)  # with its key (the same Dropout mask)
         values, updates, loss = fn(params, env, key)
+        made_on_host = self._run_host_layers(layers, {**env, **values})
         # A Python layer's tops, for a backward that must not run its forward again (Caffe's Backward reads the
         # tops Forward left; a pass over a Python layer hands back every value).
         self._recorded_tops.update((v, values[v]) for v in _python_top_values(layers) if v in values)
@@ -759,12 +760,26 @@ class Net:
         for top, value in final.items():
             if value in values:
                 self.blobs[top]._data.set(values[value])
-        self._defer_blobs(start, end, {top: value for top, value in final.items() if value not in values},
-                          params, env, key)
+        self._defer_blobs(start, end, {top: value for top, value in final.items()
+                                       if value not in values and value not in made_on_host}, params, env, key)
         for owner, changed in updates.items():
             for i, value in changed.items():
                 self._param_blobs[(owner, i)]._data.set(value)
         return float(loss)
+
+    def _run_host_layers(self, layers, values: Mapping[str, Any]) -> set[str]:
+        """Run the layers among ``layers`` that run on the host (Layer.runs_on_host) on ``values`` (value id ->
+        array: a pass's) and write their tops into the blobs, reshaped to what they made, as their Forward
+        reshapes them in Caffe. Returns the values written."""
+        made = run_host_layers(layers, values)
+        for layer in layers:
+            for top, value in zip(layer.tops, layer.top_values):
+                if value in made:
+                    blob, array = self.blobs[top], made[value]
+                    if blob.shape != array.shape:
+                        blob.reshape(*array.shape)
+                    blob._data.set(array)
+        return set(made)
 
     def _note_pass(self, start: int, end: int, env: Mapping[str, Any]) -> dict[str, str]:
         """Note what a forward over layers start..end that read ``env`` left (this net's passes, and a solver's
@@ -810,12 +825,14 @@ class Net:
         loss-weighted values and the carried state. The other blobs are recomputed when read
         (:meth:`_defer_blobs`), except where the pass may not run twice (:meth:`_reruns`): such a pass hands back
         every value."""
-        tops = {v for layer in layers if not layer.is_input for v in layer.top_values}
+        tops = {v for layer in layers if not layer.is_input and not layer.runs_on_host for v in layer.top_values}
         state = {v for layer in layers for v in layer.state_out}
+        host_reads = {v for layer in layers if layer.runs_on_host for v in layer.bottom_values} & tops
         if not self._reruns(layers):
             return tops | state
         consumed = {v for layer in layers for v in layer.bottom_values}
-        return {v for v in tops if v not in consumed} | set(self._program.loss_weighted_values(layers)) | state
+        return ({v for v in tops if v not in consumed} | set(self._program.loss_weighted_values(layers)) | state
+                | host_reads)
 
     def _defer_blobs(self, start: int, end: int, deferred: Mapping[str, str], params, env, key,
                      fold: int | None = None) -> None:
@@ -950,6 +967,11 @@ class Net:
         to 10-11 s; MobileNet v2's at batch 16 from 2.0-2.4 s to 0.87-0.99 s."""
         layers = self._program.layers_between(end, start)
         self._require_shapes(layers, "run")
+        on_host = next((layer for layer in layers if layer.runs_on_host and layer.need_backward), None)
+        if on_host is not None:
+            raise layer_error(UnsupportedError, on_host.name, on_host.type,
+                              "has no backward (Caffe's is NOT_IMPLEMENTED), and force_backward asks for one")
+        layers = [layer for layer in layers if not layer.runs_on_host]  # its bottoms' diffs seed, as Caffe's
         consumed = {v for layer in layers for v in layer.bottom_values}
         seeds = {value: self.blobs[top]._diff.value() for layer in layers if not layer.is_input
                  for top, value in zip(layer.tops, layer.top_values)
@@ -1071,9 +1093,21 @@ class Net:
                 batch[name] = np.concatenate([chunk, padding]) if len(padding) else chunk
             yield batch
 
+    def _check_batchable(self, blobs: Sequence[str], caller: str) -> None:
+        """pycaffe's batched calls join the batches' blobs item by item along axis 0, which a blob made on the
+        host (SSD's detections: one row per detection, image ids counted within a batch) does not have."""
+        made = self._graph.made_on_host
+        for name in blobs:
+            if name in made:
+                layer = next(layer for layer in self._graph.layers if name in layer.tops and layer.runs_on_host)
+                raise layer_error(UnsupportedError, layer.name, layer.type,
+                                  f"{caller} cannot join its top '{name}' over batches: its rows depend on the data "
+                                  "and number the images within one batch; call forward() on each batch")
+
     def forward_all(self, blobs: Iterable[str] | None = None, **kwargs) -> dict[str, np.ndarray]:
         """pycaffe's forward_all: run N items through the net in batches; outputs (and ``blobs``) for all N."""
         blobs = list(blobs or [])
+        self._check_batchable(self.outputs + blobs, "forward_all")
         collected: dict[str, list[np.ndarray]] = {name: [] for name in set(self.outputs + blobs)}
         # Without input arrays (a net fed by its data layers) one forward, as forward_backward_all runs one.
         for batch in list(self._batches(kwargs)) or [{}]:
@@ -1086,6 +1120,7 @@ class Net:
                              **kwargs) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """pycaffe's forward_backward_all: batched forward then backward; inputs and output diffs by name."""
         blobs, diffs = list(blobs or []), list(diffs or [])
+        self._check_batchable(self.outputs + blobs, "forward_backward_all")
         outs: dict[str, list[np.ndarray]] = {name: [] for name in set(self.outputs + blobs)}
         grads: dict[str, list[np.ndarray]] = {name: [] for name in set(self.inputs + diffs)}
         # Without arrays (a net fed by its data layers, diffs already on the outputs): one forward and backward.

@@ -464,6 +464,8 @@ class Solver:
         self._write_back(params, [new[0] if update is None else update for update, new in zip(updates, history)])
         for name, value in blobs.items():
             net.blobs[name]._data.set(value)
+        made_on_host = net._run_host_layers(graph.layers, {graph.blob_value[name]: value
+                                                           for name, value in blobs.items()})
         # The Python layers' tops the blobs hold, as Net.forward records them: debug_nans' replay and a
         # net.backward() after the step take them instead of running those layers again.
         python_tops = set(_python_top_values(graph.layers))
@@ -473,7 +475,7 @@ class Solver:
         # Blobs the program did not hand back (_returned_blobs: only ever with one pass an iteration, whose key
         # train_step folds 0 into) are recomputed when read.
         unreturned = {blob: value for blob, value in graph.blob_value.items()
-                      if blob not in blobs and value not in fed and value not in pulled}
+                      if blob not in blobs and value not in fed and value not in pulled and value not in made_on_host}
         read = {**fed, **{v: a[0] for v, a in pulled.items()}}
         net._defer_blobs(0, len(graph.layers) - 1, unreturned, before, read, key, fold=0)
         net._note_pass(0, len(graph.layers) - 1, read)
@@ -702,6 +704,11 @@ class Solver:
         p = self.param
         self._say("Iteration %d, Testing net (#%d)", self.iter, test_net_id)
         test_net = self.test_nets[test_net_id]
+        varying = [name for name in test_net.outputs if name in test_net.graph.made_on_host]
+        if varying:  # SSD's fork scores them with its own eval_type "detection", which caffejax does not have
+            raise UnsupportedError(f"test net #{test_net_id} outputs {varying}, whose number of elements depends on "
+                                   "the data (a layer run on the host, such as DetectionOutput): Solver's test "
+                                   "averages each output element over the batches and cannot score them")
         test_net.share_with(self.net)
         iters = p.test_iter[test_net_id]
         totals, loss = None, np.float32(0)
@@ -995,7 +1002,9 @@ def _train_step_fn(program, solver: Solver, device_axis: str | None = None, retu
     iter_size = solver.param.iter_size
     graph = program.graph
     fed_values = {v for layer in graph.layers if layer.is_input for v in layer.top_values}
-    produced = {blob: value for blob, value in graph.blob_value.items() if value not in fed_values}
+    made_on_host = graph.made_on_host  # run after the step (Solver._train_iteration)
+    produced = {blob: value for blob, value in graph.blob_value.items()
+                if value not in fed_values and blob not in made_on_host}
     concrete = dict(graph.concrete)  # shape-deciding values (Filter's selector): constants of this program
 
     def device_mean(tree):
