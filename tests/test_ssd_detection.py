@@ -191,7 +191,10 @@ def _by_image_label_score(rows: np.ndarray) -> np.ndarray:
     "background_label_id: 0 nms_param { nms_threshold: 0.5 } code_type: CORNER keep_top_k: 5000 "
     "confidence_threshold: 0.3",
     "background_label_id: 2 nms_param { nms_threshold: 0.5 top_k: 50 } code_type: CENTER_SIZE keep_top_k: 30 "
-    "confidence_threshold: 0.3"])
+    "confidence_threshold: 0.3",
+    # OpenCV's own field, in its face detector's deploy.prototxt: decoded boxes clipped to [0, 1]
+    "background_label_id: 0 nms_param { nms_threshold: 0.45 top_k: 400 } code_type: CENTER_SIZE keep_top_k: 200 "
+    "confidence_threshold: 0.2 clip: 1"])
 def test_detection_output_matches_opencv(detection_param, share_location, isolated_registry, tmp_path):
     """OpenCV's DetectionOutput, another reading of SSD's layer, finds the same detections on a small SSD head
     with random weights. Compared as sets: past keep_top_k OpenCV orders the rows by score, where Caffe groups

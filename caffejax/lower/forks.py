@@ -405,7 +405,10 @@ DETECTION_OUTPUT_PARAM = ForkParam(
      ForkParamField("confidence_threshold", "float", 9),
      ForkParamField("visualize", "bool", 10, default=False),
      ForkParamField("visualize_threshold", "float", 11),
-     ForkParamField("save_file", "string", 12)),
+     ForkParamField("save_file", "string", 12),
+     # OpenCV's addition (opencv-caffe.proto), which its face detector's deploy.prototxt sets: decoded boxes
+     # clipped to [0, 1] before NMS, as DecodeBBox's clip_bbox does.
+     ForkParamField("clip", "bool", 1000, default=False)),
     origin="SSD (weiliu89/caffe)",
     enums=(_CODE_TYPE,),
     messages=(
@@ -446,6 +449,7 @@ class _Detection:
     background_label_id: int
     code_type: int  # 1 CORNER, 2 CENTER_SIZE, 3 CORNER_SIZE
     variance_encoded_in_target: bool
+    clip: bool
     keep_top_k: int
     confidence_threshold: np.float32
     nms_threshold: np.float32
@@ -474,14 +478,8 @@ def _detection(layer_param) -> _Detection:
     if p.visualize:
         raise fail("visualize (an OpenCV window drawing the detections) is not supported; remove it",
                    UnsupportedError)
-    save = p.save_output_param
-    if save.output_directory and save.label_map_file and save.name_size_file:
-        # Caffe saves only when all three are given (it warns and skips otherwise); deploy prototxts often
-        # carry them from evaluation, which OpenCV ignores as well. The top is what a caller reads.
-        log.warning("layer '%s' (type DetectionOutput): save_output_param is not supported; detections are not "
-                    "written to '%s'", layer_param.name, save.output_directory)
     return _Detection(p.num_classes, p.share_location, p.background_label_id, p.code_type,
-                      p.variance_encoded_in_target, p.keep_top_k,
+                      p.variance_encoded_in_target, p.clip, p.keep_top_k,
                       np.float32(p.confidence_threshold if p.HasField("confidence_threshold")
                                  else -np.finfo(np.float32).max),
                       np.float32(nms.nms_threshold), nms.top_k if nms.HasField("top_k") else -1, np.float32(nms.eta))
@@ -521,6 +519,12 @@ def detection_output(ctx: LayerContext, bottoms, params):
     """The top's shape before the first forward: DetectionOutputLayer::Reshape sets (1, 1, 1, 7), since the number
     of detections is known only after NMS. The detections themselves are :func:`detect`'s, on the host."""
     _detection_counts(ctx.layer, [tuple(b.shape) for b in bottoms])
+    save = fork_param(ctx.layer, "detection_output_param").save_output_param
+    if save.output_directory and save.label_map_file and save.name_size_file:
+        # Caffe saves only when all three are given (it warns and skips otherwise); deploy prototxts often carry
+        # them from evaluation, which OpenCV ignores as well. Said when the net is built, as LayerSetUp would.
+        log.warning("layer '%s' (type DetectionOutput): save_output_param is not supported; detections are not "
+                    "written to '%s'", ctx.layer.name, save.output_directory)
     return [jnp.zeros((1, 1, 1, 7), bottoms[0].dtype)]
 
 
@@ -597,8 +601,8 @@ def _nms(d: _Detection, boxes: np.ndarray, sizes: np.ndarray, scores: np.ndarray
 
 def detect(layer_param, bottoms: Sequence[np.ndarray]) -> list[np.ndarray]:
     """DetectionOutputLayer::Forward_cpu on host arrays: loc (N, priors x loc classes x 4), conf (N, priors x
-    classes), priors (1, 2, priors x 4). Per image, each class but the background: the decoded boxes (unclipped)
-    through NMS; then, past keep_top_k, the best keep_top_k over all classes. Top (1, 1, detections, 7), rows
+    classes), priors (1, 2, priors x 4). Per image, each class but the background: the decoded boxes (unclipped,
+    unless OpenCV's ``clip`` is set) through NMS; then, past keep_top_k, the best keep_top_k over all classes. Top (1, 1, detections, 7), rows
     [image, label, score, xmin, ymin, xmax, ymax] by image, then label, then the order NMS kept them; with no
     detection at all, one row per image [i, -1, -1, -1, -1, -1, -1]. Caffe's keep_top_k sort is not stable; here
     equal scores keep label order."""
@@ -625,6 +629,8 @@ def _detect(layer_param, loc: np.ndarray, conf: np.ndarray, prior: np.ndarray) -
                     boxes = _decode(d, priors, variances, loc[i, :, c])
                 except ValueError as e:
                     raise layer_error(ShapeError, layer_param.name, layer_param.type, str(e)) from None
+                if d.clip:
+                    boxes = np.clip(boxes, np.float32(0), np.float32(1))
                 decoded[label] = (boxes, _box_sizes(boxes))
         labels, kept = [], []
         for c in range(d.num_classes):
