@@ -86,6 +86,25 @@ def test_fork_fields_parse_only_once_registered(isolated_registry):
         caffejax.Net(text.replace("scale", "factor"), caffejax.TEST)
 
 
+def test_a_fork_layer_met_unregistered_says_how_to_enable_it(isolated_registry, tmp_path, capsys):
+    """By its field (a ParseError) or by its type alone (ReLU6 has no field): the function to call, and the
+    command line's --fork-layers, which enables them all for any command."""
+    from caffejax.cli import main
+
+    with pytest.raises(caffejax.GraphError, match=r"unknown layer type 'ReLU6'\. It is a Caffe fork's layer "
+                                                  r"\(MobileNet Caffe ports\): call caffejax\.lower\.forks\."
+                                                  r"register_relu6\(\) .*\(on the command line, --fork-layers\)"):
+        caffejax.Net(_input(1, 2) + 'layer { name: "r" type: "ReLU6" bottom: "x" top: "y" }', caffejax.TEST)
+    text = _input(1, 2, 3, 3) + 'layer { name: "up" type: "Upsample" bottom: "x" top: "y" upsample_param { scale: 2 } }'
+    (tmp_path / "up.prototxt").write_text(text)
+    with pytest.raises(caffejax.ParseError, match=r"register_upsample\(\) .*--fork-layers"):
+        caffejax.Net(text, caffejax.TEST)
+    assert main(["time", "-model", str(tmp_path / "up.prototxt"), "-iterations", "1"]) == 1
+    assert "--fork-layers" in capsys.readouterr().err
+    assert main(["time", "--fork-layers", "-model", str(tmp_path / "up.prototxt"), "-iterations", "1"]) == 0
+    assert main(["--fork-layers", "time", "-model", str(tmp_path / "up.prototxt"), "-iterations", "1"]) == 0
+
+
 def test_register_fork_param_checks_the_declaration(isolated_registry):
     field = (ForkParamField("k", "int32", 1, default=2),)
     with pytest.raises(caffejax.SchemaError, match="number 143 is LayerParameter's 'input_param'"):

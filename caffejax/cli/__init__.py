@@ -24,6 +24,8 @@ from caffejax.errors import CaffejaxError
 log = logging.getLogger("caffejax")
 
 PROG = "caffejax"
+FORK_LAYERS_HELP = ("enable the layers of popular Caffe forks that caffejax has (caffejax.lower.forks: SSD's "
+                    "PriorBox, DetectionOutput, Permute, Normalize; Upsample, Interp, ReLU6)")
 
 
 class UsageError(Exception):
@@ -81,10 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = _Parser(prog=PROG, description="Caffe's command-line tools on caffejax (Caffe nets compiled by XLA).")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
-    # Sub-commands accept --debug too; SUPPRESS keeps their default from overriding the top-level flag.
+    parser.add_argument("--fork-layers", action="store_true", help=FORK_LAYERS_HELP)
+    # Sub-commands accept these too; SUPPRESS keeps their default from overriding the top-level flag.
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="show the full traceback of an error")
+    common.add_argument("--fork-layers", action="store_true", default=argparse.SUPPRESS, help=FORK_LAYERS_HELP)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     nets.add_commands(commands, [common])
     imagesets.add_commands(commands, [common])
@@ -102,6 +106,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             if getattr(args, "run", None) is None:  # no command given
                 parser.print_help(sys.stderr)
                 return 1
+            if args.fork_layers:
+                from caffejax.lower import forks
+
+                forks.register_all()
             return int(args.run(args) or 0)
         except SystemExit as e:  # --help, or argparse's own exits
             if e.code is None or isinstance(e.code, int):

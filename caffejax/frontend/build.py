@@ -233,8 +233,12 @@ class _Builder:
         try:
             return get_rule(lp.type)
         except KeyError:
+            from caffejax.lower import forks  # the fork layers caffejax ships (lazy: forks imports this module)
+
+            fork = forks.of_type(lp.type)
+            hint = f". {forks.enabling_hint(fork)}" if fork is not None else ""
             raise layer_error(GraphError, lp.name, lp.type or "<empty>",
-                              f"unknown layer type '{lp.type}'") from None
+                              f"unknown layer type '{lp.type}'{hint}") from None
 
     def _check_counts(self, lp, rule: LayerRule) -> None:
         for what, got, (lo, hi) in (("bottom", len(lp.bottom), rule.bottoms), ("top", len(lp.top), rule.tops)):

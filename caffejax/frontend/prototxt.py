@@ -482,9 +482,7 @@ def _fork_hint(reason: str) -> str:
 
     provider = forks.provider_of(field)
     if provider is not None:
-        return (f" It is a Caffe fork's layer parameter ({provider.origin}): call "
-                f"caffejax.lower.forks.{provider.register_name}() or caffejax.lower.forks.register_all() to use "
-                "caffejax's rule for that layer.")
+        return " " + forks.enabling_hint(provider)
     if field.endswith("_param"):
         return (" BVLC's caffe.proto has no such layer parameter; if it comes from a Caffe fork, declare it with "
                 "caffejax.frontend.prototxt.register_fork_param and register the layer's rule with "

@@ -678,6 +678,12 @@ def provider_of(field: str) -> ForkLayer | None:
     return next((f for f in FORK_LAYERS if f.param is not None and f.param.field == field), None)
 
 
+def enabling_hint(fork: ForkLayer) -> str:
+    """How to enable a fork layer, for the messages that meet it unregistered."""
+    return (f"It is a Caffe fork's layer ({fork.origin}): call caffejax.lower.forks.{fork.register_name}() or "
+            "caffejax.lower.forks.register_all() to use caffejax's rule for it (on the command line, --fork-layers).")
+
+
 def register(fork: ForkLayer, override: bool = False) -> None:
     """Declare the fork's parameter to the parser and register its rule (again: a no-op)."""
     if fork.param is not None:
@@ -694,6 +700,11 @@ def register(fork: ForkLayer, override: bool = False) -> None:
 
 def _by_type(type_name: str) -> ForkLayer:
     return next(f for f in FORK_LAYERS if f.type == type_name)
+
+
+def of_type(type_name: str) -> ForkLayer | None:
+    """The fork layer caffejax has for a layer type, if any (for the messages of an unknown type)."""
+    return next((f for f in FORK_LAYERS if f.type == type_name), None)
 
 
 def register_upsample(override: bool = False) -> None:
