@@ -36,11 +36,13 @@ Example (pycaffe's LeNet)::
 from __future__ import annotations
 
 import collections
+import functools
 from typing import Any
 
 from google.protobuf import message
 
 from caffejax.errors import GraphError, SchemaError
+from caffejax.frontend.prototxt import fork_aware_class, fork_message_class
 from caffejax.proto import caffe_pb2
 
 __all__ = ["NetSpec", "Top", "Function", "layers", "params", "to_proto", "assign_proto", "param_name_dict"]
@@ -50,18 +52,21 @@ def param_name_dict() -> dict[str, str]:
     """Layer type -> the prefix of its parameter field: ``{"Convolution": "convolution", ...}``.
 
     Read off caffe.proto as pycaffe does: every ``<x>_param`` field of LayerParameter whose message is
-    ``<Type>Parameter`` maps ``<Type>`` to ``<x>``.
+    ``<Type>Parameter`` maps ``<Type>`` to ``<x>``; registered fork fields count too (``"PriorBox": "prior_box"``),
+    as they do in a fork's own pycaffe.
     """
+    return dict(_param_names(fork_aware_class(caffe_pb2.LayerParameter).DESCRIPTOR))
+
+
+@functools.lru_cache(maxsize=8)
+def _param_names(layer_descriptor) -> tuple[tuple[str, str], ...]:
     names = {}
-    for field in caffe_pb2.LayerParameter.DESCRIPTOR.fields:
+    for field in layer_descriptor.fields:
         if field.name.endswith("_param") and field.message_type is not None:
             type_name = field.message_type.name
             if type_name.endswith("Parameter"):
                 names[type_name[: -len("Parameter")]] = field.name[: -len("_param")]
-    return names
-
-
-_PARAM_NAMES = param_name_dict()
+    return tuple(names.items())
 
 
 def assign_proto(proto: message.Message, name: str, value: Any) -> None:
@@ -172,7 +177,7 @@ class Function:
         for bottom in self.inputs:
             bottom._to_proto(layers, names, autonames)
             bottom_names.append(_top_name(layers[bottom.fn], bottom))
-        layer = caffe_pb2.LayerParameter(type=self.type_name)
+        layer = fork_aware_class(caffe_pb2.LayerParameter)(type=self.type_name)
         layer.bottom.extend(bottom_names)
         if self.in_place:
             layer.top.extend(layer.bottom)
@@ -187,8 +192,9 @@ class Function:
         """pycaffe's rule: ``*param`` keys go to the LayerParameter; others to the type's own parameter
         message if it has that field, else to the LayerParameter."""
         try:
-            if not key.endswith("param") and self.type_name in _PARAM_NAMES:
-                own = getattr(layer, _PARAM_NAMES[self.type_name] + "_param")
+            param_names = param_name_dict()
+            if not key.endswith("param") and self.type_name in param_names:
+                own = getattr(layer, param_names[self.type_name] + "_param")
                 if key in own.DESCRIPTOR.fields_by_name:
                     assign_proto(own, key, value)
                     return
@@ -265,7 +271,7 @@ class NetSpec:
         layers: collections.OrderedDict = collections.OrderedDict()
         for top in self.tops.values():
             top._to_proto(layers, names, autonames)
-        net = caffe_pb2.NetParameter()
+        net = fork_aware_class(caffe_pb2.NetParameter)()
         net.layer.extend(layers.values())
         return net
 
@@ -277,7 +283,7 @@ def to_proto(*tops: Top) -> caffe_pb2.NetParameter:
     for index, top in enumerate(tops):
         _check_top(top, f"to_proto argument {index}")
         top.fn._to_proto(layers, {}, autonames)
-    net = caffe_pb2.NetParameter()
+    net = fork_aware_class(caffe_pb2.NetParameter)()
     net.layer.extend(layers.values())
     return net
 
@@ -306,9 +312,9 @@ class Parameters:
     def __getattr__(self, name: str):
         if name.startswith("__"):
             raise AttributeError(name)
-        message_class = getattr(caffe_pb2, name + "Parameter", None)
+        message_class = getattr(caffe_pb2, name + "Parameter", None) or fork_message_class(name + "Parameter")
         if message_class is None:
-            raise AttributeError(f"caffe.proto has no message {name}Parameter")
+            raise AttributeError(f"caffe.proto has no message {name}Parameter (nor does a registered fork)")
         return _EnumValues(message_class)
 
 

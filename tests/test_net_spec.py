@@ -214,3 +214,40 @@ def test_errors_pycaffe_left_bare_are_typed():
         n.update("pair", dict(axis=1))
     with pytest.raises(GraphError, match="to_proto argument 0 is a Function.*ntop=0"):
         caffejax.to_proto(L.Silence(n.data, ntop=0))
+
+
+def test_fork_layers_as_a_forks_pycaffe_writes_them(isolated_registry):
+    """With fork fields registered, NetSpec writes them as SSD's pycaffe does (ssd_pascal.py's multibox head): a
+    fork layer's own arguments go to its parameter, P gives the fork's enum values, and the text and the message
+    both build (the message converts to caffe_pb2's with the fork fields kept)."""
+    from caffejax.frontend.prototxt import as_bvlc_message, fork_param, to_text
+    from caffejax.lower import forks
+
+    with pytest.raises(AttributeError, match="no message PriorBoxParameter"):
+        P.PriorBox.CENTER_SIZE
+    forks.register_all()
+    n = caffejax.NetSpec()
+    n.data = L.Input(shape=dict(dim=[2, 3, 32, 32]))
+    n.conv = L.Convolution(n.data, num_output=8, kernel_size=3, pad=1, stride=2)
+    n.prior = L.PriorBox(n.conv, n.data, min_size=8.0, aspect_ratio=2.0, flip=False, variance=[0.1, 0.1, 0.2, 0.2])
+    n.loc = L.Flatten(L.Permute(n.conv, order=[0, 2, 3, 1]))
+    n.conf = L.Flatten(L.Permute(L.Convolution(n.data, num_output=6, kernel_size=3, pad=1, stride=2),
+                                 order=[0, 2, 3, 1]))
+    n.det = L.DetectionOutput(n.loc, n.conf, n.prior, include=dict(phase=caffejax.TEST), detection_output_param=dict(
+        num_classes=3, nms_param=dict(nms_threshold=0.45, top_k=100), code_type=P.PriorBox.CENTER_SIZE,
+        keep_top_k=50, save_output_param=dict(resize_param=dict(resize_mode=P.Resize.WARP))))
+    proto = n.to_proto()
+    text = str(proto)
+    assert "prior_box_param {\n    min_size: 8\n    aspect_ratio: 2\n    flip: false" in text
+    assert "permute_param {\n    order: 0" in text and "code_type: CENTER_SIZE" in text and "resize_mode: WARP" in text
+    images = np.random.default_rng(0).standard_normal((2, 3, 32, 32)).astype(np.float32)
+    from_message = caffejax.Net(proto, caffejax.TEST)
+    from_text = caffejax.Net(text, caffejax.TEST)
+    for name, blobs in from_message.params.items():
+        for mine, theirs in zip(blobs, from_text.params[name]):
+            theirs.data[...] = mine.data
+    np.testing.assert_array_equal(from_message.forward(data=images)["det"], from_text.forward(data=images)["det"])
+    bvlc = as_bvlc_message(proto, caffe_pb2.NetParameter)
+    assert type(bvlc) is caffe_pb2.NetParameter and "detection_output_param" not in str(bvlc)  # unknown fields
+    assert fork_param(bvlc.layer[-1], "detection_output_param").nms_param.top_k == 100
+    assert "code_type: CENTER_SIZE" in to_text(bvlc)

@@ -18,7 +18,7 @@ from caffejax.errors import (CaffejaxError, DataSourceUnavailable, GraphError, S
 from caffejax.frontend.filter_net import filter_net, with_state
 from caffejax.frontend.insert_splits import insert_splits
 from caffejax.frontend.ir import Graph, Layer, ParamSlot, Shape
-from caffejax.frontend.prototxt import parse_net_text
+from caffejax.frontend.prototxt import as_bvlc_message, parse_net_text
 from caffejax.frontend.upgrade import upgrade_net_as_needed
 from caffejax.lower.registry import LayerContext, LayerRule, get_rule
 from caffejax.proto import caffe_pb2
@@ -29,6 +29,7 @@ MAX_BLOB_ELEMENTS = 2 ** 34  # 64 GiB of float32: anything larger is a typo or a
 
 def load_net_param(source, *, is_path: bool | None = None) -> caffe_pb2.NetParameter:
     """Read a prototxt (path or text, or a NetParameter) and upgrade it as Caffe's UpgradeNetAsNeeded does."""
+    source = as_bvlc_message(source, caffe_pb2.NetParameter)  # a NetSpec's, with fork fields
     if isinstance(source, caffe_pb2.NetParameter):
         net = source
         where = "<NetParameter>"

@@ -416,10 +416,34 @@ def _extended_class(full_name: str, forks: tuple[ForkParam, ...]):
 def _fork_aware(msg: M):
     """The message to parse into: ``msg`` itself, or (with fork fields registered) a fresh instance of the same
     message from the extended caffe.proto."""
+    cls = fork_aware_class(type(msg))
+    return msg if cls is type(msg) else cls()
+
+
+def fork_aware_class(message_class):
+    """One of caffe.proto's message classes, from the extended caffe.proto when fork fields are registered: its
+    instances then have those fields (a NetSpec's LayerParameter gets ``prior_box_param``), and print them."""
     forks = registered_fork_params()
-    if not forks or msg.DESCRIPTOR.file is not caffe_pb2.DESCRIPTOR:
+    if not forks or message_class.DESCRIPTOR.file is not caffe_pb2.DESCRIPTOR:
+        return message_class
+    return _extended_class(message_class.DESCRIPTOR.full_name, forks)
+
+
+def fork_message_class(name: str):
+    """A message a registered fork declares (``"PriorBoxParameter"``), or None."""
+    forks = registered_fork_params()
+    if not any(name in (fork.message, *(m.name for m in fork.messages)) for fork in forks):
+        return None
+    return _extended_class(f"caffe.{name}", forks)
+
+
+def as_bvlc_message(msg, message_class):
+    """``msg`` as an instance of ``message_class`` (one of caffe.proto's): itself, or the same message of the
+    extended caffe.proto (fork_aware_class) converted, its fork fields kept as unknown fields on the wire."""
+    if isinstance(msg, message_class) or getattr(msg, "DESCRIPTOR", None) is None \
+            or msg.DESCRIPTOR.full_name != message_class.DESCRIPTOR.full_name:
         return msg
-    return _extended_class(msg.DESCRIPTOR.full_name, forks)()
+    return message_class.FromString(msg.SerializeToString())
 
 
 def to_text(msg) -> str:

@@ -263,6 +263,9 @@ def normalize(ctx: LayerContext, bottoms, params):
 
 # ---- PriorBox: SSD's default boxes for one feature map (SSD's prior_box_layer.cpp) --------------------------------
 
+# How SSD encodes a box against its prior (PriorBoxParameter.CodeType in SSD's caffe.proto; declared in
+# DetectionOutputParameter too, which reads it, so that each registers alone).
+_CODE_TYPE = ForkEnum("CodeType", (("CORNER", 1), ("CENTER_SIZE", 2), ("CORNER_SIZE", 3)))
 PRIOR_BOX_PARAM = ForkParam("prior_box_param", "PriorBoxParameter", 203,
                             (ForkParamField("min_size", "float", 1, repeated=True),
                              ForkParamField("max_size", "float", 2, repeated=True),
@@ -277,7 +280,7 @@ PRIOR_BOX_PARAM = ForkParam("prior_box_param", "PriorBoxParameter", 203,
                              ForkParamField("step_h", "float", 11),
                              ForkParamField("step_w", "float", 12),
                              ForkParamField("offset", "float", 13, default=0.5)),
-                            origin="SSD (weiliu89/caffe)")
+                            origin="SSD (weiliu89/caffe)", enums=(_CODE_TYPE,))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -391,7 +394,6 @@ def _check_4d(ctx: LayerContext, x) -> None:
 
 # ---- DetectionOutput: SSD's decoding and non-maximum suppression (SSD's detection_output_layer.cpp) ---------------
 
-_CODE_TYPE = ForkEnum("CodeType", (("CORNER", 1), ("CENTER_SIZE", 2), ("CORNER_SIZE", 3)))
 DETECTION_OUTPUT_PARAM = ForkParam(
     "detection_output_param", "DetectionOutputParameter", 204,
     (ForkParamField("num_classes", "uint32", 1),

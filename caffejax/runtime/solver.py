@@ -46,7 +46,8 @@ import numpy as np
 from caffejax.errors import CaffejaxError, DataError, NumericalError, SolverError, UnsupportedError, WeightsError
 from caffejax.frontend.build import load_net_param
 from caffejax.frontend.ir import Graph
-from caffejax.frontend.prototxt import locate_layer_error, locate_solver_error, parse_solver_text, to_text
+from caffejax.frontend.prototxt import (as_bvlc_message, locate_layer_error, locate_solver_error, parse_solver_text,
+                                        to_text)
 from caffejax.frontend.upgrade import upgrade_solver_as_needed
 from caffejax.lower.python_layer import calls_back
 from caffejax.lower.registry import TEST, TRAIN
@@ -230,6 +231,7 @@ class Solver:
 
     def _net_param(self, field: str, value) -> tuple[caffe_pb2.NetParameter, Any]:
         """The net's NetParameter, and its source (its file, for messages)."""
+        value = as_bvlc_message(value, caffe_pb2.NetParameter)  # a NetSpec's, with fork fields
         if isinstance(value, caffe_pb2.NetParameter):
             copy = caffe_pb2.NetParameter()
             copy.CopyFrom(value)
