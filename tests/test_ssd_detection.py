@@ -119,9 +119,9 @@ def test_detection_output_with_a_box_per_class(isolated_registry):
 def test_detection_output_checks_its_settings_and_bottoms(isolated_registry, caplog):
     forks.register_detection_output()
 
-    def net(param: str, loc_channels: int = 16):
+    def net(param: str, loc_channels: int = 16, prior_channels: int = 2):
         return caffejax.Net(input_layer(1, loc_channels, name="loc") + input_layer(1, 12, name="conf")
-                            + input_layer(1, 2, 16, name="prior")
+                            + input_layer(1, prior_channels, 16, name="prior")
                             + 'layer { name: "det" type: "DetectionOutput" bottom: "loc" bottom: "conf" '
                               f'bottom: "prior" top: "det" detection_output_param {{ {param} }} }}\n', caffejax.TEST)
 
@@ -136,6 +136,9 @@ def test_detection_output_checks_its_settings_and_bottoms(isolated_registry, cap
     with pytest.raises(caffejax.ShapeError, match=r"Number of priors must match number of location predictions: 4 "
                                                   r"priors x 1 x 4 != 12 loc channels"):
         net("num_classes: 3", loc_channels=12)
+    with pytest.raises(caffejax.ShapeError, match=r"the prior bottom must hold 4 boxes and then their variances, "
+                                                  r"\(1, 2, 16\) as PriorBox makes it; got \(1, 1, 16\)"):
+        net("num_classes: 3", prior_channels=1)
     with pytest.raises(caffejax.ParseError, match='"CodeType" has no value named "CENTRE"|CENTRE'):
         net("num_classes: 3 code_type: CENTRE")
     with caplog.at_level(logging.WARNING, logger="caffejax"):

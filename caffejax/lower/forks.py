@@ -508,6 +508,9 @@ def _detection_counts(layer_param, shapes: Sequence[Shape]) -> tuple[_Detection,
     if num_priors * num_loc_classes * 4 != _legacy_dim(loc, 1):
         problems.append(f"Number of priors must match number of location predictions: {num_priors} priors x "
                         f"{num_loc_classes} x 4 != {_legacy_dim(loc, 1)} loc channels")
+    if int(np.prod(prior)) < num_priors * 8:  # GetPriorBBoxes reads the variances after the boxes, unchecked
+        problems.append(f"the prior bottom must hold {num_priors} boxes and then their variances, (1, 2, "
+                        f"{num_priors * 4}) as PriorBox makes it; got {tuple(prior)}")
     if num_priors * d.num_classes != _legacy_dim(conf, 1):
         problems.append(f"Number of priors must match number of confidence predictions: {num_priors} priors x "
                         f"{d.num_classes} classes != {_legacy_dim(conf, 1)} conf channels")
