@@ -607,10 +607,10 @@ def _nms(d: _Detection, boxes: np.ndarray, sizes: np.ndarray, scores: np.ndarray
 def detect(layer_param, bottoms: Sequence[np.ndarray]) -> list[np.ndarray]:
     """DetectionOutputLayer::Forward_cpu on host arrays: loc (N, priors x loc classes x 4), conf (N, priors x
     classes), priors (1, 2, priors x 4). Per image, each class but the background: the decoded boxes (unclipped,
-    unless OpenCV's ``clip`` is set) through NMS; then, past keep_top_k, the best keep_top_k over all classes. Top (1, 1, detections, 7), rows
-    [image, label, score, xmin, ymin, xmax, ymax] by image, then label, then the order NMS kept them; with no
-    detection at all, one row per image [i, -1, -1, -1, -1, -1, -1]. Caffe's keep_top_k sort is not stable; here
-    equal scores keep label order."""
+    unless OpenCV's ``clip`` is set) through NMS; then, past keep_top_k, the best keep_top_k over all classes.
+    Top (1, 1, detections, 7), rows [image, label, score, xmin, ymin, xmax, ymax] by image, then label, then the
+    order NMS kept them; with no detection at all, one row per image [i, -1, -1, -1, -1, -1, -1]. Caffe's
+    keep_top_k sort is not stable; here equal scores keep label order."""
     with np.errstate(over="ignore", invalid="ignore"):  # inf and NaN boxes go through as in the C++
         return _detect(layer_param, *(np.asarray(b, np.float32) for b in bottoms))
 
@@ -660,7 +660,7 @@ def _detect(layer_param, loc: np.ndarray, conf: np.ndarray, prior: np.ndarray) -
         top = np.full((1, 1, num, 7), -1, np.float32)
         top[0, 0, :, 0] = np.arange(num)
         return [top]
-    return [found_rows.astype(np.float32).reshape(1, 1, len(found_rows), 7)]
+    return [found_rows.reshape(1, 1, len(found_rows), 7)]
 
 
 # ---- registration -------------------------------------------------------------------------------------------------
@@ -703,41 +703,37 @@ def register(fork: ForkLayer, override: bool = False) -> None:
                    tops=fork.tops, host_forward=fork.host_forward, override=override)
 
 
-def _by_type(type_name: str) -> ForkLayer:
-    return next(f for f in FORK_LAYERS if f.type == type_name)
-
-
 def of_type(type_name: str) -> ForkLayer | None:
     """The fork layer caffejax has for a layer type, if any (for the messages of an unknown type)."""
     return next((f for f in FORK_LAYERS if f.type == type_name), None)
 
 
 def register_upsample(override: bool = False) -> None:
-    register(_by_type("Upsample"), override)
+    register(of_type("Upsample"), override)
 
 
 def register_interp(override: bool = False) -> None:
-    register(_by_type("Interp"), override)
+    register(of_type("Interp"), override)
 
 
 def register_relu6(override: bool = False) -> None:
-    register(_by_type("ReLU6"), override)
+    register(of_type("ReLU6"), override)
 
 
 def register_permute(override: bool = False) -> None:
-    register(_by_type("Permute"), override)
+    register(of_type("Permute"), override)
 
 
 def register_normalize(override: bool = False) -> None:
-    register(_by_type("Normalize"), override)
+    register(of_type("Normalize"), override)
 
 
 def register_prior_box(override: bool = False) -> None:
-    register(_by_type("PriorBox"), override)
+    register(of_type("PriorBox"), override)
 
 
 def register_detection_output(override: bool = False) -> None:
-    register(_by_type("DetectionOutput"), override)
+    register(of_type("DetectionOutput"), override)
 
 
 def register_all(override: bool = False) -> None:

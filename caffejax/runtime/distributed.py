@@ -452,7 +452,8 @@ def data_parallel_forward(net, devices: Devices, blobs: Sequence[str] = ()) -> C
         if fn is None:
             fn = programs[signature] = compile_for(shapes)
         shared = (replicas.place(net.param_arrays()), replicated(net._next_key(), mesh))
-        outputs = {blob: np.asarray(local_value(value)) for blob, value in fn(shared, shard_batch(arrays, mesh)).items()}
+        gathered = fn(shared, shard_batch(arrays, mesh))
+        outputs = {blob: np.asarray(local_value(value)) for blob, value in gathered.items()}
         if made_on_host:
             made = run_host_layers(graph.layers, {graph.blob_value[blob]: array for blob, array in outputs.items()})
             outputs.update((blob, made[graph.blob_value[blob]]) for blob in asked if blob in made_on_host)

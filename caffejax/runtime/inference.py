@@ -45,10 +45,9 @@ class _Program:
     device: Any = None  # where the program runs and its inputs go (None: split over a mesh)
     inputs_to_device_first: bool = False  # see _maps_afresh_on_a_worker
 
-    @property
-    def host_layers(self) -> bool:
-        """Whether layers run on the host after the program (Layer.runs_on_host)."""
-        return any(layer.runs_on_host for layer in self.plan.graph.layers)
+    def __post_init__(self):
+        # Layers run on the host after the program (Layer.runs_on_host); looked up once, not on every call.
+        self.host_layers = bool(self.plan.graph.made_on_host)
 
 
 class InferenceFunction:
