@@ -318,6 +318,7 @@ class Net:
         # was made from, whose layers the program knows (find_first_nan walks net.graph through net._program).
         graph = self._graph = self._program.graph
         self._shapes_unknown = any(shape is None for shape in graph.value_shapes.values())  # see _require_shapes
+        self._host_layers = [layer for layer in graph.layers if layer.runs_on_host]  # see _run_host_layers
         self._recorded_tops: dict[str, jax.Array] = {}  # Python layers' tops from the last forward, by value id
         self._layer_inputs = {}
         # Values a forward read from blobs that a layer of the same pass then overwrote in place (a Power on
@@ -751,7 +752,7 @@ class Net:
         if keep_inputs:  # one layer run on its own: its backward reads what it read (not the blobs' later data),
             self._layer_inputs[start] = (env, key)  # with its key (the same Dropout mask)
         values, updates, loss = fn(params, env, key)
-        made_on_host = self._run_host_layers(layers, {**env, **values})
+        made_on_host = self._run_host_layers(layers, values, env)
         # A Python layer's tops, for a backward that must not run its forward again (Caffe's Backward reads the
         # tops Forward left; a pass over a Python layer hands back every value).
         self._recorded_tops.update((v, values[v]) for v in _python_top_values(layers) if v in values)
@@ -767,11 +768,13 @@ class Net:
                 self._param_blobs[(owner, i)]._data.set(value)
         return float(loss)
 
-    def _run_host_layers(self, layers, values: Mapping[str, Any]) -> set[str]:
-        """Run the layers among ``layers`` that run on the host (Layer.runs_on_host) on ``values`` (value id ->
-        array: a pass's) and write their tops into the blobs, reshaped to what they made, as their Forward
-        reshapes them in Caffe. Returns the values written."""
-        made = run_host_layers(layers, values)
+    def _run_host_layers(self, layers, values: Mapping[str, Any], fed: Mapping[str, Any] | None = None) -> set[str]:
+        """Run the layers among ``layers`` that run on the host (Layer.runs_on_host) on ``values`` and ``fed``
+        (value id -> array: what a pass made and read) and write their tops into the blobs, reshaped to what they
+        made, as their Forward reshapes them in Caffe. Returns the values written."""
+        if not self._host_layers:  # most nets: nothing to look up on every pass
+            return set()
+        made = run_host_layers(layers, {**(fed or {}), **values})
         for layer in layers:
             for top, value in zip(layer.tops, layer.top_values):
                 if value in made:
@@ -967,11 +970,12 @@ class Net:
         to 10-11 s; MobileNet v2's at batch 16 from 2.0-2.4 s to 0.87-0.99 s."""
         layers = self._program.layers_between(end, start)
         self._require_shapes(layers, "run")
-        on_host = next((layer for layer in layers if layer.runs_on_host and layer.need_backward), None)
-        if on_host is not None:
-            raise layer_error(UnsupportedError, on_host.name, on_host.type,
-                              "has no backward (Caffe's is NOT_IMPLEMENTED), and force_backward asks for one")
-        layers = [layer for layer in layers if not layer.runs_on_host]  # its bottoms' diffs seed, as Caffe's
+        if self._host_layers:
+            on_host = next((layer for layer in layers if layer.runs_on_host and layer.need_backward), None)
+            if on_host is not None:
+                raise layer_error(UnsupportedError, on_host.name, on_host.type,
+                                  "has no backward (Caffe's is NOT_IMPLEMENTED), and force_backward asks for one")
+            layers = [layer for layer in layers if not layer.runs_on_host]  # its bottoms' diffs seed, as Caffe's
         consumed = {v for layer in layers for v in layer.bottom_values}
         seeds = {value: self.blobs[top]._diff.value() for layer in layers if not layer.is_input
                  for top, value in zip(layer.tops, layer.top_values)

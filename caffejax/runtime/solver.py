@@ -466,8 +466,8 @@ class Solver:
         self._write_back(params, [new[0] if update is None else update for update, new in zip(updates, history)])
         for name, value in blobs.items():
             net.blobs[name]._data.set(value)
-        made_on_host = net._run_host_layers(graph.layers, {graph.blob_value[name]: value
-                                                           for name, value in blobs.items()})
+        made_on_host = net._run_host_layers(graph.layers, {graph.blob_value[name]: value for name, value in
+                                                           blobs.items()}) if net._host_layers else set()
         # The Python layers' tops the blobs hold, as Net.forward records them: debug_nans' replay and a
         # net.backward() after the step take them instead of running those layers again.
         python_tops = set(_python_top_values(graph.layers))
