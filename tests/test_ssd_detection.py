@@ -15,6 +15,7 @@ from caffejax.export import export_stablehlo
 from caffejax.frontend import prototxt
 from caffejax.frontend.prototxt import ForkEnum, ForkMessage, ForkParam, ForkParamField, register_fork_param
 from caffejax.lower import forks
+from caffejax.runtime.solver import summed_scores
 from conftest import input_layer
 
 # Four priors (xmin, ymin, xmax, ymax): B overlaps A by 0.818 (IoU), D overlaps C by 0.6.
@@ -259,9 +260,12 @@ def test_detection_output_runs_on_the_host_after_every_kind_of_program(isolated_
     assert stepped.shape[2] > 1
     solver.net.forward()  # DummyData's gaussian draws anew: other detections, of their own count
     assert solver.net.blobs["detection_out"].shape[:2] == (1, 1)
-    # Solver's test averages each output element over batches: detections cannot be scored that way.
-    with pytest.raises(caffejax.UnsupportedError, match=r"test net #0 outputs \['detection_out'\]"):
-        solver.test()
+    # Solver's test sums each output element over batches, as Caffe's: a batch's detections score as any output,
+    # and a number of them that changes between batches is refused (summed_scores), where Caffe indexes past.
+    assert len(solver.test()) == 1 + solver.test_nets[0].blobs["detection_out"].count
+    rows = [("detection_out", 0.0, 1.0)] * 7
+    with pytest.raises(caffejax.CaffejaxError, match=r"batch 1: the outputs changed size \(14 values, 7 before\)"):
+        summed_scores(summed_scores(None, rows, 0), rows * 2, 1)
 
 
 def test_detection_output_has_no_gradient_nor_traced_form(isolated_registry, tmp_path):

@@ -303,7 +303,7 @@ def test(args) -> int:
 
     The sums, means and weighted losses are float32, as caffe.cpp keeps them: what it prints is rounded from
     those (summing 1e8, 1 and -1e8 gives 0 there, not 1)."""
-    from caffejax.runtime.solver import output_scores
+    from caffejax.runtime.solver import output_scores, summed_scores
 
     iterations = _positive_iterations(args)
     _use_gpu_flag(args)
@@ -317,14 +317,7 @@ def test(args) -> int:
         scores = output_scores(net)
         for name, _, score in scores:
             log.info("Batch %d, %s = %s", i, name, log_float(score))
-        values = np.asarray([score for _, _, score in scores], np.float32)
-        if totals is None:
-            totals = values
-        elif values.shape != totals.shape:
-            raise CaffejaxError(f"batch {i}: the outputs changed size ({values.size} values, {totals.size} before); "
-                                "test needs the same output shapes on every batch")
-        else:
-            totals = totals + values
+        totals = summed_scores(totals, scores, i)
     log.info("Loss: %s", log_float(loss / np.float32(iterations)))
     for (name, weight, _), total in zip(scores, totals):
         mean = total / np.float32(iterations)

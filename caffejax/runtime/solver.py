@@ -706,15 +706,10 @@ class Solver:
         p = self.param
         self._say("Iteration %d, Testing net (#%d)", self.iter, test_net_id)
         test_net = self.test_nets[test_net_id]
-        varying = [name for name in test_net.outputs if name in test_net.graph.made_on_host]
-        if varying:  # SSD's fork scores them with its own eval_type "detection", which caffejax does not have
-            raise UnsupportedError(f"test net #{test_net_id} outputs {varying}, whose number of elements depends on "
-                                   "the data (a layer run on the host, such as DetectionOutput): Solver's test "
-                                   "averages each output element over the batches and cannot score them")
         test_net.share_with(self.net)
         iters = p.test_iter[test_net_id]
         totals, loss = None, np.float32(0)
-        for _ in range(iters):
+        for batch in range(iters):
             # One request per batch: Caffe asks until the answer is "none", which never ends for a function that
             # always asks for a snapshot; a second pending signal is seen at the next batch instead.
             request = self._requested_action()
@@ -728,8 +723,7 @@ class Solver:
             if p.test_compute_loss:
                 loss += np.float32(test_net._last_loss)
             scores = output_scores(test_net)
-            values = np.asarray([value for _, _, value in scores], np.float32)
-            totals = values if totals is None else totals + values
+            totals = summed_scores(totals, scores, batch)
         if p.test_compute_loss:
             self._say("Test loss: %s", log_float(loss / iters))
         names = [(name, weight) for name, weight, _ in scores] if totals is not None else []  # the last batch's
@@ -1083,6 +1077,19 @@ def output_scores(net: Net) -> list[tuple[str, float, float]]:
     weights = net.blob_loss_weights
     return [(name, weights.get(name, 0.0), float(value)) for name in net.outputs
             for value in np.asarray(net.blobs[name].data).ravel()]
+
+
+def summed_scores(totals: np.ndarray | None, scores, batch: int) -> np.ndarray:
+    """``totals`` plus one batch's :func:`output_scores`, as Caffe's Solver::Test and caffe test sum them element by
+    element. Outputs whose size changed between batches (SSD's detections) are a clear error, where Caffe would
+    index past its sums."""
+    values = np.asarray([score for _, _, score in scores], np.float32)
+    if totals is None:
+        return values
+    if values.shape != totals.shape:
+        raise CaffejaxError(f"batch {batch}: the outputs changed size ({values.size} values, {totals.size} before); "
+                            "scoring needs the same output shapes on every batch")
+    return totals + values
 
 
 class SmoothedLoss:
