@@ -268,6 +268,19 @@ def test_detection_output_runs_on_the_host_after_every_kind_of_program(isolated_
         summed_scores(summed_scores(None, rows, 0), rows * 2, 1)
 
 
+def test_detection_output_nms_without_the_overlap_matrix_keeps_the_same_boxes(isolated_registry, monkeypatch):
+    """Past _NMS_MATRIX_MAX candidates (top_k unset, a low threshold) the overlaps are computed per kept box: the
+    same detections."""
+    forks.register_all()
+    net = caffejax.Net(_ssd_text("background_label_id: 0 nms_param { nms_threshold: 0.45 } code_type: CENTER_SIZE "
+                                 "keep_top_k: -1 confidence_threshold: 0.01", True), caffejax.TEST)
+    images = np.random.default_rng(1).standard_normal((2, 3, 32, 32)).astype(np.float32)
+    with_matrix = np.asarray(net.forward(data=images)["detection_out"])
+    monkeypatch.setattr(forks, "_NMS_MATRIX_MAX", 16)
+    assert with_matrix.shape[2] > 100
+    np.testing.assert_array_equal(net.forward(data=images)["detection_out"], with_matrix)
+
+
 def test_detection_output_has_no_gradient_nor_traced_form(isolated_registry, tmp_path):
     """No compiled layer may read its top, it takes no loss_weight, its backward is Caffe's NOT_IMPLEMENTED (a
     force_backward reaching it is an error; without one the backward runs), export and batched calls refuse it
