@@ -39,6 +39,31 @@ def test_register_layer_adds_a_pure_jax_layer(isolated_registry):
     np.testing.assert_allclose(net.params["sq"][0].diff, (x * x).sum(0))
 
 
+def test_register_layer_with_host_forward_makes_a_top_whose_shape_depends_on_the_data(isolated_registry):
+    """``host_forward`` (NumPy) runs such a layer on the host after the program; ``forward`` gives only its shape
+    before the first pass. Its top takes each pass's shape, in Net.forward and compile_inference alike."""
+    def positives_before_a_pass(ctx, bottoms, params):
+        return [jnp.zeros((0,), bottoms[0].dtype)]
+
+    def positives(layer, bottoms):
+        (x,) = bottoms
+        return [x[x > 0]]
+
+    caffejax.register_layer("Positives", positives_before_a_pass, host_forward=positives, bottoms=(1, 1),
+                            tops=(1, 1))
+    net = caffejax.Net(_input(5)
+                       + 'layer { name: "double" type: "Power" bottom: "x" top: "y" power_param { scale: 2 } }\n'
+                       + 'layer { name: "p" type: "Positives" bottom: "y" top: "p" }', caffejax.TEST)
+    assert net.blobs["p"].shape == (0,)
+    np.testing.assert_array_equal(net.forward(x=np.float32([-1, 2, -3, 4, 5]))["p"], [4, 8, 10])
+    np.testing.assert_array_equal(net.forward(x=np.float32([1, -2, -3, -4, -5]))["p"], [2])
+    assert net.blobs["p"].shape == (1,)
+    infer = caffejax.compile_inference(net)
+    np.testing.assert_array_equal(infer({"x": np.float32([3, 0, 1, -1, 2])})["p"], [6, 2, 4])
+    with pytest.raises(caffejax.SchemaError, match="host_forward must be callable"):
+        caffejax.register_layer("Bad", positives_before_a_pass, host_forward="positives")
+
+
 def test_nets_with_registered_rules_stay_out_of_the_program_cache(isolated_registry, tmp_path, monkeypatch):
     """The program cache's key digests caffejax's source, not the user's rule: such programs are not kept."""
     from caffejax.runtime import program_cache
