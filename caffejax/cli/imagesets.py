@@ -364,12 +364,13 @@ def extract_features(args) -> int:
 def _feature_records(name: str, values: np.ndarray):
     """One serialized Datum per item of a blob (its first axis): float_data the item's values; channels, height
     and width the blob's LegacyShape(1..3), 1 past its axes, as Caffe's accessors give them."""
+    from caffejax.lower.registry import legacy_4d
     from caffejax.proto import caffe_pb2
 
     if values.ndim > 4:
         raise CaffejaxError(f"feature blob {name} has {values.ndim} axes {values.shape}: Caffe stores a blob's "
                             "legacy channels x height x width, and a blob of more than 4 axes has none")
-    legacy = values.shape + (1,) * (4 - values.ndim)
+    legacy = legacy_4d(values.shape)
     rows = values.astype(np.float32, copy=False).reshape(legacy[0], -1)
     for row in rows:
         datum = caffe_pb2.Datum(channels=legacy[1], height=legacy[2], width=legacy[3])

@@ -21,6 +21,7 @@ from caffejax.data.common import Batch, Prefetcher, c_tokens, layer_rng, lazy_im
 from caffejax.data.common import require_source, resolve_path
 from caffejax.errors import DataError, DataSourceUnavailable, SchemaError, layer_error
 from caffejax.fileio import atomic_write
+from caffejax.lower.registry import legacy_4d
 
 
 class _HDF5Files:
@@ -151,11 +152,6 @@ def open_source(layer, phase: int, base_dir: str | None) -> Prefetcher:
 
 
 # ---- HDF5Output ----------------------------------------------------------------------------------------------
-
-def legacy_4d(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Blob::Reshape(num(), channels(), height(), width()): the shape padded with 1s to 4 axes."""
-    return tuple(shape) + (1,) * (4 - len(shape))
-
 
 def write_output(file_name: str, data: np.ndarray, label: np.ndarray) -> None:
     """HDF5OutputLayer::SaveBlobs: ``data`` and ``label`` as float datasets of ``file_name`` (atomically)."""

@@ -19,7 +19,7 @@ import numpy as np
 from jax import lax
 
 from caffejax.errors import SchemaError
-from caffejax.lower.registry import TEST, LayerContext, canonical_axis, count, layer, rejected
+from caffejax.lower.registry import TEST, LayerContext, canonical_axis, count, layer, legacy_4d, rejected
 from caffejax.proto import caffe_pb2
 
 Shape = tuple[int, ...]
@@ -858,7 +858,7 @@ def mvn(ctx: LayerContext, bottoms, params):
     p = ctx.layer.mvn_param
     if x.ndim > 4:
         raise ctx.error(f"works on blobs of at most 4 axes (num, channels, height, width), got {tuple(x.shape)}")
-    legacy = tuple(x.shape) + (1,) * (4 - x.ndim)
+    legacy = legacy_4d(x.shape)
     axes = (1, 2, 3) if p.across_channels else (2, 3)
     v = x.reshape(legacy)
     centered = v - jnp.mean(v, axis=axes, keepdims=True)

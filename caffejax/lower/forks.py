@@ -28,7 +28,7 @@ from caffejax.errors import SchemaError, ShapeError, UnsupportedError, layer_err
 from caffejax.frontend.build import MAX_BLOB_ELEMENTS
 from caffejax.frontend.prototxt import (ForkEnum, ForkMessage, ForkParam, ForkParamField, fork_param,
                                         register_fork_param)
-from caffejax.lower.registry import LayerContext, get_rule, register_layer
+from caffejax.lower.registry import LayerContext, get_rule, legacy_4d, register_layer
 
 Shape = tuple[int, ...]
 log = logging.getLogger("caffejax")
@@ -487,33 +487,28 @@ def _detection(layer_param) -> _Detection:
                       np.float32(nms.nms_threshold), nms.top_k if nms.HasField("top_k") else -1, np.float32(nms.eta))
 
 
-def _legacy_dim(shape: Sequence[int], index: int) -> int:
-    """Blob::LegacyShape: num, channels, height, width of a blob of up to 4 axes (1 past its last axis)."""
-    return shape[index] if index < len(shape) else 1
-
-
 def _detection_counts(layer_param, shapes: Sequence[Shape]) -> tuple[_Detection, int]:
     """DetectionOutputLayer::Reshape's checks on the bottoms (loc, conf, priors): the settings and the number of
     priors."""
     d = _detection(layer_param)
-    loc, conf, prior = shapes
     if any(len(s) > 4 for s in shapes):
         raise layer_error(ShapeError, layer_param.name, layer_param.type,
                           f"bottoms must have at most 4 axes (Caffe's num/channels/height/width), got {list(shapes)}")
-    num_priors = _legacy_dim(prior, 2) // 4
+    loc, conf, prior = (legacy_4d(s) for s in shapes)
+    num_priors = prior[2] // 4
     num_loc_classes = 1 if d.share_location else d.num_classes
     problems = []
-    if _legacy_dim(loc, 0) != _legacy_dim(conf, 0):
-        problems.append(f"loc and conf have different nums ({_legacy_dim(loc, 0)} and {_legacy_dim(conf, 0)})")
-    if num_priors * num_loc_classes * 4 != _legacy_dim(loc, 1):
+    if loc[0] != conf[0]:
+        problems.append(f"loc and conf have different nums ({loc[0]} and {conf[0]})")
+    if num_priors * num_loc_classes * 4 != loc[1]:
         problems.append(f"Number of priors must match number of location predictions: {num_priors} priors x "
-                        f"{num_loc_classes} x 4 != {_legacy_dim(loc, 1)} loc channels")
+                        f"{num_loc_classes} x 4 != {loc[1]} loc channels")
     if int(np.prod(prior)) < num_priors * 8:  # GetPriorBBoxes reads the variances after the boxes, unchecked
         problems.append(f"the prior bottom must hold {num_priors} boxes and then their variances, (1, 2, "
-                        f"{num_priors * 4}) as PriorBox makes it; got {tuple(prior)}")
-    if num_priors * d.num_classes != _legacy_dim(conf, 1):
+                        f"{num_priors * 4}) as PriorBox makes it; got {tuple(shapes[2])}")
+    if num_priors * d.num_classes != conf[1]:
         problems.append(f"Number of priors must match number of confidence predictions: {num_priors} priors x "
-                        f"{d.num_classes} classes != {_legacy_dim(conf, 1)} conf channels")
+                        f"{d.num_classes} classes != {conf[1]} conf channels")
     if problems:
         raise layer_error(ShapeError, layer_param.name, layer_param.type,
                           "; ".join(problems) + f" (bottom shapes {[tuple(s) for s in shapes]})")
@@ -617,7 +612,7 @@ def detect(layer_param, bottoms: Sequence[np.ndarray]) -> list[np.ndarray]:
 
 def _detect(layer_param, loc: np.ndarray, conf: np.ndarray, prior: np.ndarray) -> list[np.ndarray]:
     d, num_priors = _detection_counts(layer_param, [b.shape for b in (loc, conf, prior)])
-    num = _legacy_dim(loc.shape, 0)
+    num = legacy_4d(loc.shape)[0]
     num_loc_classes = 1 if d.share_location else d.num_classes
     loc = loc.reshape(num, num_priors, num_loc_classes, 4)
     conf = conf.reshape(num, num_priors, d.num_classes)

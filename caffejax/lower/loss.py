@@ -18,7 +18,7 @@ import numpy as np
 from jax import lax
 
 from caffejax.errors import DataError
-from caffejax.lower.registry import canonical_axis, count, layer
+from caffejax.lower.registry import canonical_axis, count, layer, legacy_4d
 from caffejax.proto import caffe_pb2
 
 # float.h's FLT_MIN: SoftmaxWithLoss clips probabilities here before the log, for every Dtype.
@@ -48,7 +48,7 @@ def legacy_shape(ctx, x: jax.Array, what: str) -> tuple[int, int, int, int]:
     """Blob's (num, channels, height, width): missing trailing axes read as 1; more than 4 axes is an error."""
     if x.ndim > 4:
         raise ctx.error(f"{what} {tuple(x.shape)}: cannot use legacy num/channels/height/width on > 4 axes")
-    return tuple(x.shape) + (1,) * (4 - x.ndim)
+    return legacy_4d(x.shape)
 
 
 def check_prob_top(ctx) -> None:

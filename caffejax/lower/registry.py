@@ -258,7 +258,7 @@ def _load_families() -> None:
     _BVLC_TYPES = frozenset(_REGISTRY)
 
 
-# ---- small helpers every family uses (Caffe's Blob::CanonicalAxisIndex and Blob::count) -------------------
+# ---- small helpers every family uses (Caffe's Blob::CanonicalAxisIndex, LegacyShape and count) ---------------
 
 def canonical_axis(where: LayerContext | Any | str, axis: int, ndim: int) -> int:
     """Caffe's CanonicalAxisIndex: a negative axis counts from the end; out of range is an error.
@@ -273,6 +273,13 @@ def canonical_axis(where: LayerContext | Any | str, axis: int, ndim: int) -> int
         error.layer = where
         raise error
     return axis + ndim if axis < 0 else axis
+
+
+def legacy_4d(shape: Sequence[int]) -> tuple[int, ...]:
+    """Caffe's Blob::LegacyShape for every index: (num, channels, height, width), 1 past the blob's axes (also
+    Blob::Reshape(num(), channels(), height(), width())). Callers check the at most 4 axes Caffe's CHECK asks
+    for; a longer shape comes back as it is."""
+    return tuple(shape) + (1,) * (4 - len(shape))
 
 
 def count(shape: Sequence[int], start: int = 0, end: int | None = None) -> int:

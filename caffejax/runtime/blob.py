@@ -21,6 +21,7 @@ import sys
 import numpy as np
 
 from caffejax.errors import OutOfMemoryError, ShapeError
+from caffejax.lower.registry import legacy_4d
 
 # sys.getrefcount of a slot's host array that only the slot holds: the slot's reference and the call's own.
 _UNHELD = 2
@@ -146,7 +147,7 @@ class Blob:
 
     def _legacy(self, i: int) -> int:
         # pycaffe's num/channels/height/width: Caffe's LegacyShape, 1 beyond the blob's axes.
-        return self.shape[i] if i < len(self.shape) else 1
+        return legacy_4d(self.shape)[i]
 
     @property
     def num(self) -> int:
