@@ -1,11 +1,12 @@
 """Rules for layers of popular Caffe forks, registered only on request.
 
-BVLC Caffe does not have these layers; models converted from YOLO, SSD, DeepLab/PSPNet or MobileNet ports use
-them. ``register_all()`` makes all of them available, or one at a time: ``register_upsample()``,
+BVLC Caffe does not have these layers; models converted from YOLO, SSD, Fast/Faster R-CNN, DeepLab/PSPNet or
+MobileNet ports use them. ``register_all()`` makes all of them available, or one at a time: ``register_upsample()``,
 ``register_interp()``, ``register_relu6()``, ``register_permute()``, ``register_normalize()``,
-``register_prior_box()``, ``register_detection_output()``. Registering
-declares the fork's LayerParameter field (``upsample_param``, ``interp_param``, ...) to the prototxt parser
-(caffejax.frontend.prototxt.register_fork_param), so prototxts using it parse, and adds the layer's rule.
+``register_prior_box()``, ``register_detection_output()``, ``register_roi_pooling()``,
+``register_smooth_l1_loss()``. Registering declares the fork's LayerParameter field (``upsample_param``,
+``interp_param``, ...) to the prototxt parser (caffejax.frontend.prototxt.register_fork_param), so prototxts using it
+parse, and adds the layer's rule.
 Each rule follows the fork's C++ layer, named in its docstring.
 
 A prototxt that uses one of these fields before it is registered fails to parse with a message naming the
@@ -15,6 +16,7 @@ function to call (:func:`provider_of`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from typing import Any, Callable, Sequence
@@ -48,6 +50,8 @@ class ForkLayer:
     bottoms: tuple[int, int | None] = (1, 1)
     tops: tuple[int, int | None] = (1, 1)
     host_forward: Callable | None = None  # LayerRule.host_forward: runs on the host, after the program
+    is_loss: bool = False
+    allow_force_backward: Callable | None = None
 
 
 # ---- Upsample: nearest-neighbour by an integer factor (the YOLOv3 ports' upsample_layer.cpp) -----------------
@@ -658,6 +662,279 @@ def _detect(layer_param, loc: np.ndarray, conf: np.ndarray, prior: np.ndarray) -
     return [found_rows.reshape(1, 1, len(found_rows), 7)]
 
 
+# ---- ROIPooling: max pooling over regions of interest (Fast/Faster R-CNN's roi_pooling_layer.cpp) -----------------
+
+ROI_POOLING_PARAM = ForkParam("roi_pooling_param", "ROIPoolingParameter", 8266711,
+                              (ForkParamField("pooled_h", "uint32", 1, default=0),
+                               ForkParamField("pooled_w", "uint32", 2, default=0),
+                               ForkParamField("spatial_scale", "float", 3, default=1.0)),
+                              origin="Fast/Faster R-CNN (rbgirshick/caffe-fast-rcnn)")
+
+
+@dataclasses.dataclass(frozen=True)
+class _RoiBins:
+    """Each ROI's image and the edges of its pooling bins on the feature map, as Forward_cpu computes them:
+    ``image`` (R,), ``valid`` (R,) where 0 <= image < N (Caffe's CHECKs), rows ``[h0, h1)`` (R, pooled_h) and
+    columns ``[w0, w1)`` (R, pooled_w), clipped to the map; a bin with h1 <= h0 or w1 <= w0 is empty."""
+
+    image: jax.Array
+    valid: jax.Array
+    h0: jax.Array
+    h1: jax.Array
+    w0: jax.Array
+    w1: jax.Array
+
+
+def _c_round(x: jax.Array) -> jax.Array:
+    """C's round(): halves away from zero (jnp.round rounds them to even); exact where floor(x + 0.5) is not
+    (0.49999997f + 0.5f rounds up to 1)."""
+    whole = jnp.trunc(x)
+    return whole + jnp.where(jnp.abs(x - whole) >= 0.5, jnp.sign(x), 0)
+
+
+def _roi_bins(rois: jax.Array, pooled: tuple[int, int], scale: float, shape: Shape) -> _RoiBins:
+    """LayerSetUp and the head of Forward_cpu's ROI loop, in the rois' float arithmetic (at least float32, as
+    Caffe's Dtype): R = [image, x1, y1, x2, y2] scaled and rounded to the map, at least 1 x 1, cut into
+    pooled_h x pooled_w bins of floor(i * size / pooled) to ceil((i + 1) * size / pooled)."""
+    n, _, height, width = shape
+    dtype = jnp.promote_types(rois.dtype, jnp.float32)
+    rois = lax.stop_gradient(rois).reshape(rois.shape[0], 5).astype(dtype)
+    image = jnp.trunc(jnp.nan_to_num(rois[:, 0], nan=-1.0, posinf=n, neginf=-1.0))  # static_cast<int>
+    limit = 2.0 ** 30  # far outside any map; keeps the int conversion defined
+    x1, y1, x2, y2 = (jnp.clip(_c_round(rois[:, i] * jnp.asarray(scale, dtype)), -limit, limit).astype(jnp.int32)
+                      for i in range(1, 5))
+
+    def edges(start, end, bins, size):
+        extent = jnp.maximum(end - start + 1, 1)  # malformed ROIs are forced to 1 x 1
+        # A divisor XLA sees as a broadcast becomes a multiply by its reciprocal, 1 ulp off (14 / 6 gave
+        # 2.3333335, and a bin edge ceil(3 x 2.3333335) = 8, not 7); behind the barrier the division stays.
+        divisor = lax.optimization_barrier(jnp.full(extent.shape, bins, dtype))
+        bin_size = extent.astype(dtype) / divisor
+        steps = jnp.arange(bins, dtype=dtype)
+        lo = jnp.floor(steps[None, :] * bin_size[:, None]).astype(jnp.int32) + start[:, None]
+        hi = jnp.ceil((steps[None, :] + 1) * bin_size[:, None]).astype(jnp.int32) + start[:, None]
+        return jnp.clip(lo, 0, size), jnp.clip(hi, 0, size)
+
+    h0, h1 = edges(y1, y2, pooled[0], height)
+    w0, w1 = edges(x1, x2, pooled[1], width)
+    valid = (image >= 0) & (image < n)
+    return _RoiBins(jnp.clip(image, 0, n - 1).astype(jnp.int32), valid, h0, h1, w0, w1)
+
+
+def _levels(size: int) -> int:
+    """Power-of-two window levels a range-maximum table over ``size`` places needs: 1, 2, 4, ... <= size."""
+    return size.bit_length()
+
+
+def _shifted(x: jax.Array, axis: int, by: int, fill) -> jax.Array:
+    """x moved ``by`` places toward the start along ``axis``, the end filled with ``fill``."""
+    size = x.shape[axis]
+    if by >= size:
+        return jnp.full_like(x, fill)
+    kept = lax.slice_in_dim(x, by, size, axis=axis)
+    pad = jnp.full(kept.shape[:axis] + (by,) + kept.shape[axis + 1:], fill, x.dtype)
+    return jnp.concatenate([kept, pad], axis=axis)
+
+
+def _range_max_tables(x: jax.Array, with_index: bool):
+    """A sparse table of x (N, H, W, C): T[n, a, y, b, x, c] = max over rows [y, y + 2^a) and columns
+    [x, x + 2^b) (cut at the map's edge), so that the maximum over any rectangle is the maximum of four entries.
+    ``with_index`` also gives where that maximum is (h * W + w): the first in Caffe's scan order (rows, then
+    columns) among equal values, since each merge keeps the upper or left candidate on a tie."""
+    n, height, width, c = x.shape
+    low = jnp.asarray(-jnp.inf, x.dtype)
+    index = (jnp.arange(height, dtype=jnp.int32)[:, None] * width + jnp.arange(width, dtype=jnp.int32)[None, :])
+    index = jnp.broadcast_to(index[None, :, :, None], x.shape) if with_index else None
+
+    def build(values, where, axis, levels):
+        tables, indices = [values], [where]
+        for level in range(1, levels):
+            by = 1 << (level - 1)
+            right = _shifted(tables[-1], axis, by, low)
+            keep = tables[-1] >= right  # the earlier candidate on a tie
+            tables.append(jnp.where(keep, tables[-1], right))
+            if where is not None:
+                indices.append(jnp.where(keep, indices[-1], _shifted(indices[-1], axis, by, 0)))
+            # Each level is written out once: fused, XLA recomputed every earlier level inside each later one.
+            tables[-1], indices[-1] = lax.optimization_barrier((tables[-1], indices[-1]))
+        stack = lambda parts: jnp.stack(parts, axis=axis)
+        return stack(tables), (stack(indices) if where is not None else None)
+
+    values, where = build(x, index, 2, _levels(width))  # (N, H, Lw, W, C)
+    return build(values, where, 1, _levels(height))  # (N, Lh, H, Lw, W, C)
+
+
+def _level_of(length: jax.Array, levels: int) -> jax.Array:
+    """floor(log2(length)) for 1 <= length < 2^levels, counted in integers; 0 for an empty range."""
+    powers = jnp.asarray([1 << k for k in range(1, levels)], jnp.int32)
+    return jnp.sum(length[..., None] >= powers, axis=-1).astype(jnp.int32)
+
+
+def _roi_corners(bins: _RoiBins, shape: Shape) -> tuple[jax.Array, jax.Array]:
+    """The four table entries (flat row numbers) that cover each bin, (4, R, pooled_h, pooled_w), and which
+    bins are empty (R, pooled_h, pooled_w)."""
+    n, height, width = shape[0], shape[2], shape[3]
+    lh, lw = _levels(height), _levels(width)
+    rows = jnp.maximum(bins.h1 - bins.h0, 0)
+    columns = jnp.maximum(bins.w1 - bins.w0, 0)
+    kh, kw = _level_of(rows, lh), _level_of(columns, lw)
+    tops = (bins.h0, jnp.maximum(bins.h1 - (1 << kh), 0))
+    lefts = (bins.w0, jnp.maximum(bins.w1 - (1 << kw), 0))
+    image = bins.image[:, None, None]
+    corners = []
+    for y in tops:
+        for x in lefts:
+            h_part = (image * lh + kh[:, :, None]) * height + jnp.minimum(y, height - 1)[:, :, None]
+            corners.append((h_part * lw + kw[:, None, :]) * width + jnp.minimum(x, width - 1)[:, None, :])
+    empty = (rows[:, :, None] == 0) | (columns[:, None, :] == 0)
+    return jnp.stack(corners), empty
+
+
+def _roi_max(x_nhwc: jax.Array, bins: _RoiBins, with_index: bool):
+    """Each bin's maximum (R, pooled_h, pooled_w, C) as Forward_cpu leaves it: NaN is never greater than what
+    it has, so it is skipped; a bin of values none above -FLT_MAX gives -FLT_MAX; an empty bin gives 0; an ROI
+    of an image outside the batch gives NaN rows (Caffe stops at its CHECK). ``with_index`` also gives the
+    winners (h * W + w) and where a winner exists (Caffe's argmax -1 elsewhere)."""
+    c = x_nhwc.shape[-1]
+    clean = jnp.where(jnp.isnan(x_nhwc), jnp.asarray(-jnp.inf, x_nhwc.dtype), x_nhwc)
+    table, where = _range_max_tables(clean, with_index)
+    corners, empty = _roi_corners(bins, (x_nhwc.shape[0], c, x_nhwc.shape[1], x_nhwc.shape[2]))
+    picked = jnp.take(table.reshape(-1, c), corners, axis=0, mode="clip")  # (4, R, ph, pw, C); in range
+    lowest = jnp.asarray(-np.finfo(np.float32).max, x_nhwc.dtype)  # Caffe's start, -FLT_MAX for any Dtype
+    # Pairwise, not a reduction over the 4: XLA hands that to YNNPACK, which took 100 ms (VGG16's pool5).
+    best = jnp.maximum(jnp.maximum(picked[0], picked[1]), jnp.maximum(picked[2], picked[3]))
+    won = (best > lowest) & ~empty[..., None]
+    top = jnp.where(empty[..., None], jnp.zeros((), x_nhwc.dtype), jnp.maximum(best, lowest))
+    top = jnp.where(bins.valid[:, None, None, None], top, jnp.asarray(jnp.nan, x_nhwc.dtype))
+    if not with_index:
+        return top
+    candidates = jnp.take(where.reshape(-1, c), corners, axis=0, mode="clip")
+    ranked = jnp.where(picked == best[None], candidates, jnp.iinfo(jnp.int32).max)
+    winner = jnp.minimum(jnp.minimum(ranked[0], ranked[1]), jnp.minimum(ranked[2], ranked[3]))  # first scanned
+    return top, winner, won & bins.valid[:, None, None, None]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _roi_pool(x: jax.Array, rois: jax.Array, pooled: tuple[int, int], scale: float) -> jax.Array:
+    bins = _roi_bins(rois, pooled, scale, x.shape)
+    return _roi_max(x.transpose(0, 2, 3, 1), bins, with_index=False).transpose(0, 3, 1, 2)
+
+
+def _roi_pool_forward(x, rois, pooled, scale):
+    bins = _roi_bins(rois, pooled, scale, x.shape)
+    top, winner, won = _roi_max(x.transpose(0, 2, 3, 1), bins, with_index=True)
+    return top.transpose(0, 3, 1, 2), (winner, won, bins.image, x.shape, rois)
+
+
+def _roi_pool_backward(pooled, scale, residuals, dtop):
+    """Backward_cpu: each top diff goes to its bin's winner, summed over bins and ROIs; none to the ROIs."""
+    winner, won, image, shape, rois = residuals
+    n, c, height, width = shape
+    grad = jnp.where(won, dtop.transpose(0, 2, 3, 1), jnp.zeros((), dtop.dtype))
+    flat = ((image[:, None, None, None] * (height * width) + winner) * c
+            + jnp.arange(c, dtype=jnp.int32)[None, None, None, :])
+    flat = jnp.where(won, flat, 0)
+    dx = jnp.zeros((n * height * width * c,), dtop.dtype).at[flat.reshape(-1)].add(grad.reshape(-1))
+    return dx.reshape(n, height, width, c).transpose(0, 3, 1, 2), jnp.zeros_like(rois)
+
+
+_roi_pool.defvjp(_roi_pool_forward, _roi_pool_backward)
+
+
+def roi_pooling(ctx: LayerContext, bottoms, params):
+    """Max pooling of each region of interest of the feature map (bottom 0) into pooled_h x pooled_w bins:
+    bottom 1 holds one ROI [image, x1, y1, x2, y2] per item (image coordinates, times spatial_scale on the
+    map), the top is (ROIs, channels, pooled_h, pooled_w). The gradient goes to each bin's first maximum in
+    Caffe's scan order; none reaches the ROIs (Backward_cpu writes only bottom 0)."""
+    x, rois = bottoms
+    p = fork_param(ctx.layer, "roi_pooling_param")
+    if p.pooled_h <= 0 or p.pooled_w <= 0:
+        raise ctx.error(f"pooled_h and pooled_w must be > 0, got {p.pooled_h} x {p.pooled_w}")
+    if x.ndim > 4 or rois.ndim > 4 or rois.ndim < 1:
+        raise ctx.error(f"bottoms must have at most 4 axes (Caffe's legacy num, channels, height, width), got "
+                        f"{tuple(x.shape)} and {tuple(rois.shape)}")
+    if math.prod(rois.shape[1:]) != 5:
+        raise ctx.error(f"ROI layer C x H x W must be 5 ([image, x1, y1, x2, y2] per ROI), got rois of shape "
+                        f"{tuple(rois.shape)}")
+    features = x.reshape(legacy_4d(x.shape))
+    top = _roi_pool(features, rois, (int(p.pooled_h), int(p.pooled_w)), float(np.float32(p.spatial_scale)))
+    return [top]
+
+
+# ---- SmoothL1Loss: the R-CNNs' and SSD's box regression loss (their smooth_L1_loss_layer.cpp) ---------------------
+
+SMOOTH_L1_LOSS_PARAM = ForkParam("smooth_l1_loss_param", "SmoothL1LossParameter", 8266712,
+                                 (ForkParamField("sigma", "float", 1, default=1.0),),
+                                 origin="Fast/Faster R-CNN (rbgirshick/caffe-fast-rcnn) and SSD (weiliu89/caffe)")
+
+
+def _smooth_l1(diff: jax.Array, sigma2) -> jax.Array:
+    """f(d) = 0.5 σ² d² where |d| < 1/σ², |d| - 0.5/σ² elsewhere (the comparison and constants in double, as the
+    C++ has them); its derivative σ² d, or sign(d) from the edge on, is Caffe's backward."""
+    size = abs(diff)
+    return jnp.where(size < 1.0 / np.float64(sigma2), 0.5 * sigma2 * diff * diff,
+                     size - np.float32(0.5 / np.float64(sigma2)))
+
+
+@jax.custom_vjp
+def _weighted_smooth_l1(a: jax.Array, b: jax.Array, weights: jax.Array) -> jax.Array:
+    return _smooth_l1(weights * (a - b), 1.0)
+
+
+def _weighted_smooth_l1_forward(a, b, weights):
+    diff = weights * (a - b)
+    return _smooth_l1(diff, 1.0), (diff, weights)
+
+
+def _weighted_smooth_l1_backward(residuals, derror):
+    """Fast R-CNN's and SSD's Backward_cpu: f'(w (a - b)) to a, its negative to b, not times w (their
+    gradient, which is the derivative where w is 0 or 1, as their bbox_loss_weights are); none to w."""
+    diff, weights = residuals
+    slope = jnp.where(abs(diff) < 1, diff, jnp.sign(diff)) * derror
+    return slope, -slope, jnp.zeros_like(weights)
+
+
+_weighted_smooth_l1.defvjp(_weighted_smooth_l1_forward, _weighted_smooth_l1_backward)
+
+
+def smooth_l1_loss(ctx: LayerContext, bottoms, params):
+    """loss = Σ f(a - b) / a.num() with f the smooth L1 of :func:`_smooth_l1`, in the form each fork gives it:
+
+    - 2 bottoms (predictions, targets): as both forks.
+    - 4 bottoms (py-faster-rcnn): Σ w_out · f(w_in · (a - b)) / num with σ from smooth_l1_loss_param; the
+      gradient is the derivative, times both weights.
+    - 3 bottoms (Fast R-CNN's and SSD's layer, bbox_loss_weights): Σ f(w · (a - b)) / num with σ = 1; their
+      gradient is f'(w · (a - b)), not times w. py-faster-rcnn's layer refuses 3 bottoms and these forks have no
+      sigma, so a sigma with 3 bottoms is an error.
+
+    No gradient reaches the weights (Backward writes bottoms 0 and 1 only)."""
+    a, b, *weights = bottoms
+    shapes = [tuple(v.shape) for v in bottoms]
+    if any(len(shape) > 4 for shape in shapes):
+        raise ctx.error(f"bottoms must have at most 4 axes (Caffe's legacy num, channels, height, width), got "
+                        f"{shapes}")
+    first = legacy_4d(shapes[0])
+    for i, shape in enumerate(shapes[1:], 1):
+        if legacy_4d(shape) != first:  # LossLayer's num check, then the layer's channels, height and width
+            raise ctx.error(f"bottom {i} {shape} must have bottom 0's shape {shapes[0]} (num, channels, height, "
+                            f"width)")
+    p = fork_param(ctx.layer, "smooth_l1_loss_param")
+    weights = [lax.stop_gradient(w).reshape(a.shape) for w in weights]
+    b = b.reshape(a.shape)
+    if len(weights) == 1:
+        if p.HasField("sigma") and p.sigma != 1:
+            raise ctx.error(f"sigma {p.sigma} with 3 bottoms: the 3-bottom SmoothL1Loss (Fast R-CNN's, SSD's) has "
+                            "no sigma, and py-faster-rcnn's, which has, takes inside and outside weights (4 bottoms)")
+        errors = _weighted_smooth_l1(a, b, weights[0])
+    else:
+        sigma2 = np.float32(p.sigma) ** 2
+        inside, outside = weights or (None, None)
+        errors = _smooth_l1(a - b if inside is None else inside * (a - b), sigma2)
+        if outside is not None:
+            errors = outside * errors
+    return [jnp.sum(errors) / first[0]]
+
+
 # ---- registration -------------------------------------------------------------------------------------------------
 
 FORK_LAYERS: tuple[ForkLayer, ...] = (
@@ -670,6 +947,11 @@ FORK_LAYERS: tuple[ForkLayer, ...] = (
     ForkLayer("PriorBox", prior_box, "register_prior_box", PRIOR_BOX_PARAM.origin, PRIOR_BOX_PARAM, bottoms=(2, 2)),
     ForkLayer("DetectionOutput", detection_output, "register_detection_output", DETECTION_OUTPUT_PARAM.origin,
               DETECTION_OUTPUT_PARAM, bottoms=(3, 3), host_forward=detect),
+    ForkLayer("ROIPooling", roi_pooling, "register_roi_pooling", ROI_POOLING_PARAM.origin, ROI_POOLING_PARAM,
+              bottoms=(2, 2)),
+    ForkLayer("SmoothL1Loss", smooth_l1_loss, "register_smooth_l1_loss", SMOOTH_L1_LOSS_PARAM.origin,
+              SMOOTH_L1_LOSS_PARAM, bottoms=(2, 4), is_loss=True,
+              allow_force_backward=lambda layer_param, i: i != 1),  # LossLayer::AllowForceBackward
 )
 
 
@@ -695,7 +977,8 @@ def register(fork: ForkLayer, override: bool = False) -> None:
     if current is not None and current.forward is fork.forward:
         return
     register_layer(fork.type, fork.forward, fork.param_shapes, fork.init_params, bottoms=fork.bottoms,
-                   tops=fork.tops, host_forward=fork.host_forward, override=override)
+                   tops=fork.tops, host_forward=fork.host_forward, is_loss=fork.is_loss,
+                   allow_force_backward=fork.allow_force_backward, override=override)
 
 
 def of_type(type_name: str) -> ForkLayer | None:
@@ -729,6 +1012,14 @@ def register_prior_box(override: bool = False) -> None:
 
 def register_detection_output(override: bool = False) -> None:
     register(of_type("DetectionOutput"), override)
+
+
+def register_roi_pooling(override: bool = False) -> None:
+    register(of_type("ROIPooling"), override)
+
+
+def register_smooth_l1_loss(override: bool = False) -> None:
+    register(of_type("SmoothL1Loss"), override)
 
 
 def register_all(override: bool = False) -> None:

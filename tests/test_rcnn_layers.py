@@ -1,0 +1,279 @@
+"""The R-CNN forks' layers: ROIPooling (caffe-fast-rcnn's roi_pooling_layer.cpp) and SmoothL1Loss (py-faster-rcnn's,
+Fast R-CNN's and SSD's smooth_L1_loss_layer.cpp), against loop transcriptions of their Forward_cpu/Backward_cpu
+and against OpenCV's reading of ROIPooling; a Fast R-CNN test net fed its ROIs as fast-rcnn's test.py does."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import caffejax
+from caffejax.errors import CaffejaxError, ShapeError
+from caffejax.lower import forks
+from conftest import input_layer
+
+FLT_MAX = np.finfo(np.float32).max
+
+
+def _c_round(v: np.float32) -> int:
+    """C's round(): halves away from zero."""
+    v = float(v)
+    return int(math.copysign(math.floor(abs(v) + 0.5), v)) if abs(v) % 1 != 0.5 else int(v + math.copysign(0.5, v))
+
+
+def _roi_pooling_loops(x: np.ndarray, rois: np.ndarray, pooled_h: int, pooled_w: int, scale: float):
+    """ROIPoolingLayer::Forward_cpu, loop for loop in float32: the top and the argmax (-1: none)."""
+    n, channels, height, width = x.shape
+    rois = rois.reshape(-1, 5).astype(np.float32)
+    top = np.full((len(rois), channels, pooled_h, pooled_w), -FLT_MAX, np.float32)
+    argmax = np.full(top.shape, -1, np.int64)
+    for r, roi in enumerate(rois):
+        image = int(roi[0])
+        start_w, start_h, end_w, end_h = (_c_round(roi[i] * np.float32(scale)) for i in (1, 2, 3, 4))
+        bin_h = np.float32(max(end_h - start_h + 1, 1)) / np.float32(pooled_h)
+        bin_w = np.float32(max(end_w - start_w + 1, 1)) / np.float32(pooled_w)
+        for c in range(channels):
+            for ph in range(pooled_h):
+                for pw in range(pooled_w):
+                    hstart = min(max(int(np.floor(np.float32(ph) * bin_h)) + start_h, 0), height)
+                    hend = min(max(int(np.ceil(np.float32(ph + 1) * bin_h)) + start_h, 0), height)
+                    wstart = min(max(int(np.floor(np.float32(pw) * bin_w)) + start_w, 0), width)
+                    wend = min(max(int(np.ceil(np.float32(pw + 1) * bin_w)) + start_w, 0), width)
+                    if hend <= hstart or wend <= wstart:
+                        top[r, c, ph, pw] = 0
+                    for h in range(hstart, hend):
+                        for w in range(wstart, wend):
+                            if x[image, c, h, w] > top[r, c, ph, pw]:
+                                top[r, c, ph, pw] = x[image, c, h, w]
+                                argmax[r, c, ph, pw] = h * width + w
+    return top, argmax
+
+
+def _roi_pooling_backward_loops(shape, rois: np.ndarray, argmax: np.ndarray, dtop: np.ndarray) -> np.ndarray:
+    """Backward_cpu: each top diff added at its argmax (summed in float64 here)."""
+    dx = np.zeros(shape, np.float64)
+    width = shape[3]
+    for r, roi in enumerate(rois.reshape(-1, 5)):
+        for (c, ph, pw), at in np.ndenumerate(argmax[r]):
+            if at >= 0:
+                dx[int(roi[0]), c, at // width, at % width] += dtop[r, c, ph, pw]
+    return dx
+
+
+def _random_rois(rng, count: int, images: int, size: float) -> np.ndarray:
+    corner = rng.uniform(-0.2 * size, size, (count, 2))
+    rois = np.column_stack([rng.integers(0, images, count), corner, corner + rng.uniform(-2, size, (count, 2))])
+    rois[::4, 1:] = np.round(rois[::4, 1:] * 2) / 2  # halves, where C's round and NumPy's differ
+    return rois.astype(np.float32)
+
+
+def _roi_net(images: int, channels: int, height: int, width: int, rois: int, param: str) -> str:
+    return (input_layer(images, channels, height, width, name="data") + input_layer(rois, 5, name="rois")
+            + 'layer { name: "roi" type: "ROIPooling" bottom: "data" bottom: "rois" top: "pool" '
+              f'roi_pooling_param {{ {param} }} }}\n')
+
+
+def test_roi_pooling_gives_caffes_loops_forward_and_backward():
+    """Random maps (integers: ties; NaN and -inf, which Caffe's strict > never takes), ROIs inside, across and
+    outside the map, inverted and tiny (forced to 1 x 1), halves (C's round), bins empty after clipping (0)."""
+    rng = np.random.default_rng(0)
+
+    @functools.partial(jax.jit, static_argnums=(2, 3))
+    def forward_backward(x, rois, pooled, scale, dtop):
+        top, pull = jax.vjp(lambda v: forks._roi_pool(v, rois, pooled, scale), x)
+        return top, pull(dtop)[0]
+
+    for case in range(16):
+        shape = (2, 3, 13, 19) if case % 2 else (2, 2, 19, 7)  # two shapes, few compiles
+        x = (rng.integers(-3, 4, shape) if case % 4 < 2 else rng.standard_normal(shape)).astype(np.float32)
+        if case % 3 == 0:
+            x[:, 0, 0, 0], x[:, -1, -1, -1] = np.nan, -np.inf
+        scale = float(np.float32([1, 0.5, 1 / 16, 0.3][case % 4]))
+        pooled = [(7, 7), (3, 2), (1, 1), (2, 5)][case // 4]
+        rois = _random_rois(rng, 12, 2, max(shape[2:]) / scale)
+        want, argmax = _roi_pooling_loops(x, rois, *pooled, scale)
+        dtop = rng.standard_normal(want.shape).astype(np.float32)
+        top, dx = forward_backward(x, rois, pooled, scale, dtop)
+        np.testing.assert_array_equal(np.asarray(top), want, err_msg=f"case {case}")
+        np.testing.assert_allclose(np.asarray(dx), _roi_pooling_backward_loops(x.shape, rois, argmax, dtop),
+                                   rtol=1e-5, atol=1e-5, err_msg=f"case {case}")
+
+
+def test_roi_pooling_bin_edges_use_exact_division():
+    """A 14-row ROI in 6 bins: 14 / 6 is 2.3333333 in float32 and bin 2 ends at ceil(3 x 2.3333333) = 7. XLA turns
+    a division by a broadcast into a multiply by the reciprocal, 2.3333335, whose bin ends at 8."""
+    x = np.arange(2 * 1 * 20 * 3, dtype=np.float32).reshape(2, 1, 20, 3)
+    rois = np.float32([[0, 0, 0, 0, 13], [1, 0, 0, 0, 13]])  # two ROIs: a vector division
+    want, _ = _roi_pooling_loops(x, rois, 6, 1, 1.0)
+    got = jax.jit(lambda v, r: forks._roi_pool(v, r, (6, 1), 1.0))(x, rois)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert want[0, 0, 2, 0] == x[0, 0, 6, 0]  # rows 2..6 of bin 2: its maximum is row 6, not row 7
+
+
+def test_roi_pooling_matches_opencv(isolated_registry, tmp_path):
+    cv2 = pytest.importorskip("cv2")
+    forks.register_roi_pooling()
+    rng = np.random.default_rng(1)
+    for case, (param, scale) in enumerate([("pooled_h: 7 pooled_w: 7 spatial_scale: 0.0625", 1 / 16),
+                                           ("pooled_h: 3 pooled_w: 2 spatial_scale: 0.5", 0.5),
+                                           ("pooled_h: 6 pooled_w: 6", 1.0), ("pooled_h: 2 pooled_w: 5 "
+                                                                             "spatial_scale: 0.3", 0.3)]):
+        text = _roi_net(2, 5, 19, 23, 40, param)
+        path = tmp_path / f"roi{case}.prototxt"
+        path.write_text(text)
+        x = rng.standard_normal((2, 5, 19, 23)).astype(np.float32)
+        x = np.maximum(x, 0) if case % 2 else x  # ReLU's zeros: ties
+        rois = _random_rois(rng, 40, 2, 23 / scale)
+        got = caffejax.Net(text, caffejax.TEST).forward(data=x, rois=rois)["pool"]
+        reference = cv2.dnn.readNetFromCaffe(str(path))
+        reference.setInput(x, "data")
+        reference.setInput(rois, "rois")
+        np.testing.assert_array_equal(got, reference.forward("roi"), err_msg=param)
+
+
+FAST_RCNN_TEST = """name: "FastRCNN-small"
+input: "data"
+input_shape { dim: 1 dim: 3 dim: 32 dim: 32 }
+input: "rois"
+input_shape {
+  dim: 1 # to be changed on-the-fly to num ROIs
+  dim: 5 # [batch ind, x1, y1, x2, y2] zero-based indexing
+}
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+  convolution_param { num_output: 8 kernel_size: 3 stride: 2 pad: 1 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "roi_pool5" type: "ROIPooling" bottom: "conv1" bottom: "rois" top: "pool5"
+  roi_pooling_param { pooled_w: 3 pooled_h: 3 spatial_scale: 0.5 } }
+layer { name: "fc6" type: "InnerProduct" bottom: "pool5" top: "fc6"
+  inner_product_param { num_output: 16 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "relu6" type: "ReLU" bottom: "fc6" top: "fc6" }
+layer { name: "cls_score" type: "InnerProduct" bottom: "fc6" top: "cls_score"
+  inner_product_param { num_output: 4 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "bbox_pred" type: "InnerProduct" bottom: "fc6" top: "bbox_pred"
+  inner_product_param { num_output: 16 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "cls_prob" type: "Softmax" bottom: "cls_score" top: "cls_prob" }
+"""
+
+
+def test_fast_rcnn_test_net_takes_a_new_number_of_rois_each_image(isolated_registry):
+    """fast-rcnn's test.py: reshape data and rois to the image's blobs, then forward(data=..., rois=...); each
+    ROI's scores are those of a net given that ROI alone, and compile_inference gives the same."""
+    forks.register_roi_pooling()
+    net = caffejax.Net(FAST_RCNN_TEST, caffejax.TEST)
+    rng = np.random.default_rng(2)
+    per_roi = None
+    for count in (5, 3):
+        image = rng.standard_normal((1, 3, 32, 32)).astype(np.float32)
+        rois = _random_rois(rng, count, 1, 32)
+        net.blobs["data"].reshape(*image.shape)
+        net.blobs["rois"].reshape(*rois.shape)
+        out = net.forward(data=image, rois=rois)
+        assert out["cls_prob"].shape == (count, 4) and net.blobs["bbox_pred"].data.shape == (count, 16)
+        scores = out["cls_prob"].copy()
+        infer = caffejax.compile_inference(net)
+        np.testing.assert_allclose(np.asarray(infer({"data": image, "rois": rois})["cls_prob"]), scores, rtol=1e-5, atol=1e-6)
+        net.blobs["rois"].reshape(1, 5)
+        per_roi = [net.forward(data=image, rois=rois[i:i + 1])["cls_prob"][0].copy() for i in range(count)]
+        np.testing.assert_allclose(scores, per_roi, rtol=1e-5, atol=1e-6)
+
+
+def test_roi_pooling_in_a_trained_net_sends_no_gradient_to_the_rois(isolated_registry):
+    """force_backward reaches the ROIs (ROIPooling allows it), but Backward writes only the map's diff; the map's
+    diff is the loops' routing of the top diff."""
+    forks.register_roi_pooling()
+    text = ("force_backward: true\n" + _roi_net(1, 2, 9, 11, 4, "pooled_h: 2 pooled_w: 3 spatial_scale: 0.5"))
+    net = caffejax.Net(text, caffejax.TRAIN)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((1, 2, 9, 11)).astype(np.float32)
+    rois = _random_rois(rng, 4, 1, 22)
+    net.forward(data=x, rois=rois)
+    dtop = rng.standard_normal((4, 2, 2, 3)).astype(np.float32)
+    net.blobs["pool"].diff[...] = dtop
+    net.backward()
+    _, argmax = _roi_pooling_loops(x, rois, 2, 3, 0.5)
+    np.testing.assert_allclose(net.blobs["data"].diff, _roi_pooling_backward_loops(x.shape, rois, argmax, dtop),
+                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(net.blobs["rois"].diff, 0)
+
+
+def test_roi_pooling_errors_name_the_layer(isolated_registry):
+    forks.register_roi_pooling()
+    with pytest.raises(ShapeError, match=r"roi.*pooled_h and pooled_w must be > 0"):
+        caffejax.Net(_roi_net(1, 2, 8, 8, 3, "pooled_w: 2"), caffejax.TEST)
+    with pytest.raises(ShapeError, match=r"roi.*C x H x W must be 5.*\(3, 4\)"):
+        caffejax.Net(input_layer(1, 2, 8, 8, name="data") + input_layer(3, 4, name="rois")
+                     + 'layer { name: "roi" type: "ROIPooling" bottom: "data" bottom: "rois" top: "pool" '
+                       'roi_pooling_param { pooled_h: 2 pooled_w: 2 } }\n', caffejax.TEST)
+    with pytest.raises(CaffejaxError, match=r"roi.*ROIPooling.*bottom"):
+        caffejax.Net(input_layer(1, 2, 8, 8, name="data")
+                     + 'layer { name: "roi" type: "ROIPooling" bottom: "data" top: "pool" '
+                       'roi_pooling_param { pooled_h: 2 pooled_w: 2 } }\n', caffejax.TEST)
+
+
+def test_roi_of_an_image_outside_the_batch_gives_nan_rows(isolated_registry):
+    """Caffe stops at CHECK_LT(roi_batch_ind, batch_size); a compiled program cannot, so that ROI's rows are NaN
+    (as an out-of-range Embed index is) and the others are unaffected."""
+    forks.register_roi_pooling()
+    net = caffejax.Net(_roi_net(2, 1, 6, 6, 3, "pooled_h: 2 pooled_w: 2"), caffejax.TEST)
+    x = np.arange(72, dtype=np.float32).reshape(2, 1, 6, 6)
+    top = net.forward(data=x, rois=np.float32([[0, 0, 0, 5, 5], [2, 0, 0, 5, 5], [-1, 0, 0, 5, 5]]))["pool"]
+    np.testing.assert_array_equal(top[0, 0], [[14, 17], [32, 35]])
+    assert np.isnan(top[1:]).all()
+
+
+# ---- SmoothL1Loss ------------------------------------------------------------------------------------------------
+
+def _smooth_l1_loops(diff: np.ndarray, sigma2: float) -> np.ndarray:
+    size = np.abs(diff.astype(np.float64))
+    return np.where(size < 1.0 / sigma2, 0.5 * diff * diff * sigma2, size - 0.5 / sigma2)
+
+
+def _smooth_l1_slope(diff: np.ndarray, sigma2: float) -> np.ndarray:
+    return np.where(np.abs(diff) < 1.0 / sigma2, sigma2 * diff, np.sign(diff))
+
+
+def _loss_net(bottoms: int, param: str = "", extra: str = "") -> str:
+    names = ["pred", "target", "w_in", "w_out"][:bottoms]
+    return (extra + "".join(input_layer(3, 8, name=name) for name in names)
+            + 'layer { name: "loss" type: "SmoothL1Loss" ' + " ".join(f'bottom: "{n}"' for n in names)
+            + f' top: "loss" {param} }}\n')
+
+
+@pytest.mark.parametrize("bottoms,sigma", [(2, 1.0), (2, 3.0), (4, 3.0), (4, 1.0), (3, 1.0)])
+def test_smooth_l1_loss_matches_each_forks_loops(isolated_registry, bottoms, sigma):
+    """2 bottoms: Σ f(a - b) / num; py-faster-rcnn's 4: Σ w_out f(w_in (a - b)) / num, its gradient times both
+    weights; Fast R-CNN's and SSD's 3: Σ f(w (a - b)) / num, its gradient f'(w (a - b)) without the w. No diff
+    reaches the weights; the loss's weight is 1 unless given (a LossLayer)."""
+    forks.register_smooth_l1_loss()
+    param = f"smooth_l1_loss_param {{ sigma: {sigma} }}" if sigma != 1 else ""
+    net = caffejax.Net("force_backward: true\n" + _loss_net(bottoms, param), caffejax.TRAIN)
+    rng = np.random.default_rng(4)
+    a, b = (rng.standard_normal((3, 8)).astype(np.float32) * 2 for _ in range(2))
+    w_in, w_out = rng.uniform(0, 2, (2, 3, 8)).astype(np.float32)
+    feed = dict(zip(["pred", "target", "w_in", "w_out"], [a, b, w_in, w_out][:bottoms]))
+    loss = net.forward(**feed)["loss"]
+    sigma2 = float(np.float32(sigma) ** 2)
+    diff = (a - b) * (w_in if bottoms > 2 else 1)
+    errors = _smooth_l1_loops(diff, sigma2) * (w_out if bottoms == 4 else 1)
+    np.testing.assert_allclose(loss, errors.sum() / 3, rtol=1e-5)
+    net.backward()
+    slope = _smooth_l1_slope(diff, sigma2) / 3 * (w_in * w_out if bottoms == 4 else 1)
+    np.testing.assert_allclose(net.blobs["pred"].diff, slope, rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(net.blobs["target"].diff, 0)  # a label: force_backward does not reach it
+    for name in ("w_in", "w_out")[:bottoms - 2]:
+        np.testing.assert_array_equal(net.blobs[name].diff, 0)
+
+
+def test_smooth_l1_loss_errors_name_the_layer(isolated_registry):
+    forks.register_smooth_l1_loss()
+    with pytest.raises(ShapeError, match=r"loss.*sigma 3.*3 bottoms"):
+        caffejax.Net(_loss_net(3, "smooth_l1_loss_param { sigma: 3 }"), caffejax.TRAIN)
+    mismatched = (input_layer(3, 8, name="pred") + input_layer(3, 4, name="target")
+                  + 'layer { name: "loss" type: "SmoothL1Loss" bottom: "pred" bottom: "target" top: "loss" }\n')
+    with pytest.raises(ShapeError, match=r"loss.*bottom 1 \(3, 4\) must have bottom 0's shape \(3, 8\)"):
+        caffejax.Net(mismatched, caffejax.TRAIN)
