@@ -277,3 +277,159 @@ def test_smooth_l1_loss_errors_name_the_layer(isolated_registry):
                   + 'layer { name: "loss" type: "SmoothL1Loss" bottom: "pred" bottom: "target" top: "loss" }\n')
     with pytest.raises(ShapeError, match=r"loss.*bottom 1 \(3, 4\) must have bottom 0's shape \(3, 8\)"):
         caffejax.Net(mismatched, caffejax.TRAIN)
+
+
+# ---- Proposal, and a net run in stages around it ------------------------------------------------------------------
+
+FASTER_RCNN_TEST = """name: "FasterRCNN-small"
+input: "data"
+input_shape { dim: 1 dim: 3 dim: 64 dim: 80 }
+input: "im_info"
+input_shape { dim: 1 dim: 3 }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+  convolution_param { num_output: 8 kernel_size: 3 stride: 4 pad: 1 weight_filler { type: "gaussian" std: 0.3 }
+                      bias_filler { type: "constant" value: 0.1 } } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "rpn_cls_score" type: "Convolution" bottom: "conv1" top: "rpn_cls_score"
+  convolution_param { num_output: 18 kernel_size: 1 weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "rpn_bbox_pred" type: "Convolution" bottom: "conv1" top: "rpn_bbox_pred"
+  convolution_param { num_output: 36 kernel_size: 1 weight_filler { type: "gaussian" std: 0.05 } } }
+layer { bottom: "rpn_cls_score" top: "rpn_cls_score_reshape" name: "rpn_cls_score_reshape" type: "Reshape"
+  reshape_param { shape { dim: 0 dim: 2 dim: -1 dim: 0 } } }
+layer { name: "rpn_cls_prob" type: "Softmax" bottom: "rpn_cls_score_reshape" top: "rpn_cls_prob" }
+layer { name: "rpn_cls_prob_reshape" type: "Reshape" bottom: "rpn_cls_prob" top: "rpn_cls_prob_reshape"
+  reshape_param { shape { dim: 0 dim: 18 dim: -1 dim: 0 } } }
+layer { name: "proposal" type: "Proposal" bottom: "rpn_cls_prob_reshape" bottom: "rpn_bbox_pred" bottom: "im_info"
+  top: "rois" proposal_param { PROPOSAL } }
+layer { name: "roi_pool" type: "ROIPooling" bottom: "conv1" bottom: "rois" top: "pool"
+  roi_pooling_param { pooled_w: 3 pooled_h: 3 spatial_scale: 0.25 } }
+layer { name: "fc" type: "InnerProduct" bottom: "pool" top: "fc"
+  inner_product_param { num_output: 16 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "cls_score" type: "InnerProduct" bottom: "fc" top: "cls_score"
+  inner_product_param { num_output: 4 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "cls_prob" type: "Softmax" bottom: "cls_score" top: "cls_prob" }
+"""
+SMALL_ANCHORS = ("ratio: 0.5 ratio: 1 ratio: 2 scale: 2 scale: 4 scale: 8 base_size: 4 feat_stride: 4 min_size: 4 "
+                 "pre_nms_topn: 200 post_nms_topn: 30")
+
+
+def _faster_rcnn(proposal: str = SMALL_ANCHORS) -> str:
+    forks.register_all()
+    return FASTER_RCNN_TEST.replace("PROPOSAL", proposal)
+
+
+def _image(rng, height: int, width: int) -> dict[str, np.ndarray]:
+    return {"data": rng.standard_normal((1, 3, height, width)).astype(np.float32),
+            "im_info": np.float32([[height, width, 1.0]])}
+
+
+def test_faster_rcnn_test_net_matches_opencv(isolated_registry, tmp_path):
+    """OpenCV 4.14 runs py-faster-rcnn's nets with the Python ProposalLayer written as its Proposal layer: the
+    same ROIs in the same order, and the same class scores, at each image size, for several settings. OpenCV
+    drops no small boxes (it ignores min_size), so min_size is 0 here (test_proposals_by_hand covers it), and
+    pads the ROIs to post_nms_topn rows of zeros."""
+    cv2 = pytest.importorskip("cv2")
+    rng = np.random.default_rng(5)
+    for proposal in (SMALL_ANCHORS, SMALL_ANCHORS.replace("post_nms_topn: 30", "post_nms_topn: 500 nms_thresh: 0.5"),
+                     "ratio: 1 ratio: 2 ratio: 3 scale: 1 scale: 3 scale: 5 base_size: 8 feat_stride: 4 "
+                     "pre_nms_topn: 40 post_nms_topn: 25"):
+        text = _faster_rcnn(proposal.replace("min_size: 4", "") + " min_size: 0")  # OpenCV has no min_size
+        net = caffejax.Net(text, caffejax.TEST)
+        (tmp_path / "net.prototxt").write_text(text)
+        net.save(str(tmp_path / "net.caffemodel"))
+        reference = cv2.dnn.readNetFromCaffe(str(tmp_path / "net.prototxt"), str(tmp_path / "net.caffemodel"))
+        for height, width in ((64, 80), (48, 64)):
+            feed = _image(rng, height, width)
+            net.blobs["data"].reshape(1, 3, height, width)
+            scores = net.forward(**feed)["cls_prob"]
+            for name, array in feed.items():
+                reference.setInput(array, name)
+            rois, want = reference.forward(["proposal", "cls_prob"])
+            found = len(scores)  # OpenCV pads its rois with zero rows to post_nms_topn; the Python layer does not
+            np.testing.assert_array_equal(rois.reshape(-1, 5)[found:], 0)
+            np.testing.assert_allclose(net.blobs["rois"].data, rois.reshape(-1, 5)[:found], rtol=1e-5, atol=1e-4,
+                                       err_msg=proposal)
+            np.testing.assert_allclose(scores, want.reshape(-1, 4)[:found], rtol=1e-4, atol=1e-6, err_msg=proposal)
+
+
+def test_faster_rcnn_test_net_runs_in_stages(isolated_registry):
+    """The layers before the proposals are one program, the proposals run on the host, the layers after them
+    another program shaped by the ROIs found: a new count or image size compiles once, a repeat none; a forward
+    split at the proposals gives the whole forward's scores; im_detect's blobs read as py-faster-rcnn reads them."""
+    net = caffejax.Net(_faster_rcnn(SMALL_ANCHORS.replace("post_nms_topn: 30", "post_nms_topn: 0")), caffejax.TEST)
+    assert net.graph.staging_layers == [list(net._layer_names).index("proposal")]
+    rng = np.random.default_rng(6)
+    feed = _image(rng, 64, 80)
+    scores = net.forward(**feed)["cls_prob"].copy()
+    count = net.blobs["rois"].data.shape[0]
+    assert scores.shape == (count, 4) and net.blobs["pool"].data.shape == (count, 8, 3, 3) and count > 30
+    compiled = net.compile_count
+    np.testing.assert_array_equal(net.forward(**feed)["cls_prob"], scores)
+    assert net.compile_count == compiled
+    net.forward(end="proposal", **feed)
+    np.testing.assert_array_equal(net.forward(start="roi_pool")["cls_prob"], scores)
+    # Scores of each ROI alone: the ROIs after the proposals are the rows of one batch.
+    rois = net.blobs["rois"].data.copy()
+    fed_rois = caffejax.Net(FAST_RCNN_ROIS.replace("NUM", "1"), caffejax.TEST)
+    fed_rois.share_with(net)
+    for i in (0, count - 1):
+        got = fed_rois.forward(data=feed["data"], rois=rois[i:i + 1])["cls_prob"][0]
+        np.testing.assert_allclose(got, scores[i], rtol=1e-5, atol=1e-6)
+
+
+FAST_RCNN_ROIS = """name: "same-head-fed-rois"
+input: "data"
+input_shape { dim: 1 dim: 3 dim: 64 dim: 80 }
+input: "rois"
+input_shape { dim: NUM dim: 5 }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+  convolution_param { num_output: 8 kernel_size: 3 stride: 4 pad: 1 } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "roi_pool" type: "ROIPooling" bottom: "conv1" bottom: "rois" top: "pool"
+  roi_pooling_param { pooled_w: 3 pooled_h: 3 spatial_scale: 0.25 } }
+layer { name: "fc" type: "InnerProduct" bottom: "pool" top: "fc" inner_product_param { num_output: 16 } }
+layer { name: "cls_score" type: "InnerProduct" bottom: "fc" top: "cls_score" inner_product_param { num_output: 4 } }
+layer { name: "cls_prob" type: "Softmax" bottom: "cls_score" top: "cls_prob" }
+"""
+
+
+def test_proposals_by_hand(isolated_registry):
+    """One 16 x 16 anchor per position of a 2 x 2 map (stride 16) on a 32 x 30 image: zero deltas keep the
+    anchors (a pixel larger), clipped to the image; those 8 pixels high after clipping are under min_size; the
+    rest by score, a box overlapping a kept one by more than nms_thresh dropped."""
+    forks.register_proposal()
+    net = caffejax.Net(input_layer(1, 2, 2, 2, name="scores") + input_layer(1, 4, 2, 2, name="deltas")
+                       + input_layer(1, 3, name="info")
+                       + 'layer { name: "p" type: "Proposal" bottom: "scores" bottom: "deltas" bottom: "info" '
+                         'top: "rois" top: "roi_scores" proposal_param { ratio: 1 scale: 1 min_size: 10 '
+                         'nms_thresh: 0.7 } }\n', caffejax.TEST)
+    foreground = np.float32([[0.2, 0.9], [0.5, 0.7]])  # positions (y, x)
+    scores = np.stack([1 - foreground, foreground])[None]
+    out = net.forward(scores=scores, deltas=np.zeros((1, 4, 2, 2), np.float32), info=np.float32([[24, 30, 1]]))
+    # Anchors [0, 0, 15, 15] + 16 (x, y), each a pixel wider and higher (bbox_transform_inv's x2 = center + w / 2
+    # with w = 16, not 15), clipped to [0, 29] x [0, 23]: (0,1) -> [16, 0, 29, 16], (1,1) -> [16, 16, 29, 23] and
+    # (1,0) -> [0, 16, 16, 23] are 8 high (dropped), (0,0) -> [0, 0, 16, 16].
+    np.testing.assert_array_equal(out["rois"], [[0, 16, 0, 29, 16], [0, 0, 0, 16, 16]])
+    np.testing.assert_array_equal(out["roi_scores"], np.float32([[0.9], [0.2]]))
+    info = np.float32([[40, 40, 1]])  # nothing clipped: all four, and none overlaps another
+    out = net.forward(scores=scores, deltas=np.zeros((1, 4, 2, 2), np.float32), info=info)
+    np.testing.assert_array_equal(out["roi_scores"].ravel(), np.float32([0.9, 0.7, 0.5, 0.2]))
+    deltas = np.zeros((1, 4, 2, 2), np.float32)
+    deltas[0, 0, 0, 0] = 16 / 16  # (0,0) moved one anchor width right: onto (0,1), which scores more
+    out = net.forward(scores=scores, deltas=deltas, info=info)
+    np.testing.assert_array_equal(out["roi_scores"].ravel(), np.float32([0.9, 0.7, 0.5]))
+
+
+def test_a_net_run_in_stages_refuses_one_program(isolated_registry, tmp_path):
+    """compile_inference, a backward through the host layer and a solver's step name the layers; a Proposal
+    that does not see one image a batch is refused as py-faster-rcnn's layer refuses it."""
+    text = _faster_rcnn()
+    net = caffejax.Net(text, caffejax.TEST)
+    with pytest.raises(caffejax.UnsupportedError, match=r"layer 'roi_pool' \(type ROIPooling\): reads the top of "
+                                                        r"layer 'proposal' \(type Proposal\).*in stages"):
+        caffejax.compile_inference(net)
+    net.forward(**_image(np.random.default_rng(7), 64, 80))
+    with pytest.raises(caffejax.UnsupportedError, match="reads the top of layer 'proposal'"):
+        net.backward()
+    with pytest.raises(ShapeError, match=r"proposal.*one image a batch"):
+        caffejax.Net(text.replace("dim: 1 dim: 3 dim: 64", "dim: 2 dim: 3 dim: 64"), caffejax.TEST)

@@ -282,15 +282,21 @@ def test_detection_output_nms_without_the_overlap_matrix_keeps_the_same_boxes(is
 
 
 def test_detection_output_has_no_gradient_nor_traced_form(isolated_registry, tmp_path):
-    """No compiled layer may read its top, it takes no loss_weight, its backward is Caffe's NOT_IMPLEMENTED (a
+    """A compiled layer reading its top runs in a later program, it takes no loss_weight, its backward is Caffe's NOT_IMPLEMENTED (a
     force_backward reaching it is an error; without one the backward runs), export and batched calls refuse it
     by name."""
     forks.register_all()
     text = _ssd_text(SSD_PARAM, True)
     images = np.random.default_rng(0).standard_normal((2, 3, 32, 32)).astype(np.float32)
-    with pytest.raises(caffejax.GraphError, match="reads blob 'detection_out', the top of layer 'detection_out' "
-                                                  r"\(type DetectionOutput\), whose shape depends on the data"):
-        caffejax.Net(text + 'layer { name: "relu" type: "ReLU" bottom: "detection_out" top: "r" }', caffejax.TEST)
+    # A compiled layer reading its top runs after it, in its own program (Net.forward's stages); one program
+    # over both is refused by name.
+    staged = caffejax.Net(text + 'layer { name: "relu" type: "ReLU" bottom: "detection_out" top: "r" }',
+                          caffejax.TEST)
+    out = staged.forward(data=images)
+    np.testing.assert_array_equal(out["r"], np.maximum(staged.blobs["detection_out"].data, 0))
+    with pytest.raises(caffejax.UnsupportedError, match=r"layer 'relu' \(type ReLU\): reads the top of layer "
+                                                        r"'detection_out' \(type DetectionOutput\)"):
+        caffejax.compile_inference(staged)
     with pytest.raises(caffejax.SchemaError, match="cannot carry a loss_weight"):
         caffejax.Net(text.replace('top: "detection_out"', 'top: "detection_out" loss_weight: 1'), caffejax.TEST)
     with pytest.raises(caffejax.GraphError, match="cannot run in place"):

@@ -45,7 +45,8 @@ def build_graph(net: caffe_pb2.NetParameter, phase: int, level: int = 0, stages:
                 python_layers: Any = None) -> Graph:
     """Filter, split, wire and shape-infer an (already upgraded) NetParameter.
 
-    ``input_shapes`` overrides the shapes of Input tops (``net.reshape`` after a user resized an input).
+    ``input_shapes`` overrides the shapes of Input tops (``net.reshape`` after a user resized an input), and of
+    the tops of layers run on the host (what their last forward made).
     ``base_dir`` resolves relative data-source paths. ``concrete_inputs`` (fed blob name -> data) gives the
     values of blobs whose data decide shapes (Filter's selector); absent ones count as zeros, the data a
     fresh Caffe blob holds. ``python_layers``: the net's pycaffe layer objects (PythonLayers), which
@@ -110,7 +111,6 @@ class _Builder:
         self.loss_weights: dict[str, float] = {}
         self.top_shapes_by_config: dict[tuple, list[Shape]] = {}
         self.rules: list[LayerRule] = []  # one per layer, in order (layer names need not be unique)
-        self.host_tops: dict[str, Any] = {}  # blob -> the host layer (LayerRule.host_forward) that made it
 
     # -- one layer ------------------------------------------------------------------------------------------
     def add_layer(self, index: int, lp) -> None:
@@ -130,12 +130,6 @@ class _Builder:
                 raise layer_error(GraphError, lp.name, lp.type,
                                   f"unknown bottom blob '{blob}' (bottom index {j}): no earlier layer produces "
                                   "it, or it was already consumed")
-            maker = self.host_tops.get(blob)
-            if maker is not None and rule.host_forward is None:
-                raise layer_error(GraphError, lp.name, lp.type,
-                                  f"reads blob '{blob}', the top of layer '{maker.name}' (type {maker.type}), "
-                                  "whose shape depends on the data: that layer runs on the host after the "
-                                  "compiled program, and no compiled layer may read what it makes")
             self.available.discard(blob)
             bottom_values.append(self.blob_value[blob])
             need = self.blob_need_backward[blob]
@@ -215,8 +209,6 @@ class _Builder:
                       loss_weights=loss_weights, need_backward=need_backward,
                       bottom_need_backward=bottom_need, param_need_backward=param_need, is_input=is_input,
                       state_in=state_in, state_out=state_out, runs_on_host=rule.host_forward is not None)
-        if layer.runs_on_host:
-            self.host_tops.update((blob, lp) for blob in tops)
         if need_backward:
             for blob in tops:
                 self.blob_need_backward[blob] = True
@@ -308,7 +300,11 @@ class _Builder:
                 raise layer_error(ShapeError, lp.name, lp.type,
                                   f"learnable blob {i} would have shape {tuple(s)}, with no elements (bottom "
                                   f"shapes {[tuple(b) for b in bottom_shapes]}); is num_output or a dim 0?")
-        top_shapes = self._infer_top_shapes(lp, rule, bottom_shapes, param_shapes, len(tops), concrete)
+        if rule.host_forward is not None and tops and all(t in self.input_shapes for t in tops):
+            # What its last forward on the host made (Net keeps them: layers after it are shaped by the data)
+            top_shapes = [tuple(self.input_shapes[t]) for t in tops]
+        else:
+            top_shapes = self._infer_top_shapes(lp, rule, bottom_shapes, param_shapes, len(tops), concrete)
         for s in top_shapes:
             _check_shape(lp, s)
         return param_shapes, top_shapes, False

@@ -133,6 +133,15 @@ class Graph:
                                   if blob not in made))
 
     @property
+    def staging_layers(self) -> list[int]:
+        """The layers run on the host whose tops compiled layers read (py-faster-rcnn's proposals feeding
+        ROIPooling), by index: Net.forward runs the layers before each as one program, the layer on the host,
+        then the layers after it, shaped by what it made."""
+        made = {v: i for i, layer in enumerate(self.layers) if layer.runs_on_host for v in layer.top_values}
+        read = {made[v] for layer in self.layers if not layer.runs_on_host for v in layer.bottom_values if v in made}
+        return sorted(read)
+
+    @property
     def program_outputs(self) -> list[str]:
         """The blobs a program over the whole net hands back: the net's outputs but those made on the host, and
         the blobs read on the host."""

@@ -3,8 +3,8 @@
 BVLC Caffe does not have these layers; models converted from YOLO, SSD, Fast/Faster R-CNN, DeepLab/PSPNet or
 MobileNet ports use them. ``register_all()`` makes all of them available, or one at a time: ``register_upsample()``,
 ``register_interp()``, ``register_relu6()``, ``register_permute()``, ``register_normalize()``,
-``register_prior_box()``, ``register_detection_output()``, ``register_roi_pooling()``,
-``register_smooth_l1_loss()``. Registering declares the fork's LayerParameter field (``upsample_param``,
+``register_prior_box()``, ``register_detection_output()``, ``register_proposal()``,
+``register_roi_pooling()``, ``register_smooth_l1_loss()``. Registering declares the fork's LayerParameter field (``upsample_param``,
 ``interp_param``, ...) to the prototxt parser (caffejax.frontend.prototxt.register_fork_param), so prototxts using it
 parse, and adds the layer's rule.
 Each rule follows the fork's C++ layer, named in its docstring.
@@ -861,6 +861,115 @@ def roi_pooling(ctx: LayerContext, bottoms, params):
     return [top]
 
 
+# ---- Proposal: Faster R-CNN's region proposals (py-faster-rcnn's rpn/proposal_layer.py, as OpenCV's layer) -------
+
+PROPOSAL_PARAM = ForkParam("proposal_param", "ProposalParameter", 201,
+                           (ForkParamField("feat_stride", "uint32", 1, default=16),
+                            ForkParamField("base_size", "uint32", 2, default=16),
+                            ForkParamField("min_size", "uint32", 3, default=16),
+                            ForkParamField("ratio", "float", 4, repeated=True),
+                            ForkParamField("scale", "float", 5, repeated=True),
+                            ForkParamField("pre_nms_topn", "uint32", 6, default=6000),
+                            ForkParamField("post_nms_topn", "uint32", 7, default=300),
+                            ForkParamField("nms_thresh", "float", 8, default=0.7)),
+                           origin="Faster R-CNN's Python ProposalLayer as OpenCV's caffe.proto declares it")
+
+
+def _anchors(base_size: int, ratios: Sequence[float], scales: Sequence[float]) -> np.ndarray:
+    """py-faster-rcnn's generate_anchors: the base_size square at the origin, reshaped to each aspect ratio (its
+    width and height rounded as NumPy rounds, halves to even) and then scaled; (ratios x scales, 4) corners."""
+    def corners(w, h, x, y):
+        return np.column_stack([x - 0.5 * (w - 1), y - 0.5 * (h - 1), x + 0.5 * (w - 1), y + 0.5 * (h - 1)])
+
+    size = float(base_size)
+    center = 0.5 * (size - 1)
+    widths = np.round(np.sqrt(size * size / np.asarray(ratios, np.float64)))
+    heights = np.round(widths * np.asarray(ratios, np.float64))
+    scales = np.asarray(scales, np.float64)
+    return np.vstack([corners(w * scales, h * scales, center, center) for w, h in zip(widths, heights)])
+
+
+def _proposal_settings(layer_param):
+    p = fork_param(layer_param, "proposal_param")
+    ratios = tuple(p.ratio) or (0.5, 1.0, 2.0)  # py-faster-rcnn's generate_anchors defaults
+    scales = tuple(p.scale) or (8.0, 16.0, 32.0)
+    return p, _anchors(p.base_size, ratios, scales)
+
+
+def proposal(ctx: LayerContext, bottoms, params):
+    """The tops' shapes before the first forward, as the Python layer's reshape sets them: rois (1, 5) and the
+    optional scores (1, 1). Its forward runs on the host (:func:`propose`): how many boxes survive depends on
+    the scores."""
+    scores, deltas, info = bottoms
+    _, anchors = _proposal_settings(ctx.layer)
+    count = len(anchors)
+    if scores.ndim != 4 or scores.shape[0] != 1:
+        raise ctx.error(f"the scores (bottom 0) must be (1, 2 x anchors, H, W): one image a batch, as "
+                        f"py-faster-rcnn's layer asserts; got {tuple(scores.shape)}")
+    if scores.shape[1] != 2 * count or tuple(deltas.shape) != (1, 4 * count) + tuple(scores.shape[2:]):
+        raise ctx.error(f"{count} anchors per position need scores (1, {2 * count}, H, W) and deltas (1, "
+                        f"{4 * count}, H, W); got {tuple(scores.shape)} and {tuple(deltas.shape)}")
+    if math.prod(info.shape) < 3:
+        raise ctx.error(f"im_info (bottom 2) must hold [height, width, scale]; got shape {tuple(info.shape)}")
+    dtype = scores.dtype
+    return [jnp.zeros((1, 5), dtype), jnp.zeros((1, 1), dtype)][:ctx.num_tops]
+
+
+def _nms_faster_rcnn(boxes: np.ndarray, threshold: float, limit: int) -> np.ndarray:
+    """py-faster-rcnn's NMS (py_cpu_nms, and gpu_nms alike) on float32 boxes already in descending score order:
+    keep a box unless it overlaps a kept one by more than ``threshold`` (areas with +1, as its pixel boxes);
+    stops at ``limit`` kept (0: no limit), the post_nms_topN cut it applies after."""
+    x1, y1, x2, y2 = boxes.T
+    areas = (x2 - x1 + 1) * (y2 - y1 + 1)
+    order = np.arange(len(boxes))
+    keep = []
+    while order.size and (limit <= 0 or len(keep) < limit):
+        i, rest = order[0], order[1:]
+        keep.append(i)
+        w = np.maximum(0.0, np.minimum(x2[i], x2[rest]) - np.maximum(x1[i], x1[rest]) + 1)
+        h = np.maximum(0.0, np.minimum(y2[i], y2[rest]) - np.maximum(y1[i], y1[rest]) + 1)
+        inter = w * h
+        order = rest[inter / (areas[i] + areas[rest] - inter) <= threshold]
+    return np.asarray(keep, np.int64)
+
+
+def propose(layer_param, bottoms: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """ProposalLayer.forward on host arrays (TEST settings from proposal_param): every anchor at every position
+    of the (1, 2A, H, W) scores, moved by its deltas (bbox_transform_inv), clipped to the image of im_info
+    [height, width, scale], those narrower or shorter than min_size x scale dropped, the best pre_nms_topn by
+    foreground score, NMS at nms_thresh, the first post_nms_topn kept. Tops: rois (R, 5) [0, x1, y1, x2, y2] and
+    the scores (R, 1). The box arithmetic is float32, as the Python layer's on Caffe's float blobs."""
+    p, anchors = _proposal_settings(layer_param)
+    scores, deltas, info = (np.asarray(b, np.float32) for b in bottoms)
+    count = len(anchors)
+    height, width = scores.shape[-2:]
+    foreground = scores[:, count:]
+    shift_x, shift_y = np.meshgrid(np.arange(width) * p.feat_stride, np.arange(height) * p.feat_stride)
+    shifts = np.column_stack([shift_x.ravel(), shift_y.ravel(), shift_x.ravel(), shift_y.ravel()])
+    boxes = (anchors[None, :, :] + shifts[:, None, :]).reshape(-1, 4).astype(np.float32)  # (H W A, 4)
+    deltas = deltas.transpose(0, 2, 3, 1).reshape(-1, 4)
+    foreground = foreground.transpose(0, 2, 3, 1).reshape(-1)
+    # bbox_transform_inv
+    widths, heights = boxes[:, 2] - boxes[:, 0] + 1.0, boxes[:, 3] - boxes[:, 1] + 1.0
+    center_x, center_y = boxes[:, 0] + 0.5 * widths, boxes[:, 1] + 0.5 * heights
+    with np.errstate(over="ignore"):  # exp of a large delta: an infinite box, clipped below as Python's is
+        new_x, new_y = deltas[:, 0] * widths + center_x, deltas[:, 1] * heights + center_y
+        new_w, new_h = np.exp(deltas[:, 2]) * widths, np.exp(deltas[:, 3]) * heights
+    image_h, image_w, image_scale = info.reshape(-1)[:3]
+    proposals = np.column_stack([np.clip(new_x - 0.5 * new_w, 0, image_w - 1), np.clip(new_y - 0.5 * new_h, 0,
+                                 image_h - 1), np.clip(new_x + 0.5 * new_w, 0, image_w - 1),
+                                 np.clip(new_y + 0.5 * new_h, 0, image_h - 1)]).astype(np.float32)
+    min_size = np.float32(p.min_size) * image_scale
+    kept = np.flatnonzero((proposals[:, 2] - proposals[:, 0] + 1 >= min_size)
+                          & (proposals[:, 3] - proposals[:, 1] + 1 >= min_size))
+    order = kept[np.argsort(-foreground[kept], kind="stable")]  # ties: the first anchor first
+    if p.pre_nms_topn > 0:
+        order = order[:p.pre_nms_topn]
+    chosen = order[_nms_faster_rcnn(proposals[order], np.float32(p.nms_thresh), int(p.post_nms_topn))]
+    rois = np.column_stack([np.zeros(len(chosen), np.float32), proposals[chosen]])
+    return [rois, foreground[chosen].reshape(-1, 1)]
+
+
 # ---- SmoothL1Loss: the R-CNNs' and SSD's box regression loss (their smooth_L1_loss_layer.cpp) ---------------------
 
 SMOOTH_L1_LOSS_PARAM = ForkParam("smooth_l1_loss_param", "SmoothL1LossParameter", 8266712,
@@ -947,6 +1056,8 @@ FORK_LAYERS: tuple[ForkLayer, ...] = (
     ForkLayer("PriorBox", prior_box, "register_prior_box", PRIOR_BOX_PARAM.origin, PRIOR_BOX_PARAM, bottoms=(2, 2)),
     ForkLayer("DetectionOutput", detection_output, "register_detection_output", DETECTION_OUTPUT_PARAM.origin,
               DETECTION_OUTPUT_PARAM, bottoms=(3, 3), host_forward=detect),
+    ForkLayer("Proposal", proposal, "register_proposal", PROPOSAL_PARAM.origin, PROPOSAL_PARAM, bottoms=(3, 3),
+              tops=(1, 2), host_forward=propose),
     ForkLayer("ROIPooling", roi_pooling, "register_roi_pooling", ROI_POOLING_PARAM.origin, ROI_POOLING_PARAM,
               bottoms=(2, 2)),
     ForkLayer("SmoothL1Loss", smooth_l1_loss, "register_smooth_l1_loss", SMOOTH_L1_LOSS_PARAM.origin,
@@ -1012,6 +1123,10 @@ def register_prior_box(override: bool = False) -> None:
 
 def register_detection_output(override: bool = False) -> None:
     register(of_type("DetectionOutput"), override)
+
+
+def register_proposal(override: bool = False) -> None:
+    register(of_type("Proposal"), override)
 
 
 def register_roi_pooling(override: bool = False) -> None:

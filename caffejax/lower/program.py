@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from caffejax.errors import UnsupportedError, layer_error
 from caffejax.frontend.ir import Graph, Layer
 from caffejax.lower.optimize import Layouts
 from caffejax.lower.registry import LayerContext, get_rule
@@ -77,6 +78,7 @@ class NetProgram:
         tracked = Layouts(env, layouts) if kernels else None
         running = {layer.name for layer in layers}
         absorbed: set[str] = set()  # layers a chain before them computed
+        check_one_program(layers)
         for layer in layers:
             index = self.position[id(layer)]
             rule = self.rules[index]
@@ -241,6 +243,24 @@ def run_host_layers(layers: Sequence[Layer], values: Mapping[str, Any]) -> dict[
             bottoms = [made[v] if v in made else np.asarray(values[v]) for v in layer.bottom_values]
             made.update(zip(layer.top_values, get_rule(layer.type).host_forward(layer.proto, bottoms)))
     return made
+
+
+def check_one_program(layers: Sequence[Layer]) -> None:
+    """Raise UnsupportedError if a compiled layer among ``layers`` reads what a layer run on the host among them
+    makes (Graph.staging_layers): one program would need the host's result inside it. Net.forward runs such a
+    net in stages (Net._forward_in_stages); nothing else that compiles the layers as one program can."""
+    made: dict[str, Layer] = {}
+    for layer in layers:
+        if layer.runs_on_host:
+            made.update((v, layer) for v in layer.top_values)
+            continue
+        host = next((made[v] for v in layer.bottom_values if v in made), None)
+        if host is not None:
+            raise layer_error(UnsupportedError, layer.name, layer.type,
+                              f"reads the top of layer '{host.name}' (type {host.type}), which runs on the host "
+                              "because its top's shape depends on the data. Net.forward runs such a net in stages "
+                              "around that layer; one compiled program over both (compile_inference, an export, "
+                              "a backward, a solver's step, caffejax time) cannot")
 
 
 def _no_gradient(x):

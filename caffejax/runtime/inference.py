@@ -28,7 +28,7 @@ from caffejax.errors import CaffejaxError, ShapeError
 from caffejax.frontend.ir import Graph
 from caffejax.lower.optimize import (DEFAULT_PASSES, Plan, aligned_copy, check_passes, make_plan, optimize,
                                      prepare_params, run_plan)
-from caffejax.lower.program import run_host_layers
+from caffejax.lower.program import check_one_program, run_host_layers
 from caffejax.runtime.memory import DeviceMemoryErrors, garbage_collection_paused
 from caffejax.runtime.program_cache import compile_program, describe_graph
 from caffejax.runtime.xla_options import bf16_matrix_programs, compiler_options
@@ -61,6 +61,7 @@ class InferenceFunction:
             raise CaffejaxError(f"compile_inference needs a floating dtype, got {self.dtype}")
         self.passes = default_passes(self.dtype) if passes is None else tuple(passes)
         check_passes(self.passes)
+        check_one_program(net.graph.layers)
         self._net = net
         # The weights as they are now (later changes to the net's blobs do not reach the programs), in memory
         # the device can take as its own (prepare_params).

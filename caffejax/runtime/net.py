@@ -291,8 +291,15 @@ class Net:
     def _fed_shapes(self) -> dict[str, tuple[int, ...]]:
         """The fed blobs' current shapes, by blob name; not those of a data layer whose source could not be
         opened and that nobody has fed since (their shapes stay unknown)."""
-        return {top: self.blobs[top].shape for top, value in self._graph.fed.items()
-                if not self._never_fed(top, value)}
+        shapes = {top: self.blobs[top].shape for top, value in self._graph.fed.items()
+                  if not self._never_fed(top, value)}
+        shapes.update((top, self.blobs[top].shape) for top in self._staged_blobs())
+        return shapes
+
+    def _staged_blobs(self) -> list[str]:
+        """The tops of the host layers that compiled layers read (Graph.staging_layers): their last forward's
+        shapes shape the layers after them."""
+        return [top for i in self._staging for top in self._graph.layers[i].tops]
 
     def _never_fed(self, top: str, value: str) -> bool:
         return self._graph.value_shapes.get(value) is None and self.blobs[top].shape == ()
@@ -319,6 +326,7 @@ class Net:
         graph = self._graph = self._program.graph
         self._shapes_unknown = any(shape is None for shape in graph.value_shapes.values())  # see _require_shapes
         self._host_layers = [layer for layer in graph.layers if layer.runs_on_host]  # see _run_host_layers
+        self._staging = graph.staging_layers if self._host_layers else []  # see _forward_in_stages
         self._recorded_tops: dict[str, jax.Array] = {}  # Python layers' tops from the last forward, by value id
         self._layer_inputs = {}
         # Values a forward read from blobs that a layer of the same pass then overwrote in place (a Power on
@@ -346,10 +354,14 @@ class Net:
                         raise OutOfMemoryError(f"blob '{top}' (the loss top of layer '{layer.name}'): {e}") from None
 
     @staticmethod
-    def _signature(graph: Graph):
-        """What a compiled program depends on: the fed shapes, and the data of shape-deciding blobs."""
+    def _signature(graph: Graph, before: int | None = None):
+        """What a compiled program depends on: the fed shapes, the shapes host layers made (those before layer
+        ``before`` only: a pass from there on reads what they made, and makes the rest after its program) and
+        the data of shape-deciding blobs."""
+        first = len(graph.layers) if before is None else before
         shapes = tuple((layer.name, tuple(graph.value_shapes[v] or ()) if v in graph.value_shapes else None)
-                       for layer in graph.layers if layer.is_input for v in layer.top_values)
+                       for i, layer in enumerate(graph.layers)
+                       if layer.is_input or (layer.runs_on_host and i < first) for v in layer.top_values)
         return shapes + tuple((value, data.tobytes()) for value, data in sorted(graph.concrete.items()))
 
     def _init_params(self, skip: set[str] = frozenset()) -> None:
@@ -601,7 +613,7 @@ class Net:
     def _jitted(self, kind: str, start: int, end: int, build, variant: tuple = ()):
         """The compiled program of ``kind`` over layers start..end, ``build`` traced the first time; ``variant``
         names what else decides it (a backward's diffs made at once)."""
-        cache_key = (self._signature(self._graph), kind, start, end, variant)
+        cache_key = (self._signature(self._graph, min(start, end)), kind, start, end, variant)
         fn = self._compiled.get(cache_key)
         if fn is None:
             def counted(*args):
@@ -643,6 +655,9 @@ class Net:
                 for top, value in zip(layer.tops, layer.top_values):
                     if self.blobs[top].shape != self._graph.value_shapes[value] and not self._never_fed(top, value):
                         wanted[top] = self.blobs[top].shape
+        for top in self._staged_blobs():  # what a host layer made this pass shapes the layers after it
+            if self.blobs[top].shape != self._graph.blob_shape(top):
+                wanted[top] = self.blobs[top].shape
         changed_values = any(not np.array_equal(self.blobs[blob].data, self._graph.concrete[value])
                              for value, blob in self._concrete_blobs().items())
         if wanted or changed_values:
@@ -897,6 +912,20 @@ class Net:
         for callback in self._layer_callbacks[when]:
             callback(index)
 
+    def _forward_in_stages(self, start: int, end: int) -> float:
+        """Caffe's ForwardFromTo over a net where compiled layers read what a layer run on the host makes
+        (Graph.staging_layers): the layers before that layer as one program, the layer on the host (its tops
+        written into their blobs, reshaped as its Forward reshapes them), then the layers after it, which
+        _forward reshapes to those tops (a program per shape, as for a new input shape)."""
+        loss, begin = 0.0, start
+        for stage in self._staging:
+            if start <= stage <= end:
+                if begin < stage:
+                    loss += self._forward(begin, stage - 1)
+                loss += self._forward(stage, stage)
+                begin = stage + 1
+        return loss + (self._forward(begin, end) if begin <= end else 0.0)
+
     def _forward_layer_by_layer(self, start: int, end: int) -> float:
         """Caffe's ForwardFromTo with callbacks or debug_info: layer by layer, the callbacks around each."""
         if self.debug_info:
@@ -946,6 +975,7 @@ class Net:
                 self.blobs[name].data[...] = array
         with self._python_layers:
             self._last_loss = (self._forward_layer_by_layer(start_ind, end_ind) if self._runs_layer_by_layer()
+                               else self._forward_in_stages(start_ind, end_ind) if self._staging
                                else self._forward(start_ind, end_ind))
         if self.debug_nans:
             self._check_finite(outputs)
