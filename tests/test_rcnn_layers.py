@@ -361,6 +361,9 @@ def test_faster_rcnn_test_net_runs_in_stages(isolated_registry):
     rng = np.random.default_rng(6)
     feed = _image(rng, 64, 80)
     scores = net.forward(**feed)["cls_prob"].copy()
+    # Three programs: before, the (empty) host step, after. What a later stage reads, an earlier one hands back
+    # (InsertSplits gives each reader its own top), not recomputed by a program over the whole first stage.
+    assert net.compile_count == 3
     count = net.blobs["rois"].data.shape[0]
     assert scores.shape == (count, 4) and net.blobs["pool"].data.shape == (count, 8, 3, 3) and count > 30
     compiled = net.compile_count

@@ -711,14 +711,21 @@ def _inner_product_init(layer_param, shapes, key):
 # Not for 16-bit values: XLA sinks the transpose into the next product, which then reads its rows down the
 # columns; YNNPACK declines such a bfloat16 product and XLA's own has no bfloat16 x bfloat16 -> float32 kernel
 # (LeNet's ip2 after ip1 failed to run). bf16 forwards at batch 16 had gained 2-3% (AlexNet, GoogLeNet).
+#
+# Past MANY_ROWS rows the plain product falls off a cliff on the CPU: on 2 AMD EPYC (AVX2) cores, 300 rows (a
+# Fast/Faster R-CNN head's ROIs) times VGG16's fc6 (4096 x 25088) took 1168 ms as x W^T and 540 ms as W x^T,
+# AlexNet's fc6 (4096 x 9216) 435 -> 223 ms, a 4096 x 4096 weight 173 -> 91 ms, where at 128 rows the two were
+# within 10% (96 and 89 ms) and x W^T had grown 4.5x for 2.3x the rows. Between FEW_ROWS and MANY_ROWS the plain
+# product stays (as measured on Sapphire Rapids).
 FEW_ROWS = 32
+MANY_ROWS = 256
 FEW_ROWS_MIN_WEIGHT = 1 << 18
 
 
 def _few_rows_apply(rows: jax.Array, weight: jax.Array, transpose: bool, bias_term: bool) -> bool:
     m, (n, k) = rows.shape[0], weight.shape
-    return (not transpose and bias_term and 2 <= m <= FEW_ROWS and m < n and n * k >= FEW_ROWS_MIN_WEIGHT
-            and rows.dtype.itemsize >= 4 and jax.default_backend() == "cpu")
+    return (not transpose and bias_term and (2 <= m <= FEW_ROWS or m > MANY_ROWS) and m < n
+            and n * k >= FEW_ROWS_MIN_WEIGHT and rows.dtype.itemsize >= 4 and jax.default_backend() == "cpu")
 
 
 def _rows_times_weight_plus_bias(rows: jax.Array, weight: jax.Array, bias: jax.Array) -> jax.Array:

@@ -83,7 +83,10 @@ class ArraySlot:
         if self._host is None and self._device is None:
             self._host = _zeros(self._shape, self._dtype)
         if self._host is not None:
-            return np.array(self._host)
+            if sys.getrefcount(self._host) > _UNHELD:
+                return np.array(self._host)
+            # Nobody holds the array handed out any more, so nobody can write to it: it is the value as it is.
+            self._device, self._host = self._host, None
         return self._device
 
     def set(self, value) -> None:

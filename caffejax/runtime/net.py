@@ -505,10 +505,21 @@ class Net:
         """The learnable blobs as the program's ``params`` pytree: layer name -> one entry per blob of the
         layer, the array where the layer owns the blob and None where it shares another layer's."""
         out: dict[str, list[Any]] = {}
+        on_host: list[tuple[ArraySlot, str, int]] = []
         for layer in self._graph.layers:
             if any(slot.is_owner for slot in layer.params):
                 out[layer.name] = [self._param_blobs[slot.key]._data.value() if slot.is_owner else None
                                    for slot in layer.params]
+                on_host += [(self._param_blobs[slot.key]._data, layer.name, i) for i, slot in enumerate(layer.params)
+                            if slot.is_owner and isinstance(out[layer.name][i], np.ndarray)
+                            and not self._param_blobs[slot.key]._data.on_host()]
+        if on_host:
+            # Weights held as NumPy arrays nobody else can write (filled, loaded, or a .data since dropped) move
+            # to the device once, not at every pass: AlexNet's Net.forward at batch 1 copied its 244 MB each call.
+            moved = to_device([out[name][i] for _, name, i in on_host])
+            for (data, name, i), array in zip(on_host, moved):
+                data.set(array)
+                out[name][i] = array
         return out
 
     def _feed(self, layers) -> dict[str, Any]:

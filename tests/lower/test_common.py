@@ -470,8 +470,8 @@ def _dot_outputs(function, *args) -> list[str]:
 def test_few_rows_times_a_big_weight_keep_the_weight_on_the_left():
     """16 rows times a 500 x 800 weight: Caffe's x W^T + b, its gradients the plain product's (bias, rows and
     weight), and forward-over-reverse works; on the CPU the program multiplies W x^T (the weight is not the
-    factor YNNPACK packs), while a transposed weight, bfloat16 values, more than FEW_ROWS rows and a small
-    weight keep x W^T."""
+    factor YNNPACK packs), and so with more than MANY_ROWS rows, while a transposed weight, bfloat16 values,
+    FEW_ROWS to MANY_ROWS rows and a small weight keep x W^T."""
     from caffejax.lower import common
 
     rng = np.random.default_rng(9)
@@ -501,6 +501,10 @@ def test_few_rows_times_a_big_weight_keep_the_weight_on_the_left():
     assert _dot_outputs(forward, x[:1], w, b) != ["f32[500,1]"]   # one row: its own matrix-vector path
     rows = jnp.asarray(rng.standard_normal((common.FEW_ROWS + 1, 800)), jnp.float32)
     assert _dot_outputs(forward, rows, w, b) == [f"f32[{common.FEW_ROWS + 1},500]"]
+    many = jnp.asarray(rng.standard_normal((common.MANY_ROWS + 44, 800)), jnp.float32)  # 300 ROIs of a head
+    assert _dot_outputs(forward, many, w, b) == [f"f32[500,{common.MANY_ROWS + 44}]"]
+    np.testing.assert_allclose(forward(many, w, b), np.asarray(many, np.float64) @ np.asarray(w, np.float64).T
+                               + np.asarray(b), rtol=1e-5, atol=1e-4)
     assert _dot_outputs(_inner_product_forward(500, transpose=True), x, w.T, b) == ["f32[16,500]"]
     small = jnp.asarray(rng.standard_normal((40, 800)), jnp.float32)
     assert _dot_outputs(_inner_product_forward(40), x, small, b[:40]) == ["f32[16,40]"]
