@@ -458,9 +458,15 @@ def _in_place(ctx: LayerContext, i: int) -> bool:
 def _check_shapes(name: str, type_name: str, what: str, kind: str, blobs, expected: list[Shape]) -> None:
     got = [tuple(b.shape) for b in blobs]
     if got != list(expected):
+        hint = ""
+        if kind == "top":  # a top sized by the data: py-faster-rcnn's ProposalLayer
+            hint = ("; a layer whose tops' size depends on the data runs on the host between programs when it is "
+                    "registered with host_forward (caffejax.register_layer), as OpenCV's Proposal layer is: write "
+                    "py-faster-rcnn's ProposalLayer as type \"Proposal\" with a proposal_param "
+                    "(caffejax.lower.forks.register_proposal())")
         raise layer_error(ShapeError, name, type_name,
                           f"its {what} changed the {kind} shapes to {got} after the net was built for {expected}; "
-                          "caffejax compiles fixed shapes (reshape the net's inputs instead)")
+                          f"caffejax compiles fixed shapes (reshape the net's inputs instead){hint}")
 
 
 def _holding(array, dtype, diff=None) -> Blob:
