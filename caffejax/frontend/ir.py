@@ -9,7 +9,7 @@ every write of a blob gets its own *value* (``Layer.bottom_values``/``top_values
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Iterator, Sequence
 
 Shape = tuple[int, ...]
 
@@ -137,9 +137,8 @@ class Graph:
         """The layers run on the host whose tops compiled layers read (py-faster-rcnn's proposals feeding
         ROIPooling), by index: Net.forward runs the layers before each as one program, the layer on the host,
         then the layers after it, shaped by what it made."""
-        made = {v: i for i, layer in enumerate(self.layers) if layer.runs_on_host for v in layer.top_values}
-        read = {made[v] for layer in self.layers if not layer.runs_on_host for v in layer.bottom_values if v in made}
-        return sorted(read)
+        read = {id(host) for _, host in reads_after_host(self.layers)}
+        return [i for i, layer in enumerate(self.layers) if id(layer) in read]
 
     @property
     def program_outputs(self) -> list[str]:
@@ -162,3 +161,16 @@ class Graph:
     def learnable_slots(self) -> list[ParamSlot]:
         """The owners only (``net.learnable_params_``): what a solver updates."""
         return [slot for slot in self.param_slots if slot.is_owner]
+
+
+def reads_after_host(layers: Sequence[Layer]) -> Iterator[tuple[Layer, Layer]]:
+    """(reader, host) for each compiled layer among ``layers`` that reads a top of a layer run on the host
+    (``Layer.runs_on_host``) among them, in order: the reads that need the net run in stages."""
+    made: dict[str, Layer] = {}
+    for layer in layers:
+        if layer.runs_on_host:
+            made.update((v, layer) for v in layer.top_values)
+            continue
+        for v in layer.bottom_values:
+            if v in made:
+                yield layer, made[v]

@@ -30,6 +30,7 @@ from caffejax.errors import SchemaError, ShapeError, UnsupportedError, layer_err
 from caffejax.frontend.build import MAX_BLOB_ELEMENTS
 from caffejax.frontend.prototxt import (ForkEnum, ForkMessage, ForkParam, ForkParamField, fork_param,
                                         register_fork_param)
+from caffejax.lower.loss import legacy_shape
 from caffejax.lower.registry import LayerContext, get_rule, legacy_4d, register_layer
 
 Shape = tuple[int, ...]
@@ -755,8 +756,6 @@ def _range_max_tables(x: jax.Array, with_index: bool):
             tables.append(jnp.where(keep, tables[-1], right))
             if where is not None:
                 indices.append(jnp.where(keep, indices[-1], _shifted(indices[-1], axis, by, 0)))
-            # Each level is written out once: fused, XLA recomputed every earlier level inside each later one.
-            tables[-1], indices[-1] = lax.optimization_barrier((tables[-1], indices[-1]))
         stack = lambda parts: jnp.stack(parts, axis=axis)
         return stack(tables), (stack(indices) if where is not None else None)
 
@@ -850,13 +849,10 @@ def roi_pooling(ctx: LayerContext, bottoms, params):
     p = fork_param(ctx.layer, "roi_pooling_param")
     if p.pooled_h <= 0 or p.pooled_w <= 0:
         raise ctx.error(f"pooled_h and pooled_w must be > 0, got {p.pooled_h} x {p.pooled_w}")
-    if x.ndim > 4 or rois.ndim > 4 or rois.ndim < 1:
-        raise ctx.error(f"bottoms must have at most 4 axes (Caffe's legacy num, channels, height, width), got "
-                        f"{tuple(x.shape)} and {tuple(rois.shape)}")
-    if math.prod(rois.shape[1:]) != 5:
+    features = x.reshape(legacy_shape(ctx, x, "bottom 0"))
+    if math.prod(legacy_shape(ctx, rois, "rois")[1:]) != 5:
         raise ctx.error(f"ROI layer C x H x W must be 5 ([image, x1, y1, x2, y2] per ROI), got rois of shape "
                         f"{tuple(rois.shape)}")
-    features = x.reshape(legacy_4d(x.shape))
     top = _roi_pool(features, rois, (int(p.pooled_h), int(p.pooled_w)), float(np.float32(p.spatial_scale)))
     return [top]
 
@@ -1018,15 +1014,11 @@ def smooth_l1_loss(ctx: LayerContext, bottoms, params):
 
     No gradient reaches the weights (Backward writes bottoms 0 and 1 only)."""
     a, b, *weights = bottoms
-    shapes = [tuple(v.shape) for v in bottoms]
-    if any(len(shape) > 4 for shape in shapes):
-        raise ctx.error(f"bottoms must have at most 4 axes (Caffe's legacy num, channels, height, width), got "
-                        f"{shapes}")
-    first = legacy_4d(shapes[0])
-    for i, shape in enumerate(shapes[1:], 1):
-        if legacy_4d(shape) != first:  # LossLayer's num check, then the layer's channels, height and width
-            raise ctx.error(f"bottom {i} {shape} must have bottom 0's shape {shapes[0]} (num, channels, height, "
-                            f"width)")
+    legacy = [legacy_shape(ctx, v, f"bottom {i}") for i, v in enumerate(bottoms)]
+    for i, shape in enumerate(legacy[1:], 1):
+        if shape != legacy[0]:  # LossLayer's num check, then the layer's channels, height and width
+            raise ctx.error(f"bottom {i} {tuple(bottoms[i].shape)} must have bottom 0's shape {tuple(a.shape)} "
+                            "(num, channels, height, width)")
     p = fork_param(ctx.layer, "smooth_l1_loss_param")
     weights = [lax.stop_gradient(w).reshape(a.shape) for w in weights]
     b = b.reshape(a.shape)
@@ -1041,7 +1033,7 @@ def smooth_l1_loss(ctx: LayerContext, bottoms, params):
         errors = _smooth_l1(a - b if inside is None else inside * (a - b), sigma2)
         if outside is not None:
             errors = outside * errors
-    return [jnp.sum(errors) / first[0]]
+    return [jnp.sum(errors) / legacy[0][0]]
 
 
 # ---- registration -------------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from caffejax.errors import UnsupportedError, layer_error
-from caffejax.frontend.ir import Graph, Layer
+from caffejax.frontend.ir import Graph, Layer, reads_after_host
 from caffejax.lower.optimize import Layouts
 from caffejax.lower.registry import LayerContext, get_rule
 
@@ -249,18 +249,14 @@ def check_one_program(layers: Sequence[Layer]) -> None:
     """Raise UnsupportedError if a compiled layer among ``layers`` reads what a layer run on the host among them
     makes (Graph.staging_layers): one program would need the host's result inside it. Net.forward runs such a
     net in stages (Net._forward_in_stages); nothing else that compiles the layers as one program can."""
-    made: dict[str, Layer] = {}
-    for layer in layers:
-        if layer.runs_on_host:
-            made.update((v, layer) for v in layer.top_values)
-            continue
-        host = next((made[v] for v in layer.bottom_values if v in made), None)
-        if host is not None:
-            raise layer_error(UnsupportedError, layer.name, layer.type,
-                              f"reads the top of layer '{host.name}' (type {host.type}), which runs on the host "
-                              "because its top's shape depends on the data. Net.forward runs such a net in stages "
-                              "around that layer; one compiled program over both (compile_inference, an export, "
-                              "a backward, a solver's step, caffejax time) cannot")
+    found = next(reads_after_host(layers), None)
+    if found is not None:
+        layer, host = found
+        raise layer_error(UnsupportedError, layer.name, layer.type,
+                          f"reads the top of layer '{host.name}' (type {host.type}), which runs on the host "
+                          "because its top's shape depends on the data. Net.forward runs such a net in stages "
+                          "around that layer; one compiled program over both (compile_inference, an export, a "
+                          "backward, a solver's step, caffejax time) cannot")
 
 
 def _no_gradient(x):
