@@ -1,8 +1,8 @@
 """caffejax: Caffe nets compiled by XLA through JAX, with pycaffe's API (``import caffejax as caffe``)."""
 
 from caffejax.errors import (CaffejaxError, DataError, DataSourceUnavailable, GraphError, NumericalError,
-                             OutOfMemoryError, ParseError, SchemaError, ShapeError, SolverError, UnsupportedError,
-                             WeightsError)
+                             OutOfMemoryError, ParseError, SchemaError, ShapeError, SolverError, TopsSizedByData,
+                             UnsupportedError, WeightsError)
 from caffejax.grad import value_and_grad
 from caffejax.lower.python_layer import Layer  # pycaffe's caffe.Layer, for (trusted) Python layers
 from caffejax.lower.registry import TEST, TRAIN, register_layer
@@ -32,6 +32,6 @@ __all__ = ["Net", "TRAIN", "TEST", "CaffejaxError", "ParseError", "SchemaError",
            "set_mode_gpu", "set_device", "set_random_seed", "value_and_grad", "get_solver", "SGDSolver",
            "NesterovSolver", "AdaGradSolver", "RMSPropSolver", "AdaDeltaSolver", "AdamSolver", "NetSpec", "layers",
            "params", "to_proto", "io", "Classifier", "Detector", "compile_inference", "NumericalError",
-           "OutOfMemoryError", "register_layer", "find_first_nan", "Layer", "layer_type_list", "Timer", "log",
-           "init_log", "NCCL", "has_nccl", "solver_count", "set_solver_count", "solver_rank", "set_solver_rank",
-           "set_multiprocess"]
+           "OutOfMemoryError", "TopsSizedByData", "register_layer", "find_first_nan", "Layer", "layer_type_list",
+           "Timer", "log", "init_log", "NCCL", "has_nccl", "solver_count", "set_solver_count", "solver_rank",
+           "set_solver_rank", "set_multiprocess"]

@@ -60,6 +60,13 @@ class ShapeError(CaffejaxError):
     """Blob shapes do not fit a layer's rule."""
 
 
+class TopsSizedByData(ShapeError):
+    """A Python layer's reshape or forward in a program gave its tops shapes of their own, sized by the data
+    (py-faster-rcnn's ProposalLayer reshapes its rois in forward, to the proposals it kept). Net.forward and
+    compile_inference catch it: the net then runs the layer on the host (PythonLayers.runs_on_host) and runs
+    the pass again; anything else compiling one program over the layer raises it."""
+
+
 class OutOfMemoryError(ShapeError, MemoryError):
     """The net's blobs do not fit in the host's or the device's memory (a mistyped dim, a batch too big)."""
 

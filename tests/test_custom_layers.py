@@ -376,6 +376,21 @@ class Grows(Scale):
         top[0].reshape(7)
 
 
+class KeepsPositives(caffejax.Layer):
+    """Its top holds the bottom's positive entries, as many as there are: shaped in setup, reshaped in forward
+    (reshape left empty), as py-faster-rcnn's ProposalLayer shapes its rois."""
+    forwards = 0
+
+    def setup(self, bottom, top):
+        top[0].reshape(1)
+
+    def forward(self, bottom, top):
+        KeepsPositives.forwards += 1
+        kept = bottom[0].data[bottom[0].data > 0]
+        top[0].reshape(*kept.shape)
+        top[0].data[...] = kept
+
+
 class Fails(caffejax.Layer):
     def setup(self, bottom, top):
         raise ValueError("bad param_str")
@@ -954,10 +969,71 @@ def test_python_layer_failures_name_the_layer(layers_module):
         net.forward(x=np.ones((4, 5), np.float32))
     with pytest.raises(caffejax.GraphError, match="has no layer class 'Nope'"):
         caffejax.Net(_input(2) + _python_layer("n", "Nope", ["x"], "y"), caffejax.TEST, allow_python_layers=True)
-    net = caffejax.Net(_input(2) + _python_layer("g", "Grows", ["x"], "y"), caffejax.TEST, allow_python_layers=True)
+    # Tops sized by the data run on the host, but not a top in place (it is the bottom's blob, which the
+    # compiled program keeps at its shape).
+    net = caffejax.Net(_input(2) + _python_layer("g", "Grows", ["x"], "x"), caffejax.TEST, allow_python_layers=True)
     with pytest.raises(caffejax.ShapeError, match="layer 'g' \\(type Python\\): its forward changed the top "
-                                                  "shapes to \\[\\(7,\\)\\].*host_forward.*type \"Proposal\""):
+                                                  "shapes to \\[\\(7,\\)\\].*only without learnable blobs and tops "
+                                                  "in place"):
         net.forward(x=np.ones(2, np.float32))
+
+
+SIZED_BY_DATA = _input(6) + _python_layer("keep", "KeepsPositives", ["x"], "kept") + \
+    'layer { name: "double" type: "Power" bottom: "kept" top: "doubled" power_param { scale: 2 } }\n'
+
+
+def _positives(*values) -> np.ndarray:
+    return np.float32([*values, *[-1] * (6 - len(values))])
+
+
+def test_a_python_layer_sizing_its_tops_by_the_data_runs_on_the_host(layers_module):
+    """py-faster-rcnn's ProposalLayer reshapes its tops in forward to the proposals it kept. Its first forward
+    in the program finds that out: the net then runs it on the host, between two programs, and runs the pass
+    again, its forward called once a pass all the same (that first forward's tops are kept)."""
+    net = caffejax.Net(SIZED_BY_DATA, caffejax.TEST, allow_python_layers=True)
+    counts = sys.modules["caffejax_test_pylayers"].KeepsPositives
+    counts.forwards = 0
+    assert net.blobs["kept"].shape == (1,) and not net.graph.staging_layers
+    np.testing.assert_array_equal(net.forward(x=_positives(1, 2, 3))["doubled"], [2, 4, 6])
+    assert counts.forwards == 1
+    assert net.graph.staging_layers == [1] and net.blobs["kept"].shape == (3,)
+    np.testing.assert_array_equal(net.forward(x=_positives(5))["doubled"], [10])
+    np.testing.assert_array_equal(net.forward(x=_positives(4, 3, 2, 1, 7))["doubled"], [8, 6, 4, 2, 14])
+    np.testing.assert_array_equal(net.forward(x=_positives())["doubled"], np.zeros(0))
+    assert counts.forwards == 4
+    # Layer by layer (callbacks), in a net that has not met the data yet: each callback once a layer.
+    net = caffejax.Net(SIZED_BY_DATA, caffejax.TEST, allow_python_layers=True)
+    called = []
+    net.after_forward(called.append)
+    np.testing.assert_array_equal(net.forward(x=_positives(1, 2))["doubled"], [2, 4])
+    assert called == [0, 1, 2] and counts.forwards == 5
+    # One program over it cannot hold it: an inference function names the layer.
+    for net in (caffejax.Net(SIZED_BY_DATA, caffejax.TEST, allow_python_layers=True), net):
+        with pytest.raises(caffejax.UnsupportedError, match="layer 'double' \\(type Power\\): reads the top of "
+                                                            "layer 'keep' \\(type Python\\)"):
+            caffejax.compile_inference(net)({"x": _positives(1, 2)})
+
+
+def test_a_python_layer_sizing_the_nets_output_runs_after_the_program(layers_module):
+    """At the end of the net, the layer sized by the data runs on the host after the program, in Net.forward and in
+    an inference function (which learns it as the net does), each forward once; the data layer before it serves
+    one batch a pass."""
+    text = PYTHON_DATA_LAYER + _python_layer("keep", "KeepsPositives", ["data"], "kept") + \
+        'layer { name: "silence" type: "Silence" bottom: "label" }\n'
+    net = caffejax.Net(text, caffejax.TEST, allow_python_layers=True)
+    layers = sys.modules["caffejax_test_pylayers"]
+    layers.KeepsPositives.forwards = layers.Batches.forwards = 0
+    data, _ = _batches_table()
+    for k in range(3):
+        np.testing.assert_array_equal(net.forward()["kept"], data[4 * k:4 * k + 4][data[4 * k:4 * k + 4] > 0])
+    assert layers.KeepsPositives.forwards == 3 and layers.Batches.forwards == 3
+    assert net.graph.layers[1].runs_on_host and not net.graph.staging_layers
+    for fresh in (True, False):
+        net = caffejax.Net(text, caffejax.TEST, allow_python_layers=True) if fresh else net
+        infer = caffejax.compile_inference(net)
+        np.testing.assert_array_equal(infer({"data": data[:4], "label": np.zeros(4, np.float32)})["kept"],
+                                      data[:4][data[:4] > 0])
+    assert layers.KeepsPositives.forwards == 5
 
 
 def test_python_layer_failures_inside_the_program_are_the_layers_typed_errors(layers_module, caplog):

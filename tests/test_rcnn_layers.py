@@ -5,7 +5,9 @@ and against OpenCV's reading of ROIPooling; a Fast R-CNN test net fed its ROIs a
 from __future__ import annotations
 
 import functools
+import importlib
 import math
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -378,6 +380,73 @@ def test_faster_rcnn_test_net_runs_in_stages(isolated_registry):
     for i in (0, count - 1):
         got = fed_rois.forward(data=feed["data"], rois=rois[i:i + 1])["cls_prob"][0]
         np.testing.assert_allclose(got, scores[i], rtol=1e-5, atol=1e-6)
+
+
+PROPOSAL_MODULE = """
+import caffejax
+from caffejax.lower import forks
+
+SETTINGS = None  # the LayerParameter of a Proposal layer (proposal_param), set by the test
+
+
+class ProposalLayer(caffejax.Layer):
+    \"\"\"py-faster-rcnn's rpn.proposal_layer.ProposalLayer in its form: the settings read in setup, rois shaped
+    (1, 5) there and the scores (1, 1), reshape empty, both reshaped in forward to the proposals kept; these
+    computed by caffejax's Proposal code.\"\"\"
+
+    def setup(self, bottom, top):
+        self.feat_stride = int(self.param_str_.split(":")[1])  # "'feat_stride': 4", YAML in py-faster-rcnn
+        assert str(self.phase) == "TEST"
+        top[0].reshape(1, 5)
+        if len(top) > 1:
+            top[1].reshape(1, 1)
+
+    def forward(self, bottom, top):
+        assert bottom[0].data.shape[0] == 1, "Only single item batches are supported"
+        made = forks.propose(SETTINGS, [b.data for b in bottom])
+        for blob, array in zip(top, made):
+            blob.reshape(*array.shape)
+            blob.data[...] = array
+
+    def reshape(self, bottom, top):
+        pass
+"""
+
+
+def test_py_faster_rcnns_python_proposal_layer_runs_in_stages(isolated_registry, tmp_path, monkeypatch):
+    """py-faster-rcnn's test.prototxt as it is, its ProposalLayer a Python layer: its first forward sizes the
+    rois by the data, and from then on the net runs it on the host between two programs, as the Proposal layer
+    (the same ROIs and class scores, the same weights); the forward that found it out counts as the pass's."""
+    (tmp_path / "caffejax_test_rpn.py").write_text(PROPOSAL_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "caffejax_test_rpn", raising=False)
+    text = _faster_rcnn()
+    reference = caffejax.Net(text, caffejax.TEST)
+    python = ('layer { name: "proposal" type: "Python" bottom: "rpn_cls_prob_reshape" bottom: "rpn_bbox_pred" '
+              'bottom: "im_info" top: "rois" top: "roi_scores" python_param { module: "caffejax_test_rpn" '
+              'layer: "ProposalLayer" param_str: "\'feat_stride\': 4" } }')
+    start = text.index('layer { name: "proposal"')
+    text = text[:start] + python + text[text.index("\n", text.index("top: \"rois\"")):]
+    net = caffejax.Net(text, caffejax.TEST, allow_python_layers=True)
+    net.share_with(reference)
+    module = importlib.import_module("caffejax_test_rpn")
+    module.SETTINGS = reference.graph.layers[list(reference._layer_names).index("proposal")].proto
+    calls = []
+    propose = forks.propose
+    monkeypatch.setattr(forks, "propose", lambda *args: calls.append(1) or propose(*args))
+    rng = np.random.default_rng(8)
+    for height, width in ((64, 80), (48, 64), (64, 80)):
+        feed = _image(rng, height, width)
+        for each in (net, reference):
+            each.blobs["data"].reshape(1, 3, height, width)
+        scores = net.forward(**feed)["cls_prob"]
+        np.testing.assert_array_equal(scores, reference.forward(**feed)["cls_prob"])
+        np.testing.assert_array_equal(net.blobs["rois"].data, reference.blobs["rois"].data)
+        assert net.blobs["roi_scores"].shape == (len(scores), 1) and len(scores) > 1
+    assert len(calls) == 3  # the Python layer's forward, once a pass (the Proposal rule's host_forward is its own)
+    assert net.graph.staging_layers == [list(net._layer_names).index("proposal")]
+    with pytest.raises(caffejax.UnsupportedError, match="reads the top of layer 'proposal' \\(type Python\\)"):
+        caffejax.compile_inference(net)
 
 
 FAST_RCNN_ROIS = """name: "same-head-fed-rois"

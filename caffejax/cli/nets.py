@@ -358,7 +358,7 @@ def time(args) -> int:
     key = jax.random.key(0)
     forward, forward_backward = whole_net_programs(net)
     # Caffe's forward runs every layer: the whole-net forward timed ends with the layers run on the host.
-    timed_forward = _then_on_host(graph, forward) if graph.made_on_host else forward
+    timed_forward = _then_on_host(graph, forward, net._python_layers) if graph.made_on_host else forward
     log.info("Performing Backward")
     jax.block_until_ready(forward_backward(params, fed, key))  # compiled here, so no timed iteration compiles
 
@@ -384,7 +384,7 @@ def time(args) -> int:
         if layer.is_input:
             fwd, bwd = _fed_layer_seconds(net, layer, iterations), None
         elif layer.runs_on_host:
-            fwd, bwd = _host_layer_seconds(layer, env, iterations), None
+            fwd, bwd = _host_layer_seconds(layer, env, iterations, net._python_layers), None
         else:
             fwd, bwd = _layer_times(program, layer, params, env, layouts, key, iterations)
         log.info("%10s\tforward: %s ms.", layer.name, log_float(fwd * 1e3))
@@ -498,7 +498,7 @@ def whole_net_programs(net):
             jax.jit(forward_backward, compiler_options=compiler_options(graph, backward=True)))
 
 
-def _then_on_host(graph, forward):
+def _then_on_host(graph, forward, python_layers):
     """``forward`` (a whole-net program) followed by the layers run on the host, on what it returned."""
     from caffejax.lower.program import run_host_layers
 
@@ -506,17 +506,17 @@ def _then_on_host(graph, forward):
 
     def run(*args):
         outputs = forward(*args)
-        run_host_layers(graph.layers, dict(zip(values, outputs)))
+        run_host_layers(graph.layers, dict(zip(values, outputs)), python_layers)
         return outputs
 
     return run
 
 
-def _host_layer_seconds(layer, env, iterations: int) -> float:
+def _host_layer_seconds(layer, env, iterations: int, python_layers) -> float:
     """A layer run on the host (Layer.runs_on_host), on the bottoms the whole net gave it."""
-    from caffejax.lower.registry import get_rule
+    from caffejax.lower.program import host_forward
 
-    forward = get_rule(layer.type).host_forward
+    forward = host_forward(layer, python_layers)
     bottoms = [np.asarray(env[value]) for value in layer.bottom_values]
     return _mean_seconds(lambda: forward(layer.proto, bottoms), (), iterations)
 

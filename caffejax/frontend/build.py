@@ -118,6 +118,7 @@ class _Builder:
             lp.phase = self.phase
         rule = self._rule(lp)
         self._check_counts(lp, rule)
+        on_host = self._runs_on_host(lp, rule)
         if len(lp.propagate_down) not in (0, len(lp.bottom)):
             raise layer_error(SchemaError, lp.name, lp.type,
                               f"propagate_down has {len(lp.propagate_down)} entries; it must be empty or have "
@@ -150,7 +151,7 @@ class _Builder:
                     self.blob_first_value[AUTOMATIC_TOP] = value
                     self.blob_need_backward[AUTOMATIC_TOP] = False
             elif j < len(lp.bottom) and blob == lp.bottom[j]:
-                if not rule.in_place or rule.host_forward is not None:
+                if not rule.in_place or on_host:
                     raise layer_error(GraphError, lp.name, lp.type, f"cannot run in place (top '{blob}')")
                 value = f"{blob}@{index}"
             elif blob in self.blob_value:
@@ -166,7 +167,7 @@ class _Builder:
 
         bottom_shapes = [self.value_shapes[v] for v in bottom_values]
         concrete = self._concrete_bottoms(lp, rule, bottom_values, bottom_shapes)
-        param_shapes, top_shapes, is_input = self._shapes(lp, rule, tops, bottom_shapes, concrete)
+        param_shapes, top_shapes, is_input = self._shapes(lp, rule, tops, bottom_shapes, concrete, on_host)
         for j, (blob, shape) in enumerate(zip(tops, top_shapes)):
             if (j < len(lp.bottom) and blob == lp.bottom[j] and None not in (shape, bottom_shapes[j])
                     and tuple(shape) != tuple(bottom_shapes[j])):
@@ -199,7 +200,7 @@ class _Builder:
 
         state_in, state_out = self._state_values(lp, rule, bottom_shapes)
         loss_weights = self._loss_weights(lp, rule, len(tops))
-        if rule.host_forward is not None and any(loss_weights):
+        if on_host and any(loss_weights):
             raise layer_error(SchemaError, lp.name, lp.type, "runs on the host after the compiled program and has "
                               f"no gradient, so its tops cannot carry a loss_weight (got {loss_weights})")
         for blob, weight in zip(tops, loss_weights):
@@ -208,7 +209,7 @@ class _Builder:
                       bottom_values=bottom_values, top_values=top_values, params=params,
                       loss_weights=loss_weights, need_backward=need_backward,
                       bottom_need_backward=bottom_need, param_need_backward=param_need, is_input=is_input,
-                      state_in=state_in, state_out=state_out, runs_on_host=rule.host_forward is not None)
+                      state_in=state_in, state_out=state_out, runs_on_host=on_host)
         if need_backward:
             for blob in tops:
                 self.blob_need_backward[blob] = True
@@ -262,7 +263,15 @@ class _Builder:
             concrete[j] = self.concrete[value] = data
         return concrete
 
-    def _shapes(self, lp, rule: LayerRule, tops, bottom_shapes, concrete):
+    def _runs_on_host(self, lp, rule: LayerRule) -> bool:
+        """Whether the layer's top shapes depend on the data, so that it runs on the host (Layer.runs_on_host): its
+        rule's host_forward says so, or a Python layer's forward sized its tops by the data in an earlier pass of
+        this net (PythonLayers.runs_on_host)."""
+        if rule.host_forward is not None:
+            return True
+        return lp.type == "Python" and self.python_layers is not None and self.python_layers.runs_on_host(lp)
+
+    def _shapes(self, lp, rule: LayerRule, tops, bottom_shapes, concrete, on_host: bool):
         """(param shapes, top shapes, is_input) of one layer; shapes are None downstream of unknown data."""
         shapes = None  # the shapes of a fed layer's tops (is_input)
         if lp.type == "Python":  # a data layer's tops are fed: it runs on the host before each pass
@@ -300,7 +309,7 @@ class _Builder:
                 raise layer_error(ShapeError, lp.name, lp.type,
                                   f"learnable blob {i} would have shape {tuple(s)}, with no elements (bottom "
                                   f"shapes {[tuple(b) for b in bottom_shapes]}); is num_output or a dim 0?")
-        if rule.host_forward is not None and tops and all(t in self.input_shapes for t in tops):
+        if on_host and tops and all(t in self.input_shapes for t in tops):
             # What its last forward on the host made (Net keeps them: layers after it are shaped by the data)
             top_shapes = [tuple(self.input_shapes[t]) for t in tops]
         else:

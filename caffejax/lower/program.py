@@ -15,7 +15,7 @@ diff the user put on it.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -232,17 +232,28 @@ class NetProgram:
         return self.graph.layers[start: len(self.graph.layers) if end is None else end + 1]
 
 
-def run_host_layers(layers: Sequence[Layer], values: Mapping[str, Any]) -> dict[str, np.ndarray]:
+def run_host_layers(layers: Sequence[Layer], values: Mapping[str, Any], python_layers=None) -> dict[str, np.ndarray]:
     """The layers among ``layers`` that run on the host (``Layer.runs_on_host``: their top shapes depend on the
-    data), in order, after the program: their rules' ``host_forward`` on host copies of their bottoms, read from
+    data), in order, after the program: their :func:`host_forward` on host copies of their bottoms, read from
     ``values`` (value id -> array: what the program returned or was fed). Returns their tops by value id, as
-    NumPy arrays."""
+    NumPy arrays. ``python_layers``: the net's PythonLayers, which Python layers run on the host call."""
     made: dict[str, np.ndarray] = {}
     for layer in layers:
         if layer.runs_on_host:
             bottoms = [made[v] if v in made else np.asarray(values[v]) for v in layer.bottom_values]
-            made.update(zip(layer.top_values, get_rule(layer.type).host_forward(layer.proto, bottoms)))
+            made.update(zip(layer.top_values, host_forward(layer, python_layers)(layer.proto, bottoms)))
     return made
+
+
+def host_forward(layer: Layer, python_layers=None) -> Callable[[Any, Sequence[np.ndarray]], list[np.ndarray]]:
+    """``(layer_param, bottoms) -> tops`` of a layer run on the host: its rule's host_forward, or for a Python layer
+    whose forward sized its tops by the data, its net's object's reshape and forward (PythonLayers.host_forward)."""
+    if layer.type == "Python":
+        if python_layers is None:
+            raise layer_error(UnsupportedError, layer.name, layer.type, "runs on the host, on its net's layer "
+                              "object, which was not given")
+        return python_layers.host_forward
+    return get_rule(layer.type).host_forward
 
 
 def check_one_program(layers: Sequence[Layer]) -> None:

@@ -18,6 +18,14 @@ this rule run, and it runs the layer as pycaffe does:
   (``top: x`` over ``bottom: x``) is its bottom's blob in both calls, as Caffe shares it. JAX reports a
   failure inside a callback as its own runtime error; programs run inside their net's
   :class:`PythonLayers`, which raises the layer's typed error instead.
+- A layer whose tops' size depends on the data (py-faster-rcnn's ProposalLayer reshapes its rois in forward
+  to the proposals it kept) cannot be a callback of fixed shapes. When its reshape or forward in a program
+  gives its tops other shapes than the build's, the callback raises :class:`TopsSizedByData`, and the net's
+  builds run the layer on the host from then on (``Layer.runs_on_host``, :meth:`PythonLayers.host_forward`),
+  as OpenCV's Proposal layer runs: Net.forward catches it and runs the pass again in stages around the layer
+  (that forward's tops are not lost: the host's first call on the same bottoms takes them). Such a layer has
+  bottoms, no learnable blobs and no top in place; one program over it (compile_inference, a solver's step)
+  raises the error.
 
 Each net has its own layer objects, as Caffe makes one per layer per net (:class:`PythonLayers`, which the
 net hands its graph and programs through ``LayerContext.python_layers``): the net's rebuilds and all its
@@ -46,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-from caffejax.errors import CaffejaxError, GraphError, ShapeError, layer_error
+from caffejax.errors import CaffejaxError, GraphError, ShapeError, TopsSizedByData, layer_error
 from caffejax.lower.registry import LayerContext, layer
 from caffejax.runtime.blob import Blob
 
@@ -109,6 +117,11 @@ class _Instance:
     # layer that shapes its tops in setup may leave reshape empty).
     last_top_shapes: list[Shape] = dataclasses.field(default_factory=list)
     failure: CaffejaxError | None = None  # raised on the host inside a program; PythonLayers re-raises it
+    # Its forward sized its tops by the data (TopsSizedByData): the net's builds run it on the host since, and
+    # ``made`` keeps that forward's (bottoms, tops), which the host's first call hands back instead of calling
+    # forward on the same bottoms again (Caffe calls forward once a pass).
+    sized_by_data: bool = False
+    made: tuple[list[np.ndarray], list[np.ndarray]] | None = None
 
 
 class PythonLayers:
@@ -126,6 +139,32 @@ class PythonLayers:
         or None where none was made yet."""
         instance = self.objects.get(_object_key(layer_param))
         return instance.obj if instance is not None else None
+
+    def runs_on_host(self, layer_param) -> bool:
+        """Whether the layer's forward has sized its tops by the data (TopsSizedByData): the net's builds run it on
+        the host (Layer.runs_on_host), between programs, as OpenCV's Proposal layer is."""
+        instance = self.objects.get(_object_key(layer_param))
+        return instance is not None and instance.sized_by_data
+
+    def host_forward(self, layer_param, bottoms: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """The tops of a layer run on the host (:meth:`runs_on_host`): ``reshape`` and ``forward`` on host blobs of
+        ``bottoms``, the tops starting from the shapes they last had (Caffe's top blobs keep theirs); the tops of
+        the forward that found the layer sized by the data, if ``bottoms`` are the ones it ran on."""
+        instance = self.objects[_object_key(layer_param)]
+        made, instance.made = instance.made, None
+        if made is not None and len(made[0]) == len(bottoms) and all(
+                np.array_equal(a, b) for a, b in zip(made[0], bottoms)):
+            tops = made[1]
+        else:
+            dtype = np.dtype(bottoms[0].dtype) if len(bottoms) else np.dtype(np.float32)
+            name, obj = layer_param.name, instance.obj
+            bottom = [_holding(b, dtype) for b in bottoms]
+            top = [Blob(shape, dtype) for shape in instance.last_top_shapes]
+            _checked(name, "Python", "reshape", obj.reshape, bottom, top)
+            _checked(name, "Python", "forward", obj.forward, bottom, top)
+            tops = [np.array(t.data, dtype) for t in top]
+        instance.last_top_shapes = [t.shape for t in tops]
+        return tops
 
     def learnable_values(self, layer_param) -> list[np.ndarray]:
         """Copies of the data a Python layer's learnable blobs hold now (after its setup: their initial values)."""
@@ -328,6 +367,8 @@ def _on_host(ctx: LayerContext, instance: _Instance, top_shapes: list[Shape], dt
     blob_shapes = instance.blob_shapes
     out_types = tuple(jax.ShapeDtypeStruct(shape, dtype) for shape in (*top_shapes, *blob_shapes))
     n_bottoms = len(bottoms)
+    # A layer with bottoms, no learnable blobs and no top in place may run on the host instead (runs_on_host).
+    sizes_by_data = n_bottoms > 0 and not blob_shapes and not any(_in_place(ctx, i) for i in range(len(top_shapes)))
 
     @functools.partial(_recording, instance)
     def forward_on_host(*arrays):
@@ -336,8 +377,17 @@ def _on_host(ctx: LayerContext, instance: _Instance, top_shapes: list[Shape], dt
         # An in-place top is its bottom's blob, as in Caffe: it starts out holding the bottom's data.
         top = [bottom[i] if _in_place(ctx, i) else Blob(shape, dtype) for i, shape in enumerate(top_shapes)]
         _checked(name, type_name, "reshape", obj.reshape, bottom, top)
-        _check_shapes(name, type_name, "reshape", "top", top, top_shapes)
+        if not sizes_by_data:
+            _check_shapes(name, type_name, "reshape", "top", top, top_shapes)
         _checked(name, type_name, "forward", obj.forward, bottom, top)
+        if sizes_by_data and [tuple(t.shape) for t in top] != top_shapes:
+            instance.sized_by_data = True
+            instance.made = ([np.array(a) for a in arrays[:n_bottoms]], [np.array(t.data, dtype) for t in top])
+            raise layer_error(TopsSizedByData, name, type_name, f"its reshape or forward changed the top shapes to "
+                              f"{[tuple(t.shape) for t in top]} after the net was built for {top_shapes}: their "
+                              "size depends on the data (py-faster-rcnn's ProposalLayer). Net.forward runs such a "
+                              "layer on the host between compiled programs, from its first forward on; one program "
+                              "over it (compile_inference, an export, a backward, a solver's step) cannot")
         _check_shapes(name, type_name, "forward", "top", top, top_shapes)
         _check_shapes(name, type_name, "forward", "learnable blob", obj.blobs, blob_shapes)
         return tuple(np.asarray(b.data, dtype) for b in (*top, *obj.blobs))
@@ -459,11 +509,9 @@ def _check_shapes(name: str, type_name: str, what: str, kind: str, blobs, expect
     got = [tuple(b.shape) for b in blobs]
     if got != list(expected):
         hint = ""
-        if kind == "top":  # a top sized by the data: py-faster-rcnn's ProposalLayer
-            hint = ("; a layer whose tops' size depends on the data runs on the host between programs when it is "
-                    "registered with host_forward (caffejax.register_layer), as OpenCV's Proposal layer is: write "
-                    "py-faster-rcnn's ProposalLayer as type \"Proposal\" with a proposal_param "
-                    "(caffejax.lower.forks.register_proposal())")
+        if kind == "top":  # sized by the data, but with learnable blobs or a top in place (else TopsSizedByData)
+            hint = ("; a layer whose tops' size depends on the data runs on the host between programs only without "
+                    "learnable blobs and tops in place")
         raise layer_error(ShapeError, name, type_name,
                           f"its {what} changed the {kind} shapes to {got} after the net was built for {expected}; "
                           f"caffejax compiles fixed shapes (reshape the net's inputs instead){hint}")

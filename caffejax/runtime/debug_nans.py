@@ -69,7 +69,7 @@ def find_first_nan(net, params: Mapping[str, list[Any]] | None = None,
                 if found:
                     return found
             if layer.runs_on_host:
-                env.update(run_host_layers([layer], env))
+                env.update(run_host_layers([layer], env, net._python_layers))
             else:
                 env, _ = program.run_layers([layer], params, env, key, recorded=recorded)
             for top, value in zip(layer.tops, layer.top_values):

@@ -455,7 +455,8 @@ def data_parallel_forward(net, devices: Devices, blobs: Sequence[str] = ()) -> C
         gathered = fn(shared, shard_batch(arrays, mesh))
         outputs = {blob: np.asarray(local_value(value)) for blob, value in gathered.items()}
         if made_on_host:
-            made = run_host_layers(graph.layers, {graph.blob_value[blob]: array for blob, array in outputs.items()})
+            made = run_host_layers(graph.layers, {graph.blob_value[blob]: array for blob, array in outputs.items()},
+                                   net._python_layers)
             outputs.update((blob, made[graph.blob_value[blob]]) for blob in asked if blob in made_on_host)
         return {blob: outputs[blob] for blob in asked}
 

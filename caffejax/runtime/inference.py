@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from caffejax.errors import CaffejaxError, ShapeError
+from caffejax.errors import CaffejaxError, ShapeError, TopsSizedByData
 from caffejax.frontend.ir import Graph
 from caffejax.lower.optimize import (DEFAULT_PASSES, Plan, aligned_copy, check_passes, make_plan, optimize,
                                      prepare_params, run_plan)
@@ -96,9 +96,18 @@ class InferenceFunction:
         if program.inputs_to_device_first:
             fed = _inputs_to_device(fed)
         # A Python layer's failure as its typed error; buffers the device cannot hold as an OutOfMemoryError.
-        with self._net._python_layers, DeviceMemoryErrors(program.plan.graph):
-            outputs = program.run(program.params, fed)
-        return _finished_on_host(program.plan.graph, outputs) if program.host_layers else outputs
+        try:
+            with self._net._python_layers, DeviceMemoryErrors(program.plan.graph):
+                outputs = program.run(program.params, fed)
+        except TopsSizedByData:
+            # The net rebuilt runs that Python layer on the host, after the program (refused if compiled layers
+            # read its tops); its first call takes the tops this forward made.
+            self._programs.pop(signature, None)
+            self._net.reshape()
+            check_one_program(self._net.graph.layers)
+            return self(inputs)
+        return (_finished_on_host(program.plan.graph, outputs, self._net._python_layers) if program.host_layers
+                else outputs)
 
     def _signature(self, shapes: Mapping[str, Sequence[int]]) -> Shapes:
         return tuple((name, tuple(int(d) for d in shapes[name])) for name in sorted(shapes))
@@ -209,10 +218,11 @@ def _maps_afresh_on_a_worker(compiled) -> bool:
                                         analysis.output_size_in_bytes) >= _WORKER_HEAP_BYTES
 
 
-def _finished_on_host(graph: Graph, outputs: Mapping[str, Any]) -> dict[str, Any]:
+def _finished_on_host(graph: Graph, outputs: Mapping[str, Any], python_layers) -> dict[str, Any]:
     """The net's outputs from a program's (``Graph.program_outputs``): the layers run on the host after it (SSD's
     DetectionOutput) made from the blobs it returned."""
-    made = run_host_layers(graph.layers, {graph.blob_value[blob]: array for blob, array in outputs.items()})
+    made = run_host_layers(graph.layers, {graph.blob_value[blob]: array for blob, array in outputs.items()},
+                           python_layers)
     return {blob: made[graph.blob_value[blob]] if graph.blob_value[blob] in made else outputs[blob]
             for blob in graph.outputs}
 

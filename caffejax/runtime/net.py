@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from caffejax.errors import (CaffejaxError, DataSourceUnavailable, NumericalError, OutOfMemoryError, ShapeError,
-                             UnknownBlobError, UnsupportedError, WeightsError, layer_error)
+                             TopsSizedByData, UnknownBlobError, UnsupportedError, WeightsError, layer_error)
 from caffejax.fileio import atomic_write
 from caffejax.frontend.build import build_graph, load_net_param
 from caffejax.frontend.caffemodel import encode_net, read_weights
@@ -355,14 +355,16 @@ class Net:
 
     @staticmethod
     def _signature(graph: Graph, before: int | None = None):
-        """What a compiled program depends on: the fed shapes, the shapes host layers made (those before layer
-        ``before`` only: a pass from there on reads what they made, and makes the rest after its program) and
-        the data of shape-deciding blobs."""
+        """What a compiled program depends on: the fed shapes, which layers run on the host (a Python layer does
+        once its forward sized its tops by the data) and the shapes they made (those before layer ``before``
+        only: a pass from there on reads what they made, and makes the rest after its program), and the data of
+        shape-deciding blobs."""
         first = len(graph.layers) if before is None else before
         shapes = tuple((layer.name, tuple(graph.value_shapes[v] or ()) if v in graph.value_shapes else None)
                        for i, layer in enumerate(graph.layers)
                        if layer.is_input or (layer.runs_on_host and i < first) for v in layer.top_values)
-        return shapes + tuple((value, data.tobytes()) for value, data in sorted(graph.concrete.items()))
+        on_host = tuple(i for i, layer in enumerate(graph.layers) if layer.runs_on_host)
+        return shapes + (on_host,) + tuple((value, data.tobytes()) for value, data in sorted(graph.concrete.items()))
 
     def _init_params(self, skip: set[str] = frozenset()) -> None:
         """Allocate the learnable blobs not allocated yet and run Caffe's fillers on them: every blob when the
@@ -752,8 +754,9 @@ class Net:
                         blob.reshape(*array.shape)
                     blob._data.set(np.asarray(array, self._dtype))
 
-    def _forward(self, start: int, end: int, keep_inputs: bool = False) -> float:
-        self._pull_batches(self._program.layers_between(start, end))
+    def _forward(self, start: int, end: int, keep_inputs: bool = False, pull: bool = True) -> float:
+        if pull:
+            self._pull_batches(self._program.layers_between(start, end))
         self._sync_shapes()
         layers = self._program.layers_between(start, end)
         self._require_shapes(layers, "run")
@@ -777,7 +780,11 @@ class Net:
         env = {**self._feed(layers), **self._read_state(layers)}
         if keep_inputs:  # one layer run on its own: its backward reads what it read (not the blobs' later data),
             self._layer_inputs[start] = (env, key)  # with its key (the same Dropout mask)
-        values, updates, loss = fn(params, env, key)
+        try:
+            with self._python_layers:
+                values, updates, loss = jax.block_until_ready(fn(params, env, key))
+        except TopsSizedByData:
+            return self._forward_sized_by_data(start, end, keep_inputs)
         made_on_host = self._run_host_layers(layers, values, env)
         # A Python layer's tops, for a backward that must not run its forward again (Caffe's Backward reads the
         # tops Forward left; a pass over a Python layer hands back every value).
@@ -800,7 +807,7 @@ class Net:
         made, as their Forward reshapes them in Caffe. Returns the values written."""
         if not self._host_layers:  # most nets: nothing to look up on every pass
             return set()
-        made = run_host_layers(layers, {**(fed or {}), **values})
+        made = run_host_layers(layers, {**(fed or {}), **values}, self._python_layers)
         for layer in layers:
             for top, value in zip(layer.tops, layer.top_values):
                 if value in made:
@@ -923,7 +930,17 @@ class Net:
         for callback in self._layer_callbacks[when]:
             callback(index)
 
-    def _forward_in_stages(self, start: int, end: int) -> float:
+    def _forward_sized_by_data(self, start: int, end: int, keep_inputs: bool) -> float:
+        """The pass over layers start..end again, after a Python layer's forward in it sized its tops by the data
+        (TopsSizedByData): the rebuilt net runs that layer on the host, in stages if compiled layers read its
+        tops. The data layers keep the batch the pass read; the layer's first host call takes the tops that
+        forward made."""
+        self.reshape()
+        if start == end:
+            return self._forward(start, end, keep_inputs, pull=False)
+        return self._forward_in_stages(start, end, pull=False)
+
+    def _forward_in_stages(self, start: int, end: int, pull: bool = True) -> float:
         """Caffe's ForwardFromTo over a net where compiled layers read what a layer run on the host makes
         (Graph.staging_layers): the layers before that layer as one program, the layer on the host (its tops
         written into their blobs, reshaped as its Forward reshapes them), then the layers after it, which
@@ -932,10 +949,10 @@ class Net:
         for stage in self._staging:
             if start <= stage <= end:
                 if begin < stage:
-                    loss += self._forward(begin, stage - 1)
-                loss += self._forward(stage, stage)
+                    loss += self._forward(begin, stage - 1, pull=pull)
+                loss += self._forward(stage, stage, pull=pull)
                 begin = stage + 1
-        return loss + (self._forward(begin, end) if begin <= end else 0.0)
+        return loss + (self._forward(begin, end, pull=pull) if begin <= end else 0.0)
 
     def _forward_layer_by_layer(self, start: int, end: int) -> float:
         """Caffe's ForwardFromTo with callbacks or debug_info: layer by layer, the callbacks around each."""
