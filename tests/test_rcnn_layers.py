@@ -228,6 +228,152 @@ def test_roi_of_an_image_outside_the_batch_gives_nan_rows(isolated_registry):
     assert np.isnan(top[1:]).all()
 
 
+# ---- PSROIPooling --------------------------------------------------------------------------------------------------
+
+def _psroi_edges(first: float, last: float, index: int, group: int, scale: np.float32) -> tuple[int, int]:
+    """Forward_cpu's [start, end) of bin ``index`` along one axis, before clipping, in float32 (no fused
+    multiply-add: NumPy rounds each product)."""
+    f32 = np.float32
+    start = f32(_c_round(first)) * scale
+    end = f32(_c_round(last) + 1.0) * scale
+    size = max(f32(end - start), f32(0.1)) / f32(group)
+    return int(math.floor(f32(f32(index) * size) + start)), int(math.ceil(f32(f32(index + 1) * size) + start))
+
+
+def _psroi_pooling_loops(x: np.ndarray, rois: np.ndarray, output_dim: int, group: int, scale: float):
+    """R-FCN's PSROIPoolingForward_cpu, loop by loop (float32 sums in its order), and Backward_gpu's spread of
+    each top diff (``dtop``) over its bin."""
+    n, channels, height, width = x.shape
+    scale = np.float32(scale)
+    top = np.zeros((len(rois), output_dim, group, group), np.float32)
+    bins = []
+    for r, roi in enumerate(rois):
+        image = int(roi[0])
+        for d in range(output_dim):
+            for i in range(group):
+                for j in range(group):
+                    h0, h1 = _psroi_edges(roi[2], roi[4], i, group, scale)
+                    w0, w1 = _psroi_edges(roi[1], roi[3], j, group, scale)
+                    h0, h1, w0, w1 = (min(max(v, 0), size) for v, size in
+                                      ((h0, height), (h1, height), (w0, width), (w1, width)))
+                    c = (d * group + i) * group + j
+                    total = np.float32(0)
+                    for h in range(h0, h1):
+                        for w in range(w0, w1):
+                            total = np.float32(total + x[image, c, h, w])
+                    area = (h1 - h0) * (w1 - w0)
+                    top[r, d, i, j] = 0 if h1 <= h0 or w1 <= w0 else total / np.float32(area)
+                    bins.append((r, d, i, j, image, c, h0, h1, w0, w1, area))
+    return top, bins
+
+
+def _psroi_backward_loops(shape, bins, dtop: np.ndarray) -> np.ndarray:
+    dx = np.zeros(shape, np.float32)
+    for r, d, i, j, image, c, h0, h1, w0, w1, area in bins:
+        if h1 > h0 and w1 > w0:
+            dx[image, c, h0:h1, w0:w1] += dtop[r, d, i, j] / np.float32(area)
+    return dx
+
+
+def _fused_edges_differ(first: float, last: float, group: int, scale: np.float32) -> bool:
+    """Whether a fused multiply-add (one rounding of index * size + start) moves a bin edge of this ROI."""
+    f32 = np.float32
+    start = f32(_c_round(first)) * scale
+    size = max(f32(f32(_c_round(last) + 1.0) * scale - start), f32(0.1)) / f32(group)
+    for index in range(group + 1):
+        fused = f32(np.float64(index) * np.float64(size) + np.float64(start))
+        separate = f32(f32(index) * size) + start
+        if math.floor(fused) != math.floor(separate) or math.ceil(fused) != math.ceil(separate):
+            return True
+    return False
+
+
+def test_psroi_pooling_gives_r_fcns_loops_forward_and_backward():
+    """Random maps, ROIs inside, across and outside the map, inverted and tiny (0.1 wide), halves (C's round),
+    scales whose products round, and ROIs where a fused multiply-add would move a bin edge (XLA:CPU fuses a
+    multiply feeding an add; Caffe's CPU build rounds the product first)."""
+    rng = np.random.default_rng(3)
+
+    @functools.partial(jax.jit, static_argnums=(2, 3, 4))
+    def forward_backward(x, rois, output_dim, group, scale, dtop):
+        top, pull = jax.vjp(lambda v: forks._psroi_pool(v, rois, output_dim, group, scale), x)
+        return top, pull(dtop)[0]
+
+    for case, (output_dim, group, scale) in enumerate([(2, 3, 0.5), (1, 7, 1 / 16), (2, 5, 0.3), (2, 3, 1 / 3)]):
+        shape = (2, output_dim * group * group) + ((11, 14) if case % 2 else (14, 11))  # each axis first
+        x = rng.standard_normal(shape).astype(np.float32)
+        scale = float(np.float32(scale))
+        rois = _random_rois(rng, 10, 2, max(shape[2:]) / scale)
+        candidates = _random_rois(rng, 2000, 2, max(shape[2:]) / scale)  # ~1% of them move an edge when fused
+        found = [roi for roi in candidates if _fused_edges_differ(roi[2], roi[4], group, np.float32(scale))][:3]
+        assert len(found) == 3
+        rois = np.concatenate([rois, np.stack(found)])
+        want, bins = _psroi_pooling_loops(x, rois, output_dim, group, scale)
+        dtop = rng.standard_normal(want.shape).astype(np.float32)
+        top, dx = forward_backward(x, rois, output_dim, group, scale, dtop)
+        np.testing.assert_allclose(np.asarray(top), want, rtol=1e-5, atol=1e-6, err_msg=f"case {case}")
+        np.testing.assert_allclose(np.asarray(dx), _psroi_backward_loops(shape, bins, dtop), rtol=1e-5,
+                                   atol=1e-6, err_msg=f"case {case}")
+        # The same bins: the mean of a map of ones is 1 in every bin with places, 0 in the empty ones.
+        ones = np.asarray(forks._psroi_pool(np.ones(shape, np.float32), rois, output_dim, group, scale))
+        np.testing.assert_array_equal(ones, (want != 0) | (_psroi_pooling_loops(
+            np.ones(shape, np.float32), rois, output_dim, group, scale)[0] == 1), err_msg=f"case {case}")
+
+
+def test_psroi_pooling_reads_no_value_outside_a_bin():
+    """NaN and infinities outside a bin leave it alone (a masked sum would spread them); inside, the bin gets
+    what Caffe's float sum gives: NaN for a NaN or both infinities, else the infinity."""
+    x = np.ones((1, 4, 6, 6), np.float32)  # output_dim 1, 2 x 2 groups
+    x[0, 0, 5, 5] = np.nan  # channel 0 is bin (0, 0)'s, which the ROI keeps to rows and columns 0..2
+    x[0, 1, 0, 0] = np.inf  # bin (0, 1) reads columns 3..5 of channel 1
+    x[0, 2, 4, 1], x[0, 2, 5, 0] = np.inf, np.nan  # bin (1, 0): rows 3..5, columns 0..2
+    x[0, 3, 4, 4], x[0, 3, 5, 5] = np.inf, -np.inf  # bin (1, 1)
+    top = np.asarray(forks._psroi_pool(x, np.float32([[0, 0, 0, 5, 5]]), 1, 2, 1.0))
+    np.testing.assert_array_equal(top[0, 0], [[1, 1], [np.nan, np.nan]])
+    x[0, 2, 5, 0] = 1
+    top = np.asarray(forks._psroi_pool(x, np.float32([[0, 0, 0, 5, 5]]), 1, 2, 1.0))
+    np.testing.assert_array_equal(top[0, 0], [[1, 1], [np.inf, np.nan]])
+
+
+def _psroi_net(images: int, channels: int, height: int, width: int, rois: int, param: str) -> str:
+    return (input_layer(images, channels, height, width, name="data") + input_layer(rois, 5, name="rois")
+            + 'layer { name: "psroi" type: "PSROIPooling" bottom: "data" bottom: "rois" top: "pool" '
+              f'psroi_pooling_param {{ {param} }} }}\n')
+
+
+def test_psroi_pooling_matches_opencv(isolated_registry, tmp_path):
+    """OpenCV 4.x reads R-FCN's PSROIPooling (its psroi_pooling_param, by name in the prototxt)."""
+    cv2 = pytest.importorskip("cv2")
+    forks.register_psroi_pooling()
+    rng = np.random.default_rng(4)
+    for case, (output_dim, group, scale) in enumerate([(21, 7, 1 / 16), (2, 3, 0.5), (8, 7, 0.0625)]):
+        param = f"spatial_scale: {scale} output_dim: {output_dim} group_size: {group}"
+        text = _psroi_net(1, output_dim * group * group, 19, 23, 30, param)
+        path = tmp_path / f"psroi{case}.prototxt"
+        path.write_text(text)
+        x = rng.standard_normal((1, output_dim * group * group, 19, 23)).astype(np.float32)
+        rois = _random_rois(rng, 30, 1, 23 / scale)
+        rois[:, 1:] = np.abs(rois[:, 1:])  # OpenCV rounds x + 1 where Caffe adds 1 to round(x): the same above 0
+        got = caffejax.Net(text, caffejax.TEST).forward(data=x, rois=rois)["pool"]
+        reference = cv2.dnn.readNetFromCaffe(str(path))
+        reference.setInput(x, "data")
+        reference.setInput(rois, "rois")
+        np.testing.assert_allclose(got, reference.forward("psroi"), rtol=1e-5, atol=1e-6, err_msg=param)
+
+
+def test_psroi_pooling_errors_name_the_layer(isolated_registry):
+    forks.register_psroi_pooling()
+    with pytest.raises(ShapeError, match=r"layer 'psroi' \(type PSROIPooling\): input channel number does not "
+                                         r"match layer parameters: bottom 0 has 18 channels, output_dim x "
+                                         r"group_size\^2 = 3 x 3\^2 = 27"):
+        caffejax.Net(_psroi_net(1, 18, 8, 8, 2, "spatial_scale: 1 output_dim: 3 group_size: 3"), caffejax.TEST)
+    with pytest.raises(CaffejaxError, match=r"layer 'psroi' \(type PSROIPooling\): psroi_pooling_param needs "
+                                            r"group_size \(required"):
+        caffejax.Net(_psroi_net(1, 18, 8, 8, 2, "spatial_scale: 1 output_dim: 2"), caffejax.TEST)
+    with pytest.raises(CaffejaxError, match=r"output_dim and group_size must be > 0"):
+        caffejax.Net(_psroi_net(1, 18, 8, 8, 2, "spatial_scale: 1 output_dim: 0 group_size: 3"), caffejax.TEST)
+
+
 # ---- SmoothL1Loss ------------------------------------------------------------------------------------------------
 
 def _smooth_l1_loops(diff: np.ndarray, sigma2: float) -> np.ndarray:
@@ -352,6 +498,51 @@ def test_faster_rcnn_test_net_matches_opencv(isolated_registry, tmp_path):
             np.testing.assert_allclose(net.blobs["rois"].data, rois.reshape(-1, 5)[:found], rtol=1e-5, atol=1e-4,
                                        err_msg=proposal)
             np.testing.assert_allclose(scores, want.reshape(-1, 4)[:found], rtol=1e-4, atol=1e-6, err_msg=proposal)
+
+
+R_FCN_HEAD = """
+layer { name: "rfcn_cls" type: "Convolution" bottom: "conv1" top: "rfcn_cls"
+  convolution_param { num_output: 36 kernel_size: 1 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "rfcn_bbox" type: "Convolution" bottom: "conv1" top: "rfcn_bbox"
+  convolution_param { num_output: 72 kernel_size: 1 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { bottom: "rfcn_cls" bottom: "rois" top: "psroipooled_cls_rois" name: "psroipooled_cls_rois"
+  type: "PSROIPooling" psroi_pooling_param { spatial_scale: 0.25 output_dim: 4 group_size: 3 } }
+layer { bottom: "psroipooled_cls_rois" top: "cls_score" name: "ave_cls_score_rois" type: "Pooling"
+  pooling_param { pool: AVE kernel_size: 3 stride: 3 } }
+layer { bottom: "rfcn_bbox" bottom: "rois" top: "psroipooled_loc_rois" name: "psroipooled_loc_rois"
+  type: "PSROIPooling" psroi_pooling_param { spatial_scale: 0.25 output_dim: 8 group_size: 3 } }
+layer { bottom: "psroipooled_loc_rois" top: "bbox_pred_pre" name: "ave_bbox_pred_rois" type: "Pooling"
+  pooling_param { pool: AVE kernel_size: 3 stride: 3 } }
+layer { name: "cls_prob_pre" type: "Softmax" bottom: "cls_score" top: "cls_prob_pre" }
+layer { name: "cls_prob_reshape" type: "Reshape" bottom: "cls_prob_pre" top: "cls_prob"
+  reshape_param { shape { dim: -1 dim: 4 } } }
+layer { name: "bbox_pred_reshape" type: "Reshape" bottom: "bbox_pred_pre" top: "bbox_pred"
+  reshape_param { shape { dim: -1 dim: 8 } } }
+"""
+
+
+def test_r_fcn_test_net_matches_opencv(isolated_registry, tmp_path):
+    """py-R-FCN's class-agnostic test net in small (position-sensitive maps pooled per ROI and averaged): in
+    stages around the proposals, the same class probabilities and box deltas as OpenCV 4.x's."""
+    cv2 = pytest.importorskip("cv2")
+    text = _faster_rcnn(SMALL_ANCHORS.replace("min_size: 4", "min_size: 0"))
+    text = text[:text.index('layer { name: "roi_pool"')] + R_FCN_HEAD
+    net = caffejax.Net(text, caffejax.TEST)
+    (tmp_path / "rfcn.prototxt").write_text(text)
+    net.save(str(tmp_path / "rfcn.caffemodel"))
+    reference = cv2.dnn.readNetFromCaffe(str(tmp_path / "rfcn.prototxt"), str(tmp_path / "rfcn.caffemodel"))
+    rng = np.random.default_rng(9)
+    for height, width in ((64, 80), (48, 72)):
+        feed = _image(rng, height, width)
+        net.blobs["data"].reshape(1, 3, height, width)
+        out = net.forward(**feed)
+        for name, array in feed.items():
+            reference.setInput(array, name)
+        probabilities, deltas = reference.forward(["cls_prob_reshape", "bbox_pred_reshape"])  # layer names
+        found = len(out["cls_prob"])  # OpenCV pads its ROIs to post_nms_topn with zero rows
+        assert found > 5 and out["bbox_pred"].shape == (found, 8)
+        np.testing.assert_allclose(out["cls_prob"], probabilities[:found], rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(out["bbox_pred"], deltas[:found], rtol=1e-4, atol=1e-5)
 
 
 def test_faster_rcnn_test_net_runs_in_stages(isolated_registry):

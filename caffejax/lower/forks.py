@@ -1,12 +1,12 @@
 """Rules for layers of popular Caffe forks, registered only on request.
 
-BVLC Caffe does not have these layers; models converted from YOLO, SSD, Fast/Faster R-CNN, DeepLab/PSPNet or
-MobileNet ports use them. ``register_all()`` makes all of them available, or one at a time: ``register_upsample()``,
+BVLC Caffe does not have these layers; models converted from YOLO, SSD, Fast/Faster R-CNN, R-FCN, DeepLab/PSPNet
+or MobileNet ports use them. ``register_all()`` makes all of them available, or one at a time: ``register_upsample()``,
 ``register_interp()``, ``register_relu6()``, ``register_permute()``, ``register_normalize()``,
 ``register_prior_box()``, ``register_detection_output()``, ``register_proposal()``,
-``register_roi_pooling()``, ``register_smooth_l1_loss()``. Registering declares the fork's LayerParameter field (``upsample_param``,
-``interp_param``, ...) to the prototxt parser (caffejax.frontend.prototxt.register_fork_param), so prototxts using it
-parse, and adds the layer's rule.
+``register_roi_pooling()``, ``register_psroi_pooling()``, ``register_smooth_l1_loss()``. Registering declares the
+fork's LayerParameter field (``upsample_param``, ``interp_param``, ...) to the prototxt parser
+(caffejax.frontend.prototxt.register_fork_param), so prototxts using it parse, and adds the layer's rule.
 Each rule follows the fork's C++ layer, named in its docstring.
 
 A prototxt that uses one of these fields before it is registered fails to parse with a message naming the
@@ -857,6 +857,146 @@ def roi_pooling(ctx: LayerContext, bottoms, params):
     return [top]
 
 
+# ---- PSROIPooling: position-sensitive average pooling over regions of interest (R-FCN's psroi_pooling_layer) --------
+
+PSROI_POOLING_PARAM = ForkParam("psroi_pooling_param", "PSROIPoolingParameter", 10001,
+                                (ForkParamField("spatial_scale", "float", 1),
+                                 ForkParamField("output_dim", "int32", 2),
+                                 ForkParamField("group_size", "int32", 3)),
+                                origin="R-FCN (daijifeng001/caffe-rfcn)")
+
+
+def _rounded_product(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a * b rounded to its dtype before a later add uses it, as Caffe's CPU build (x86-64, no FMA) computes
+    ``a * b + c``: XLA:CPU fuses such a multiply and add into one fused multiply-add, rounding once (a bin edge
+    then moves where the sum lands within an ulp of a whole number). The product's magnitude goes through abs,
+    which the fusion does not look through."""
+    magnitude = jnp.abs(a * b)
+    return jnp.where(jnp.signbit(a) != jnp.signbit(b), -magnitude, magnitude)
+
+
+def _psroi_bin_masks(rois: jax.Array, group: int, scale: float, shape: Shape):
+    """Forward_cpu's bins: for each ROI [image, x1, y1, x2, y2], the rows (R, group, H) and columns (R, group, W)
+    of its group x group bins on the map, as masks; each bin's area (R, group, group); which image it reads
+    (R, N one-hot); and whether that image is in the batch (R,). The corners are rounded (C's round) before the
+    spatial_scale, the ROI is at least 0.1 x 0.1, a bin runs from floor(start + i * size / group) to
+    ceil(start + (i + 1) * size / group), clipped to the map, all in float32 as Caffe's Dtype."""
+    n, _, height, width = shape
+    dtype = jnp.promote_types(rois.dtype, jnp.float32)
+    rois = lax.stop_gradient(rois).reshape(rois.shape[0], 5).astype(dtype)
+    scale = jnp.asarray(scale, dtype)
+    image = jnp.trunc(jnp.nan_to_num(rois[:, 0], nan=-1.0, posinf=n, neginf=-1.0))  # static_cast<int>
+    x1, y1, x2, y2 = (_c_round(rois[:, i]) for i in range(1, 5))
+
+    def edges(first, last, size):
+        start = _rounded_product(first, scale)
+        end = _rounded_product(last + 1, scale)
+        extent = jnp.maximum(end - start, jnp.asarray(0.1, dtype))  # too small ROIs forced to 0.1
+        # A divisor XLA sees as a constant becomes a multiply by its reciprocal (see _roi_bins).
+        bin_size = extent / lax.optimization_barrier(jnp.full(extent.shape, group, dtype))
+        steps = jnp.arange(group + 1, dtype=dtype)
+        at = _rounded_product(steps[None, :], bin_size[:, None]) + start[:, None]  # (R, group + 1)
+        limit = jnp.asarray(2.0 ** 30, dtype)  # far outside any map; keeps the int conversion defined
+        lo = jnp.clip(jnp.floor(at[:, :-1]), -limit, limit).astype(jnp.int32)
+        hi = jnp.clip(jnp.ceil(at[:, 1:]), -limit, limit).astype(jnp.int32)
+        lo, hi = jnp.clip(lo, 0, size), jnp.clip(hi, 0, size)
+        places = jnp.arange(size, dtype=jnp.int32)
+        mask = (places[None, None, :] >= lo[:, :, None]) & (places[None, None, :] < hi[:, :, None])
+        return mask, jnp.maximum(hi - lo, 0)
+
+    rows, heights = edges(y1, y2, height)
+    columns, widths = edges(x1, x2, width)
+    area = (heights[:, :, None] * widths[:, None, :]).astype(dtype)
+    valid = (image >= 0) & (image < n)
+    one_hot = (image[:, None] == jnp.arange(n, dtype=dtype)[None, :]).astype(dtype)
+    return rows.astype(dtype), columns.astype(dtype), area, one_hot, valid
+
+
+def _psroi_sums(x: jax.Array, rows, columns, one_hot, output_dim: int, group: int) -> jax.Array:
+    """Each bin's sum over its rows and columns of its own channel (output channel d, bin (i, j) reads input
+    channel (d * group + i) * group + j): (R, output_dim, group, group). Linear in x."""
+    n, _, height, width = x.shape
+    maps = x.reshape(n, output_dim, group, group, height, width)
+    highest = lax.Precision.HIGHEST  # no TF32 or bf16 passes on a GPU: Caffe sums in float
+    # The longer axis first, which leaves the smaller partial sums: R-FCN's cls maps (1029 x 38 x 63) at 300
+    # ROIs, 54 -> 49 ms forward and 60 -> 40 ms backward on 2 AVX2 cores, columns first.
+    if width >= height:
+        columns = jnp.einsum("rn,rjw->rnjw", one_hot, columns, precision=highest)
+        by_column = jnp.einsum("rnjw,ndijhw->jrdih", columns, maps, precision=highest)  # (group, R, D, group, H)
+        return jnp.einsum("jrdih,rih->rdij", by_column, rows, precision=highest)
+    rows = jnp.einsum("rn,rih->rnih", one_hot, rows, precision=highest)
+    by_row = jnp.einsum("rnih,ndijhw->irdjw", rows, maps, precision=highest)  # (group, R, D, group, W)
+    return jnp.einsum("irdjw,rjw->rdij", by_row, columns, precision=highest)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _psroi_pool(x: jax.Array, rois: jax.Array, output_dim: int, group: int, scale: float) -> jax.Array:
+    rows, columns, area, one_hot, valid = _psroi_bin_masks(rois, group, scale, x.shape)
+    finite = jnp.isfinite(x)
+    sums = _psroi_sums(jnp.where(finite, x, jnp.zeros((), x.dtype)), rows, columns, one_hot, output_dim, group)
+
+    def with_special_values(sums):
+        # A masked sum would spread a NaN or infinity outside a bin into it (0 x inf); Caffe's loop never reads
+        # those. A bin holding one gives what a float sum of its values gives: NaN for a NaN or both
+        # infinities, else the infinity.
+        counts = [_psroi_sums(kind.astype(x.dtype), rows, columns, one_hot, output_dim, group) > 0
+                  for kind in (jnp.isnan(x), x == jnp.inf, x == -jnp.inf)]
+        nan, high, low = counts
+        sums = jnp.where(high, jnp.asarray(jnp.inf, x.dtype), sums)
+        sums = jnp.where(low, jnp.asarray(-jnp.inf, x.dtype), sums)
+        return jnp.where(nan | (high & low), jnp.asarray(jnp.nan, x.dtype), sums)
+
+    sums = lax.cond(jnp.all(finite), lambda s: s, with_special_values, sums)
+    area = area[:, None].astype(x.dtype)
+    top = jnp.where(area > 0, sums / jnp.where(area > 0, area, 1), jnp.zeros((), x.dtype))
+    return jnp.where(valid[:, None, None, None], top, jnp.asarray(jnp.nan, x.dtype))
+
+
+def _psroi_pool_forward(x, rois, output_dim, group, scale):
+    return _psroi_pool(x, rois, output_dim, group, scale), (rois, x.shape)
+
+
+def _psroi_pool_backward(output_dim, group, scale, residuals, dtop):
+    """Backward_gpu (caffe-rfcn has no Backward_cpu): each top diff over its bin's area to every place of the
+    bin, whatever its value; none to the ROIs, nor from an ROI of an image outside the batch."""
+    (rois, shape), dtype = residuals, dtop.dtype
+    rows, columns, area, one_hot, valid = _psroi_bin_masks(rois, group, scale, shape)
+    area = area[:, None].astype(dtype)
+    share = jnp.where((area > 0) & valid[:, None, None, None], dtop / jnp.where(area > 0, area, 1),
+                      jnp.zeros((), dtype))
+    _, spread = jax.vjp(lambda v: _psroi_sums(v, rows, columns, one_hot, output_dim, group),
+                        jnp.zeros(shape, dtype))
+    return spread(share)[0], jnp.zeros_like(rois)
+
+
+_psroi_pool.defvjp(_psroi_pool_forward, _psroi_pool_backward)
+
+
+def psroi_pooling(ctx: LayerContext, bottoms, params):
+    """Position-sensitive average pooling of each region of interest (R-FCN): bottom 0 holds output_dim x
+    group_size x group_size score maps, bottom 1 one ROI [image, x1, y1, x2, y2] per item (image coordinates,
+    times spatial_scale on the map); the top (ROIs, output_dim, group_size, group_size) holds, for bin (i, j) of
+    output channel d, the mean of map (d * group_size + i) * group_size + j over the bin (0 for an empty bin)."""
+    x, rois = bottoms
+    p = fork_param(ctx.layer, "psroi_pooling_param")
+    missing = [f for f in ("spatial_scale", "output_dim", "group_size") if not p.HasField(f)]
+    if missing:
+        raise ctx.error(f"psroi_pooling_param needs {', '.join(missing)} (required in caffe-rfcn's caffe.proto)",
+                        SchemaError)
+    if p.output_dim <= 0 or p.group_size <= 0:
+        raise ctx.error(f"output_dim and group_size must be > 0, got {p.output_dim} and {p.group_size}")
+    features = x.reshape(legacy_shape(ctx, x, "bottom 0"))
+    if features.shape[1] != p.output_dim * p.group_size ** 2:
+        raise ctx.error(f"input channel number does not match layer parameters: bottom 0 has {features.shape[1]} "
+                        f"channels, output_dim x group_size^2 = {p.output_dim} x {p.group_size}^2 = "
+                        f"{p.output_dim * p.group_size ** 2}")
+    if math.prod(legacy_shape(ctx, rois, "rois")[1:]) != 5:
+        raise ctx.error(f"ROI layer C x H x W must be 5 ([image, x1, y1, x2, y2] per ROI), got rois of shape "
+                        f"{tuple(rois.shape)}")
+    top = _psroi_pool(features, rois, int(p.output_dim), int(p.group_size), float(np.float32(p.spatial_scale)))
+    return [top]
+
+
 # ---- Proposal: Faster R-CNN's region proposals (py-faster-rcnn's rpn/proposal_layer.py, as OpenCV's layer) -------
 
 PROPOSAL_PARAM = ForkParam("proposal_param", "ProposalParameter", 201,
@@ -1052,6 +1192,8 @@ FORK_LAYERS: tuple[ForkLayer, ...] = (
               tops=(1, 2), host_forward=propose),
     ForkLayer("ROIPooling", roi_pooling, "register_roi_pooling", ROI_POOLING_PARAM.origin, ROI_POOLING_PARAM,
               bottoms=(2, 2)),
+    ForkLayer("PSROIPooling", psroi_pooling, "register_psroi_pooling", PSROI_POOLING_PARAM.origin,
+              PSROI_POOLING_PARAM, bottoms=(2, 2)),
     ForkLayer("SmoothL1Loss", smooth_l1_loss, "register_smooth_l1_loss", SMOOTH_L1_LOSS_PARAM.origin,
               SMOOTH_L1_LOSS_PARAM, bottoms=(2, 4), is_loss=True,
               allow_force_backward=lambda layer_param, i: i != 1),  # LossLayer::AllowForceBackward
@@ -1123,6 +1265,10 @@ def register_proposal(override: bool = False) -> None:
 
 def register_roi_pooling(override: bool = False) -> None:
     register(of_type("ROIPooling"), override)
+
+
+def register_psroi_pooling(override: bool = False) -> None:
+    register(of_type("PSROIPooling"), override)
 
 
 def register_smooth_l1_loss(override: bool = False) -> None:
