@@ -1,6 +1,7 @@
 """Faster R-CNN's test net (py-faster-rcnn's VGG16 end2end, with its Python ProposalLayer written as OpenCV's
-Proposal layer) at one image: caffejax's Net.forward, run in stages around the proposals, against OpenCV DNN on
-the same prototxt and weights (random, MSRA-filled), in alternating blocks of the same run.
+Proposal layer) at one image: caffejax's Net.forward and compile_inference, each run in stages around the
+proposals, against OpenCV DNN on the same prototxt and weights (random, MSRA-filled), in alternating blocks of
+the same run.
 
     python -m bench.faster_rcnn                      # 600 x 800, py-faster-rcnn's test scale
     python -m bench.faster_rcnn --height 375 --width 500 --repeats 5 --json out.json
@@ -133,8 +134,12 @@ def main() -> None:
     found = len(scores)
     matched, score_diff = _agreement(net.blobs["rois"].data, scores, rois.reshape(-1, 5),
                                      want.reshape(-1, scores.shape[1]))
-    times = timed_alternating({"caffejax": lambda: net.forward(**feed)["cls_prob"], "opencv": opencv},
-                              args.repeats, rounds=min(args.repeats, 3), warmup=1)
+    infer = caffejax.compile_inference(net)  # the inference passes in each stage's program
+    served = np.asarray(infer(feed)["cls_prob"])
+    inference_difference = float(np.abs(served - scores).max()) if served.shape == scores.shape else float("inf")
+    times = timed_alternating({"caffejax": lambda: net.forward(**feed)["cls_prob"],
+                               "compile_inference": lambda: jax.block_until_ready(infer(feed)["cls_prob"]),
+                               "opencv": opencv}, args.repeats, rounds=min(args.repeats, 3), warmup=1)
     proposal = list(net._layer_names).index("proposal")
     last = len(net.layers) - 1
     stages = timed_alternating({
@@ -144,12 +149,18 @@ def main() -> None:
     result = {"image": [args.height, args.width], "rois": found, "first_forward_s": first_s,
               "caffejax_ms": times["caffejax"]["median_ms"], "opencv_ms": times["opencv"]["median_ms"],
               "ratio": times["caffejax"]["median_ms"] / times["opencv"]["median_ms"],
+              "compile_inference_ms": times["compile_inference"]["median_ms"],
+              "compile_inference_ratio": times["compile_inference"]["median_ms"] / times["opencv"]["median_ms"],
+              "compile_inference_max_difference": inference_difference,
               "stages_ms": {name: t["median_ms"] for name, t in stages.items()}, "rois_in_opencv": matched,
               "max_score_difference": score_diff, "compile_count": net.compile_count}
     print(f"Faster R-CNN VGG16 test net, image {args.height} x {args.width}, {found} ROIs; {matched:.1%} of them "
           f"among OpenCV's (within 0.5 px), class scores of those within {score_diff:.1e}")
     print(f"  caffejax {result['caffejax_ms']:.0f} ms, OpenCV {result['opencv_ms']:.0f} ms, "
           f"ratio {result['ratio']:.2f}; first forward {first_s:.1f} s, {net.compile_count} programs")
+    print(f"  compile_inference {result['compile_inference_ms']:.0f} ms, ratio "
+          f"{result['compile_inference_ratio']:.2f}, its class scores within {inference_difference:.1e} of "
+          "Net.forward's")
     for name, ms in result["stages_ms"].items():
         print(f"  {name}: {ms:.1f} ms")
     if args.json:

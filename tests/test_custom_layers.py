@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import caffejax
+from caffejax.export import export_stablehlo
 from caffejax.frontend import prototxt
 from caffejax.frontend.prototxt import ForkParam, ForkParamField, register_fork_param
 from caffejax.lower import forks, registry
@@ -1007,11 +1008,12 @@ def test_a_python_layer_sizing_its_tops_by_the_data_runs_on_the_host(layers_modu
     net.after_forward(called.append)
     np.testing.assert_array_equal(net.forward(x=_positives(1, 2))["doubled"], [2, 4])
     assert called == [0, 1, 2] and counts.forwards == 5
-    # One program over it cannot hold it: an inference function names the layer.
+    # An inference function runs it in stages too, learning it as the net does when the net has not met it.
     for net in (caffejax.Net(SIZED_BY_DATA, caffejax.TEST, allow_python_layers=True), net):
-        with pytest.raises(caffejax.UnsupportedError, match="layer 'double' \\(type Power\\): reads the top of "
-                                                            "layer 'keep' \\(type Python\\)"):
-            caffejax.compile_inference(net)({"x": _positives(1, 2)})
+        infer = caffejax.compile_inference(net)
+        np.testing.assert_array_equal(infer({"x": _positives(1, 2)})["doubled"], [2, 4])
+        np.testing.assert_array_equal(infer({"x": _positives(3, 1, 2)})["doubled"], [6, 2, 4])
+    assert counts.forwards == 9
 
 
 def test_a_python_layer_sizing_the_nets_output_runs_after_the_program(layers_module):
@@ -1171,8 +1173,6 @@ def test_what_a_python_layers_forward_writes_in_its_blobs_stays(layers_module, i
 def test_a_net_with_python_layers_is_refused_by_stablehlo_export(layers_module, tmp_path):
     """A serialized program cannot hold host code: the export names the Python layers (it failed inside JAX's
     serializer with NotImplementedError)."""
-    from caffejax.export import export_stablehlo
-
     net = caffejax.Net(_input(2) + _python_layer("s", "Scale", ["x"], "y"), caffejax.TEST, allow_python_layers=True)
     with pytest.raises(caffejax.UnsupportedError, match="cannot export Python layers \\['s'\\] to StableHLO"):
         export_stablehlo(net, str(tmp_path / "net.stablehlo"))

@@ -16,6 +16,7 @@ import pytest
 
 import caffejax
 from caffejax.errors import CaffejaxError, ShapeError
+from caffejax.export import export_stablehlo
 from caffejax.lower import forks
 from conftest import input_layer
 
@@ -636,8 +637,8 @@ def test_py_faster_rcnns_python_proposal_layer_runs_in_stages(isolated_registry,
         assert net.blobs["roi_scores"].shape == (len(scores), 1) and len(scores) > 1
     assert len(calls) == 3  # the Python layer's forward, once a pass (the Proposal rule's host_forward is its own)
     assert net.graph.staging_layers == [list(net._layer_names).index("proposal")]
-    with pytest.raises(caffejax.UnsupportedError, match="reads the top of layer 'proposal' \\(type Python\\)"):
-        caffejax.compile_inference(net)
+    np.testing.assert_array_equal(caffejax.compile_inference(net)(feed)["cls_prob"], scores)
+    assert len(calls) == 4
 
 
 FAST_RCNN_ROIS = """name: "same-head-fed-rois"
@@ -683,14 +684,41 @@ def test_proposals_by_hand(isolated_registry):
     np.testing.assert_array_equal(out["roi_scores"].ravel(), np.float32([0.9, 0.7, 0.5]))
 
 
+def test_compile_inference_runs_in_stages(isolated_registry):
+    """compile_inference of a Faster R-CNN or R-FCN test net: the layers before the proposals one optimised
+    program, the proposals on the host, the layers after them another, built for the ROIs found; the outputs
+    are Net.forward's. A stage compiles once per shapes it reads: here the ROI count stays post_nms_topn, so
+    once per image size."""
+    for head in (None, R_FCN_HEAD):
+        text = _faster_rcnn()
+        text = text if head is None else text[:text.index('layer { name: "roi_pool"')] + head
+        net = caffejax.Net(text, caffejax.TEST)
+        infer = caffejax.compile_inference(net)
+        rng = np.random.default_rng(10)
+        for height, width in ((64, 80), (48, 64), (64, 80)):
+            feed = _image(rng, height, width)
+            got = infer(feed)
+            net.blobs["data"].reshape(1, 3, height, width)
+            want = net.forward(**feed)
+            assert got.keys() == want.keys()
+            for blob in want:
+                np.testing.assert_allclose(np.asarray(got[blob]), want[blob], rtol=1e-5, atol=1e-6, err_msg=blob)
+        assert infer.compile_count == 4
+        with pytest.raises(caffejax.UnsupportedError, match="runs in stages"):
+            infer.plan({"data": (1, 3, 64, 80), "im_info": (1, 3)})
+
+
 def test_a_net_run_in_stages_refuses_one_program(isolated_registry, tmp_path):
-    """compile_inference, a backward through the host layer and a solver's step name the layers; a Proposal
-    that does not see one image a batch is refused as py-faster-rcnn's layer refuses it."""
+    """An export, an inference function over devices, a backward through the host layer and a solver's step
+    name the layers; a Proposal that does not see one image a batch is refused as py-faster-rcnn's layer
+    refuses it."""
     text = _faster_rcnn()
     net = caffejax.Net(text, caffejax.TEST)
-    with pytest.raises(caffejax.UnsupportedError, match=r"layer 'roi_pool' \(type ROIPooling\): reads the top of "
-                                                        r"layer 'proposal' \(type Proposal\).*in stages"):
-        caffejax.compile_inference(net)
+    with pytest.raises(caffejax.UnsupportedError, match=r"layer 'proposal' \(type Proposal\) makes a top whose "
+                                                        r"shape depends on the data"):
+        export_stablehlo(net, str(tmp_path / "net.stablehlo"))
+    with pytest.raises(caffejax.UnsupportedError, match="reads the top of layer 'proposal'"):
+        caffejax.compile_inference(net, devices=1)  # each device would run the proposals on its rows
     net.forward(**_image(np.random.default_rng(7), 64, 80))
     with pytest.raises(caffejax.UnsupportedError, match="reads the top of layer 'proposal'"):
         net.backward()
