@@ -288,15 +288,16 @@ def test_detection_output_has_no_gradient_nor_traced_form(isolated_registry, tmp
     forks.register_all()
     text = _ssd_text(SSD_PARAM, True)
     images = np.random.default_rng(0).standard_normal((2, 3, 32, 32)).astype(np.float32)
-    # A compiled layer reading its top runs after it, in its own program (Net.forward's stages); one program
-    # over both is refused by name.
+    # A compiled layer reading its top runs after it, in its own program (Net.forward's and compile_inference's
+    # stages); one program over both is refused by name.
     staged = caffejax.Net(text + 'layer { name: "relu" type: "ReLU" bottom: "detection_out" top: "r" }',
                           caffejax.TEST)
     out = staged.forward(data=images)
     np.testing.assert_array_equal(out["r"], np.maximum(staged.blobs["detection_out"].data, 0))
+    np.testing.assert_array_equal(np.asarray(caffejax.compile_inference(staged)({"data": images})["r"]), out["r"])
     with pytest.raises(caffejax.UnsupportedError, match=r"layer 'relu' \(type ReLU\): reads the top of layer "
                                                         r"'detection_out' \(type DetectionOutput\)"):
-        caffejax.compile_inference(staged)
+        caffejax.compile_inference(staged, devices=1)
     with pytest.raises(caffejax.SchemaError, match="cannot carry a loss_weight"):
         caffejax.Net(text.replace('top: "detection_out"', 'top: "detection_out" loss_weight: 1'), caffejax.TEST)
     with pytest.raises(caffejax.GraphError, match="cannot run in place"):

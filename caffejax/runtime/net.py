@@ -360,11 +360,11 @@ class Net:
         only: a pass from there on reads what they made, and makes the rest after its program), and the data of
         shape-deciding blobs."""
         first = len(graph.layers) if before is None else before
-        shapes = tuple((layer.name, tuple(graph.value_shapes[v] or ()) if v in graph.value_shapes else None)
-                       for i, layer in enumerate(graph.layers)
-                       if layer.is_input or (layer.runs_on_host and i < first) for v in layer.top_values)
-        on_host = tuple(i for i, layer in enumerate(graph.layers) if layer.runs_on_host)
-        return shapes + (on_host,) + tuple((value, data.tobytes()) for value, data in sorted(graph.concrete.items()))
+        shapes = tuple((layer.name, (tuple(graph.value_shapes[v] or ()) if v in graph.value_shapes else None)
+                        if layer.is_input or i < first else "on the host")
+                       for i, layer in enumerate(graph.layers) if layer.is_input or layer.runs_on_host
+                       for v in layer.top_values)
+        return shapes + tuple((value, data.tobytes()) for value, data in sorted(graph.concrete.items()))
 
     def _init_params(self, skip: set[str] = frozenset()) -> None:
         """Allocate the learnable blobs not allocated yet and run Caffe's fillers on them: every blob when the
@@ -780,7 +780,7 @@ class Net:
         env = {**self._feed(layers), **self._read_state(layers)}
         if keep_inputs:  # one layer run on its own: its backward reads what it read (not the blobs' later data),
             self._layer_inputs[start] = (env, key)  # with its key (the same Dropout mask)
-        try:
+        try:  # a Python layer's failure inside the program surfaces here, typed, once the program has run
             with self._python_layers:
                 values, updates, loss = jax.block_until_ready(fn(params, env, key))
         except TopsSizedByData:
