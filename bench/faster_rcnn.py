@@ -5,6 +5,7 @@ the same run.
 
     python -m bench.faster_rcnn                      # 600 x 800, py-faster-rcnn's test scale
     python -m bench.faster_rcnn --height 375 --width 500 --repeats 5 --json out.json
+    python -m bench.faster_rcnn --net r-fcn          # py-R-FCN's ResNet-50 R-FCN (PSROIPooling), the same way
 
 Prints the median ms of each, their ratio, the stages' share of caffejax's forward (the layers before the
 proposals, the proposals on the host, the layers after them), the first forward's seconds (compiles
@@ -81,6 +82,85 @@ def vgg16_faster_rcnn(height: int, width: int, classes: int = 21) -> str:
     return "\n".join(lines) + "\n"
 
 
+def resnet50_r_fcn(height: int, width: int, classes: int = 21) -> str:
+    """py-R-FCN's ResNet-50 class-agnostic test net (models/pascal_voc/ResNet-50/rfcn_end2end): ResNet-50 to
+    res4f (stride 16), the RPN and its proposals (as OpenCV's Proposal layer), res5 on the whole map at stride
+    16 with its 3 x 3 convolutions dilated by 2, conv_new_1, the position-sensitive score maps (7 x 7 bins)
+    pooled per ROI (PSROIPooling) and averaged."""
+    from bench.nets import MODELS
+
+    text = (MODELS / "resnet/ResNet-50-deploy.prototxt").read_text()
+    text = text[:text.rindex("layer", 0, text.index('name: "pool5"'))]  # no pool5, fc1000, prob
+    res5 = text.index("layer", text.rindex("layer", 0, text.index('name: "res5a_branch1"')))
+    body, tail = text[:res5], text[res5:]
+    tail = tail.replace("stride: 2", "stride: 1")
+    tail = tail.replace("kernel_size: 3\n\t\tpad: 1", "kernel_size: 3\n\t\tpad: 2\n\t\tdilation: 2")
+    header, body = body.split("layer", 1)
+    msra = 'weight_filler { type: "msra" }'
+    small = 'weight_filler { type: "gaussian" std: 0.0005 }'
+    lines = ['name: "ResNet-50-R-FCN"', 'input: "data"', f"input_shape {{ dim: 1 dim: 3 dim: {height} dim: {width} }}",
+             'input: "im_info"', "input_shape { dim: 1 dim: 3 }", "layer" + body,
+             # Small fillers after the body: random ResNet-50 activations reach the hundreds, which would
+             # saturate the softmaxes (scores of 0 and 1, ties everywhere).
+             'layer { name: "rpn_conv/3x3" type: "Convolution" bottom: "res4f" top: "rpn/output" '
+             f'convolution_param {{ num_output: 512 kernel_size: 3 pad: 1 stride: 1 {small} }} }}',
+             'layer { name: "rpn_relu/3x3" type: "ReLU" bottom: "rpn/output" top: "rpn/output" }',
+             'layer { name: "rpn_cls_score" type: "Convolution" bottom: "rpn/output" top: "rpn_cls_score" '
+             'convolution_param { num_output: 18 kernel_size: 1 weight_filler { type: "gaussian" std: 0.01 } } }',
+             'layer { name: "rpn_bbox_pred" type: "Convolution" bottom: "rpn/output" top: "rpn_bbox_pred" '
+             'convolution_param { num_output: 36 kernel_size: 1 weight_filler { type: "gaussian" std: 0.001 } } }',
+             'layer { bottom: "rpn_cls_score" top: "rpn_cls_score_reshape" name: "rpn_cls_score_reshape" '
+             'type: "Reshape" reshape_param { shape { dim: 0 dim: 2 dim: -1 dim: 0 } } }',
+             'layer { name: "rpn_cls_prob" type: "Softmax" bottom: "rpn_cls_score_reshape" top: "rpn_cls_prob" }',
+             'layer { name: "rpn_cls_prob_reshape" type: "Reshape" bottom: "rpn_cls_prob" '
+             'top: "rpn_cls_prob_reshape" reshape_param { shape { dim: 0 dim: 18 dim: -1 dim: 0 } } }',
+             'layer { name: "proposal" type: "Proposal" bottom: "rpn_cls_prob_reshape" bottom: "rpn_bbox_pred" '
+             'bottom: "im_info" top: "rois" proposal_param { ratio: 0.5 ratio: 1 ratio: 2 scale: 8 scale: 16 '
+             'scale: 32 feat_stride: 16 min_size: 0 } }',
+             tail,
+             'layer { name: "conv_new_1" type: "Convolution" bottom: "res5c" top: "conv_new_1" '
+             f'convolution_param {{ num_output: 1024 kernel_size: 1 {msra} }} }}',
+             'layer { name: "conv_new_1_relu" type: "ReLU" bottom: "conv_new_1" top: "conv_new_1" }',
+             'layer { name: "rfcn_cls" type: "Convolution" bottom: "conv_new_1" top: "rfcn_cls" '
+             f'convolution_param {{ num_output: {classes * 49} kernel_size: 1 {small} }} }}',
+             'layer { name: "rfcn_bbox" type: "Convolution" bottom: "conv_new_1" top: "rfcn_bbox" '
+             f'convolution_param {{ num_output: {8 * 49} kernel_size: 1 {small} }} }}',
+             'layer { bottom: "rfcn_cls" bottom: "rois" top: "psroipooled_cls_rois" name: "psroipooled_cls_rois" '
+             f'type: "PSROIPooling" psroi_pooling_param {{ spatial_scale: 0.0625 output_dim: {classes} '
+             'group_size: 7 } }',
+             'layer { bottom: "psroipooled_cls_rois" top: "cls_score" name: "ave_cls_score_rois" type: "Pooling" '
+             'pooling_param { pool: AVE kernel_size: 7 stride: 7 } }',
+             'layer { bottom: "rfcn_bbox" bottom: "rois" top: "psroipooled_loc_rois" name: "psroipooled_loc_rois" '
+             'type: "PSROIPooling" psroi_pooling_param { spatial_scale: 0.0625 output_dim: 8 group_size: 7 } }',
+             'layer { bottom: "psroipooled_loc_rois" top: "bbox_pred_pre" name: "ave_bbox_pred_rois" '
+             'type: "Pooling" pooling_param { pool: AVE kernel_size: 7 stride: 7 } }',
+             'layer { name: "cls_prob_pre" type: "Softmax" bottom: "cls_score" top: "cls_prob_pre" }',
+             'layer { name: "cls_prob_reshape" type: "Reshape" bottom: "cls_prob_pre" top: "cls_prob" '
+             f'reshape_param {{ shape {{ dim: -1 dim: {classes} }} }} }}',
+             'layer { name: "bbox_pred_reshape" type: "Reshape" bottom: "bbox_pred_pre" top: "bbox_pred" '
+             'reshape_param { shape { dim: -1 dim: 8 } } }']
+    return "\n".join(lines) + "\n"
+
+
+def _random_trained_weights(net, rng) -> None:
+    """Weights a trained net could have where the prototxt gives no filler (ResNet-50's deploy convolutions,
+    which Caffe's default filler leaves at 0): MSRA-random convolutions, BatchNorm's statistics mean 0,
+    variance 1 and factor 1 (a fresh net's zero variance would scale every layer by 1 / sqrt(eps)), Scale's
+    gamma 1 and beta 0."""
+    for name, layer in zip(net._layer_names, net.layers):
+        blobs = net.params.get(name, [])
+        if layer.type == "BatchNorm":
+            mean, variance, factor = blobs
+            mean.data[...], variance.data[...], factor.data[...] = 0, 1, 1
+        elif layer.type == "Scale":
+            blobs[0].data[...] = 1
+            if len(blobs) > 1:
+                blobs[1].data[...] = 0
+        elif layer.type == "Convolution" and not blobs[0].data.any():
+            fan_in = np.prod(blobs[0].data.shape[1:])
+            blobs[0].data[...] = rng.standard_normal(blobs[0].data.shape) * np.sqrt(2 / fan_in)
+
+
 def _agreement(rois: np.ndarray, scores: np.ndarray, their_rois: np.ndarray, their_scores: np.ndarray):
     """The share of ``rois`` that OpenCV found too (a row of ``their_rois`` within 0.5 px), and the largest
     difference of the class scores of those. Not row by row: the two sum the convolutions in different orders,
@@ -96,6 +176,8 @@ def _agreement(rois: np.ndarray, scores: np.ndarray, their_rois: np.ndarray, the
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--net", choices=("vgg16", "r-fcn"), default="vgg16",
+                        help="py-faster-rcnn's VGG16 Faster R-CNN or py-R-FCN's ResNet-50 R-FCN")
     parser.add_argument("--height", type=int, default=600)
     parser.add_argument("--width", type=int, default=800)
     parser.add_argument("--repeats", type=int, default=3)
@@ -110,8 +192,9 @@ def main() -> None:
     from caffejax.lower import forks
 
     forks.register_all()
-    text = vgg16_faster_rcnn(args.height, args.width)
+    text = (vgg16_faster_rcnn if args.net == "vgg16" else resnet50_r_fcn)(args.height, args.width)
     net = caffejax.Net(text, caffejax.TEST)
+    _random_trained_weights(net, np.random.default_rng(1))
     rng = np.random.default_rng(0)
     feed = {"data": rng.standard_normal((1, 3, args.height, args.width)).astype(np.float32),
             "im_info": np.float32([[args.height, args.width, 1.0]])}
@@ -128,7 +211,7 @@ def main() -> None:
     def opencv():
         for name, array in feed.items():
             reference.setInput(array, name)
-        return reference.forward(["proposal", "cls_prob"])
+        return reference.forward(["proposal", "cls_prob" if args.net == "vgg16" else "cls_prob_reshape"])
 
     rois, want = opencv()
     found = len(scores)
@@ -146,7 +229,7 @@ def main() -> None:
         "before the proposals": lambda: jax.block_until_ready(net._forward(0, proposal - 1)),
         "proposals (host)": lambda: net._forward(proposal, proposal),
         "after the proposals": lambda: net._forward(proposal + 1, last)}, args.repeats, rounds=1, warmup=1)
-    result = {"image": [args.height, args.width], "rois": found, "first_forward_s": first_s,
+    result = {"net": args.net, "image": [args.height, args.width], "rois": found, "first_forward_s": first_s,
               "caffejax_ms": times["caffejax"]["median_ms"], "opencv_ms": times["opencv"]["median_ms"],
               "ratio": times["caffejax"]["median_ms"] / times["opencv"]["median_ms"],
               "compile_inference_ms": times["compile_inference"]["median_ms"],
@@ -154,7 +237,7 @@ def main() -> None:
               "compile_inference_max_difference": inference_difference,
               "stages_ms": {name: t["median_ms"] for name, t in stages.items()}, "rois_in_opencv": matched,
               "max_score_difference": score_diff, "compile_count": net.compile_count}
-    print(f"Faster R-CNN VGG16 test net, image {args.height} x {args.width}, {found} ROIs; {matched:.1%} of them "
+    print(f"{'Faster R-CNN VGG16' if args.net == 'vgg16' else 'R-FCN ResNet-50'} test net, image {args.height} x {args.width}, {found} ROIs; {matched:.1%} of them "
           f"among OpenCV's (within 0.5 px), class scores of those within {score_diff:.1e}")
     print(f"  caffejax {result['caffejax_ms']:.0f} ms, OpenCV {result['opencv_ms']:.0f} ms, "
           f"ratio {result['ratio']:.2f}; first forward {first_s:.1f} s, {net.compile_count} programs")
