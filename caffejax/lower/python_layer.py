@@ -22,9 +22,9 @@ this rule run, and it runs the layer as pycaffe does:
   to the proposals it kept) cannot be a callback of fixed shapes. When its reshape or forward in a program
   gives its tops other shapes than the build's, the callback raises :class:`TopsSizedByData`, and the net's
   builds run the layer on the host from then on (``Layer.runs_on_host``, :meth:`PythonLayers.host_forward`),
-  as OpenCV's Proposal layer runs: Net.forward catches it and runs the pass again in stages around the layer
-  (that forward's tops are not lost: the host's first call on the same bottoms takes them). Such a layer has
-  bottoms, no learnable blobs and no top in place; one program over it (compile_inference, a solver's step)
+  as OpenCV's Proposal layer runs: Net.forward and compile_inference catch it and run the pass again in stages
+  around the layer (that forward's tops are not lost: the host's first call on the same bottoms takes them).
+  Such a layer has bottoms, no learnable blobs and no top in place; one program over it (a solver's step)
   raises the error.
 
 Each net has its own layer objects, as Caffe makes one per layer per net (:class:`PythonLayers`, which the
@@ -385,9 +385,10 @@ def _on_host(ctx: LayerContext, instance: _Instance, top_shapes: list[Shape], dt
             instance.made = ([np.array(a) for a in arrays[:n_bottoms]], [np.array(t.data, dtype) for t in top])
             raise layer_error(TopsSizedByData, name, type_name, f"its reshape or forward changed the top shapes to "
                               f"{[tuple(t.shape) for t in top]} after the net was built for {top_shapes}: their "
-                              "size depends on the data (py-faster-rcnn's ProposalLayer). Net.forward runs such a "
-                              "layer on the host between compiled programs, from its first forward on; one program "
-                              "over it (compile_inference, an export, a backward, a solver's step) cannot")
+                              "size depends on the data (py-faster-rcnn's ProposalLayer). Net.forward and "
+                              "compile_inference run such a layer on the host between compiled programs from their "
+                              "first forward on; one program over it (an export, a backward, a solver's step) "
+                              "cannot")
         _check_shapes(name, type_name, "forward", "top", top, top_shapes)
         _check_shapes(name, type_name, "forward", "learnable blob", obj.blobs, blob_shapes)
         return tuple(np.asarray(b.data, dtype) for b in (*top, *obj.blobs))
