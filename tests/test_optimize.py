@@ -195,6 +195,21 @@ def test_pass_keeps_outputs(zoo, passes):
     _check(infer({"data": x}), reference, "+".join(passes))
 
 
+def test_inference_hands_back_the_blobs_asked_for(zoo):
+    """compile_inference(blobs=[...]), as pycaffe's forward(blobs=...): inner blobs besides the outputs, as
+    Net.forward's blobs hold them ('a' after its BatchNorm, Scale and ReLU ran in place, which the passes fold
+    into its convolution), with and without the passes; an unknown name is refused."""
+    net, x, reference = zoo
+    out = net.forward(data=x, blobs=["a", "dw"])
+    for passes in ((), optimize.DEFAULT_PASSES):
+        got = caffejax.compile_inference(net, passes=passes, blobs=["a", "dw"])({"data": x})
+        assert set(got) == set(reference) | {"a", "dw"}
+        for blob in ("a", "dw"):
+            assert_close(got[blob], out[blob], FORWARD_RTOL, FORWARD_ATOL, f"{passes}: {blob}")
+    with pytest.raises(caffejax.GraphError, match=r"no blobs \['nope'\]"):
+        caffejax.compile_inference(net, blobs=["nope"])
+
+
 def test_every_rewrite_and_kernel_is_exercised(zoo):
     net, x, _ = zoo
     plan = caffejax.compile_inference(net, passes=tuple(optimize.PASSES)).plan({"data": x.shape})

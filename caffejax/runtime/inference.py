@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from caffejax.errors import CaffejaxError, ShapeError, TopsSizedByData, UnsupportedError
+from caffejax.errors import CaffejaxError, ShapeError, TopsSizedByData, UnknownBlobError, UnsupportedError
 from caffejax.frontend.ir import Graph
 from caffejax.lower.optimize import (DEFAULT_PASSES, Plan, aligned_copy, check_passes, make_plan, optimize,
                                      prepare_params, run_plan)
@@ -56,7 +56,7 @@ class InferenceFunction:
     programs built (one per input-shape signature; a net run in stages, one per stage and the shapes it
     reads: :class:`_Stages`)."""
 
-    def __init__(self, net, passes: Sequence[str] | None, dtype, devices=None):
+    def __init__(self, net, passes: Sequence[str] | None, dtype, devices=None, blobs: Sequence[str] = ()):
         self.dtype = jnp.dtype(dtype)
         if not jnp.issubdtype(self.dtype, jnp.floating):
             raise CaffejaxError(f"compile_inference needs a floating dtype, got {self.dtype}")
@@ -70,7 +70,14 @@ class InferenceFunction:
         # The caller gives the batch a data layer would read (a Python data layer is not run either).
         self.inputs = list(net.graph.fed)
         self._input_names, self._sorted_inputs = frozenset(self.inputs), sorted(self.inputs)
-        self.outputs = list(net.outputs)
+        unknown = [blob for blob in blobs if blob not in net.blobs]
+        if unknown:
+            raise UnknownBlobError(f"compile_inference: the net has no blobs {unknown}")
+        if blobs and devices is not None:
+            raise UnsupportedError("compile_inference: blobs= besides the outputs is not available over devices")
+        # pycaffe's forward(blobs=...): blobs handed back besides the outputs (the ROIs of a Faster R-CNN, which
+        # its box deltas are relative to), as Net.forward's blobs hold them
+        self.outputs = list(dict.fromkeys([*net.outputs, *blobs]))
         self._mesh = None
         if devices is not None:
             from caffejax.runtime.distributed import batch_mesh
@@ -175,10 +182,11 @@ class InferenceFunction:
     def _graph(self, shapes: Mapping[str, tuple[int, ...]]) -> Graph:
         """The net's graph with its inputs at ``shapes`` (Caffe's Reshape of every layer)."""
         try:
-            return self._net.graph_at(shapes)
+            graph = self._net.graph_at(shapes)
         except ShapeError as error:
             raise ShapeError(f"compile_inference: the net does not accept inputs of shapes {dict(shapes)}: "
                              f"{error}") from None
+        return graph if self.outputs == graph.outputs else dataclasses.replace(graph, outputs=self.outputs)
 
 
 @dataclasses.dataclass
@@ -347,7 +355,7 @@ def default_passes(dtype) -> tuple[str, ...]:
 
 
 def compile_inference(net, *, passes: Sequence[str] | None = None, dtype=jnp.float32,
-                      devices=None) -> InferenceFunction:
+                      devices=None, blobs: Sequence[str] = ()) -> InferenceFunction:
     """The net's forward to its outputs, optimised for inference (see :mod:`caffejax.lower.optimize`).
 
     ``passes``: the optimisation passes to run (default: :func:`default_passes` for the dtype;
@@ -357,5 +365,7 @@ def compile_inference(net, *, passes: Sequence[str] | None = None, dtype=jnp.flo
     ``devices``: a number (the first N of ``jax.devices()``) or a list of devices to split each batch over,
     along axis 0 (a multiple of the device count); each device runs the optimised program on its rows, with
     the weights replicated. Several processes feed their own rows (see caffejax.runtime.distributed).
+    ``blobs``: blobs to hand back besides the outputs, as pycaffe's ``net.forward(blobs=[...])`` (Faster R-CNN's
+    ``rois``, which its ``bbox_pred`` deltas are relative to).
     """
-    return InferenceFunction(net, passes, dtype, devices)
+    return InferenceFunction(net, passes, dtype, devices, blobs)
