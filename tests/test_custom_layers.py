@@ -1016,6 +1016,21 @@ def test_a_python_layer_sizing_its_tops_by_the_data_runs_on_the_host(layers_modu
     assert counts.forwards == 9
 
 
+def test_two_python_layers_sizing_their_tops_in_one_pass(layers_module):
+    """The second layer sized by the data shows itself in the stage after the first: that stage runs again,
+    split around it, in Net.forward and in an inference function, each layer's forward once a pass."""
+    text = (SIZED_BY_DATA + 'layer { name: "less" type: "Power" bottom: "doubled" top: "less" power_param { '
+            'shift: -5 } }\n' + _python_layer("keep2", "KeepsPositives", ["less"], "kept2"))
+    x = _positives(1, 3, 2, 4)  # doubled 2 6 4 8, less -3 1 -1 3
+    for run in (lambda net: net.forward(x=x), lambda net: caffejax.compile_inference(net)({"x": x})):
+        net = caffejax.Net(text, caffejax.TEST, allow_python_layers=True)
+        counts = sys.modules["caffejax_test_pylayers"].KeepsPositives
+        counts.forwards = 0
+        np.testing.assert_array_equal(run(net)["kept2"], [1, 3])
+        assert counts.forwards == 2 and net.graph.staging_layers == [1]  # keep2 ends the net: after the program
+        assert net.graph.layers[-1].runs_on_host
+
+
 def test_a_python_layer_sizing_the_nets_output_runs_after_the_program(layers_module):
     """At the end of the net, the layer sized by the data runs on the host after the program, in Net.forward and in
     an inference function (which learns it as the net does), each forward once; the data layer before it serves

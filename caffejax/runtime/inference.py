@@ -226,12 +226,22 @@ class _Stages:
         graph = self._graph(shapes)
         values: dict[str, Any] = {graph.fed[name]: inputs[name] for name in owner.inputs}
         begin = 0
-        for stage in [*graph.staging_layers, len(graph.layers)]:
+        while True:
+            stage = next((i for i in graph.staging_layers if i >= begin), len(graph.layers))
             if begin < stage:
                 program = self._program(graph, begin, stage, values)
                 fed = {v: _as_input(values[v], owner.dtype, None) for v in program.reads}
-                with python_layers, DeviceMemoryErrors(program.plan.graph):
-                    values.update(program.run(program.params, fed))
+                try:
+                    with python_layers, DeviceMemoryErrors(program.plan.graph):
+                        values.update(program.run(program.params, fed))
+                except TopsSizedByData:
+                    # Another Python layer sized its tops by the data: the net rebuilt runs it on the host too,
+                    # and this stage runs again, split around it (its first host call takes those tops).
+                    owner._net.reshape()
+                    self._graphs.clear()
+                    self.programs.clear()
+                    graph = self._graph(shapes)
+                    continue
                 # Layers run on the host within the range (whose tops no compiled layer reads) finish it.
                 values.update(run_host_layers(graph.layers[begin:stage], values, python_layers))
             if stage == len(graph.layers):
