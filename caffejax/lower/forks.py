@@ -693,24 +693,47 @@ def _c_round(x: jax.Array) -> jax.Array:
     return whole + jnp.where(jnp.abs(x - whole) >= 0.5, jnp.sign(x), 0)
 
 
-def _roi_bins(rois: jax.Array, pooled: tuple[int, int], scale: float, shape: Shape) -> _RoiBins:
-    """LayerSetUp and the head of Forward_cpu's ROI loop, in the rois' float arithmetic (at least float32, as
-    Caffe's Dtype): R = [image, x1, y1, x2, y2] scaled and rounded to the map, at least 1 x 1, cut into
-    pooled_h x pooled_w bins of floor(i * size / pooled) to ceil((i + 1) * size / pooled)."""
-    n, _, height, width = shape
+def _roi_rows(rois: jax.Array, images: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The ROIs as (R, 5) rows [image, x1, y1, x2, y2] in their float arithmetic (at least float32, as Caffe's
+    Dtype), carrying no gradient; each one's image (static_cast<int>, NaN as -1) and whether that image is in
+    the batch of ``images`` (Caffe CHECKs it)."""
     dtype = jnp.promote_types(rois.dtype, jnp.float32)
-    rois = lax.stop_gradient(rois).reshape(rois.shape[0], 5).astype(dtype)
-    image = jnp.trunc(jnp.nan_to_num(rois[:, 0], nan=-1.0, posinf=n, neginf=-1.0))  # static_cast<int>
-    limit = 2.0 ** 30  # far outside any map; keeps the int conversion defined
-    x1, y1, x2, y2 = (jnp.clip(_c_round(rois[:, i] * jnp.asarray(scale, dtype)), -limit, limit).astype(jnp.int32)
-                      for i in range(1, 5))
+    rows = lax.stop_gradient(rois).reshape(rois.shape[0], 5).astype(dtype)
+    image = jnp.trunc(jnp.nan_to_num(rows[:, 0], nan=-1.0, posinf=images, neginf=-1.0))
+    return rows, image, (image >= 0) & (image < images)
+
+
+def _as_index(x: jax.Array) -> jax.Array:
+    """Whole-valued floats as int32, clipped far outside any map first so that the conversion is defined."""
+    limit = jnp.asarray(2.0 ** 30, x.dtype)
+    return jnp.clip(x, -limit, limit).astype(jnp.int32)
+
+
+def _divided_exactly(x: jax.Array, count: int) -> jax.Array:
+    """x / count as a true division: XLA turns a division by a broadcast constant into a multiply by its
+    reciprocal, 1 ulp off (14 / 6 gave 2.3333335, and a bin edge ceil(3 x 2.3333335) = 8, not 7); behind the
+    barrier the divisor is no constant and the division stays."""
+    return x / lax.optimization_barrier(jnp.full(x.shape, count, x.dtype))
+
+
+def _check_rois(ctx: LayerContext, rois: jax.Array) -> None:
+    if math.prod(legacy_shape(ctx, rois, "rois")[1:]) != 5:
+        raise ctx.error(f"ROI layer C x H x W must be 5 ([image, x1, y1, x2, y2] per ROI), got rois of shape "
+                        f"{tuple(rois.shape)}")
+
+
+def _roi_bins(rois: jax.Array, pooled: tuple[int, int], scale: float, shape: Shape) -> _RoiBins:
+    """LayerSetUp and the head of Forward_cpu's ROI loop, in the rois' float arithmetic: R = [image, x1, y1, x2,
+    y2] scaled and rounded to the map, at least 1 x 1, cut into pooled_h x pooled_w bins of
+    floor(i * size / pooled) to ceil((i + 1) * size / pooled)."""
+    n, _, height, width = shape
+    rois, image, valid = _roi_rows(rois, n)
+    dtype = rois.dtype
+    x1, y1, x2, y2 = (_as_index(_c_round(rois[:, i] * jnp.asarray(scale, dtype))) for i in range(1, 5))
 
     def edges(start, end, bins, size):
         extent = jnp.maximum(end - start + 1, 1)  # malformed ROIs are forced to 1 x 1
-        # A divisor XLA sees as a broadcast becomes a multiply by its reciprocal, 1 ulp off (14 / 6 gave
-        # 2.3333335, and a bin edge ceil(3 x 2.3333335) = 8, not 7); behind the barrier the division stays.
-        divisor = lax.optimization_barrier(jnp.full(extent.shape, bins, dtype))
-        bin_size = extent.astype(dtype) / divisor
+        bin_size = _divided_exactly(extent.astype(dtype), bins)
         steps = jnp.arange(bins, dtype=dtype)
         lo = jnp.floor(steps[None, :] * bin_size[:, None]).astype(jnp.int32) + start[:, None]
         hi = jnp.ceil((steps[None, :] + 1) * bin_size[:, None]).astype(jnp.int32) + start[:, None]
@@ -718,7 +741,6 @@ def _roi_bins(rois: jax.Array, pooled: tuple[int, int], scale: float, shape: Sha
 
     h0, h1 = edges(y1, y2, pooled[0], height)
     w0, w1 = edges(x1, x2, pooled[1], width)
-    valid = (image >= 0) & (image < n)
     return _RoiBins(jnp.clip(image, 0, n - 1).astype(jnp.int32), valid, h0, h1, w0, w1)
 
 
@@ -850,9 +872,7 @@ def roi_pooling(ctx: LayerContext, bottoms, params):
     if p.pooled_h <= 0 or p.pooled_w <= 0:
         raise ctx.error(f"pooled_h and pooled_w must be > 0, got {p.pooled_h} x {p.pooled_w}")
     features = x.reshape(legacy_shape(ctx, x, "bottom 0"))
-    if math.prod(legacy_shape(ctx, rois, "rois")[1:]) != 5:
-        raise ctx.error(f"ROI layer C x H x W must be 5 ([image, x1, y1, x2, y2] per ROI), got rois of shape "
-                        f"{tuple(rois.shape)}")
+    _check_rois(ctx, rois)
     top = _roi_pool(features, rois, (int(p.pooled_h), int(p.pooled_w)), float(np.float32(p.spatial_scale)))
     return [top]
 
@@ -882,24 +902,20 @@ def _psroi_bin_masks(rois: jax.Array, group: int, scale: float, shape: Shape):
     spatial_scale, the ROI is at least 0.1 x 0.1, a bin runs from floor(start + i * size / group) to
     ceil(start + (i + 1) * size / group), clipped to the map, all in float32 as Caffe's Dtype."""
     n, _, height, width = shape
-    dtype = jnp.promote_types(rois.dtype, jnp.float32)
-    rois = lax.stop_gradient(rois).reshape(rois.shape[0], 5).astype(dtype)
+    rois, image, valid = _roi_rows(rois, n)
+    dtype = rois.dtype
     scale = jnp.asarray(scale, dtype)
-    image = jnp.trunc(jnp.nan_to_num(rois[:, 0], nan=-1.0, posinf=n, neginf=-1.0))  # static_cast<int>
     x1, y1, x2, y2 = (_c_round(rois[:, i]) for i in range(1, 5))
 
     def edges(first, last, size):
         start = _rounded_product(first, scale)
         end = _rounded_product(last + 1, scale)
         extent = jnp.maximum(end - start, jnp.asarray(0.1, dtype))  # too small ROIs forced to 0.1
-        # A divisor XLA sees as a constant becomes a multiply by its reciprocal (see _roi_bins).
-        bin_size = extent / lax.optimization_barrier(jnp.full(extent.shape, group, dtype))
+        bin_size = _divided_exactly(extent, group)
         steps = jnp.arange(group + 1, dtype=dtype)
         at = _rounded_product(steps[None, :], bin_size[:, None]) + start[:, None]  # (R, group + 1)
-        limit = jnp.asarray(2.0 ** 30, dtype)  # far outside any map; keeps the int conversion defined
-        lo = jnp.clip(jnp.floor(at[:, :-1]), -limit, limit).astype(jnp.int32)
-        hi = jnp.clip(jnp.ceil(at[:, 1:]), -limit, limit).astype(jnp.int32)
-        lo, hi = jnp.clip(lo, 0, size), jnp.clip(hi, 0, size)
+        lo = jnp.clip(_as_index(jnp.floor(at[:, :-1])), 0, size)
+        hi = jnp.clip(_as_index(jnp.ceil(at[:, 1:])), 0, size)
         places = jnp.arange(size, dtype=jnp.int32)
         mask = (places[None, None, :] >= lo[:, :, None]) & (places[None, None, :] < hi[:, :, None])
         return mask, jnp.maximum(hi - lo, 0)
@@ -907,7 +923,6 @@ def _psroi_bin_masks(rois: jax.Array, group: int, scale: float, shape: Shape):
     rows, heights = edges(y1, y2, height)
     columns, widths = edges(x1, x2, width)
     area = (heights[:, :, None] * widths[:, None, :]).astype(dtype)
-    valid = (image >= 0) & (image < n)
     one_hot = (image[:, None] == jnp.arange(n, dtype=dtype)[None, :]).astype(dtype)
     return rows.astype(dtype), columns.astype(dtype), area, one_hot, valid
 
@@ -990,9 +1005,7 @@ def psroi_pooling(ctx: LayerContext, bottoms, params):
         raise ctx.error(f"input channel number does not match layer parameters: bottom 0 has {features.shape[1]} "
                         f"channels, output_dim x group_size^2 = {p.output_dim} x {p.group_size}^2 = "
                         f"{p.output_dim * p.group_size ** 2}")
-    if math.prod(legacy_shape(ctx, rois, "rois")[1:]) != 5:
-        raise ctx.error(f"ROI layer C x H x W must be 5 ([image, x1, y1, x2, y2] per ROI), got rois of shape "
-                        f"{tuple(rois.shape)}")
+    _check_rois(ctx, rois)
     top = _psroi_pool(features, rois, int(p.output_dim), int(p.group_size), float(np.float32(p.spatial_scale)))
     return [top]
 

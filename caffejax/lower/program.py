@@ -258,16 +258,18 @@ def host_forward(layer: Layer, python_layers=None) -> Callable[[Any, Sequence[np
 
 def check_one_program(layers: Sequence[Layer]) -> None:
     """Raise UnsupportedError if a compiled layer among ``layers`` reads what a layer run on the host among them
-    makes (Graph.staging_layers): one program would need the host's result inside it. Net.forward runs such a
-    net in stages (Net._forward_in_stages); nothing else that compiles the layers as one program can."""
+    makes (Graph.staging_layers): one program would need the host's result inside it. Net.forward and
+    compile_inference run such a net in stages (Net._forward_in_stages, inference._Stages); nothing that compiles
+    the layers as one program can."""
     found = next(reads_after_host(layers), None)
     if found is not None:
         layer, host = found
         raise layer_error(UnsupportedError, layer.name, layer.type,
                           f"reads the top of layer '{host.name}' (type {host.type}), which runs on the host "
-                          "because its top's shape depends on the data. Net.forward runs such a net in stages "
-                          "around that layer; one compiled program over both (compile_inference, an export, a "
-                          "backward, a solver's step, caffejax time) cannot")
+                          "because its top's shape depends on the data. Net.forward and compile_inference run "
+                          "such a net in stages around that layer; one compiled program over both "
+                          "(compile_inference over several devices, an export, a backward, a solver's step, "
+                          "caffejax time) cannot")
 
 
 def _no_gradient(x):
