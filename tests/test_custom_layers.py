@@ -42,7 +42,8 @@ def test_register_layer_adds_a_pure_jax_layer(isolated_registry):
 
 def test_register_layer_with_host_forward_makes_a_top_whose_shape_depends_on_the_data(isolated_registry):
     """``host_forward`` (NumPy) runs such a layer on the host after the program; ``forward`` gives only its shape
-    before the first pass. Its top takes each pass's shape, in Net.forward and compile_inference alike."""
+    before the first pass. Its top takes each pass's shape, in Net.forward and compile_inference alike;
+    ``host_backward`` is its backward."""
     def positives_before_a_pass(ctx, bottoms, params):
         return [jnp.zeros((0,), bottoms[0].dtype)]
 
@@ -50,11 +51,17 @@ def test_register_layer_with_host_forward_makes_a_top_whose_shape_depends_on_the
         (x,) = bottoms
         return [x[x > 0]]
 
+    def positives_backward(layer, bottoms, tops, top_diffs, propagate_down):
+        (x,), (diff,) = bottoms, top_diffs
+        dx = np.zeros_like(x)
+        dx[x > 0] = diff
+        return [dx if propagate_down[0] else None]
+
     caffejax.register_layer("Positives", positives_before_a_pass, host_forward=positives, bottoms=(1, 1),
-                            tops=(1, 1))
-    net = caffejax.Net(_input(5)
-                       + 'layer { name: "double" type: "Power" bottom: "x" top: "y" power_param { scale: 2 } }\n'
-                       + 'layer { name: "p" type: "Positives" bottom: "y" top: "p" }', caffejax.TEST)
+                            tops=(1, 1), host_backward=positives_backward)
+    text = (_input(5) + 'layer { name: "double" type: "Power" bottom: "x" top: "y" power_param { scale: 2 } }\n'
+            + 'layer { name: "p" type: "Positives" bottom: "y" top: "p" }')
+    net = caffejax.Net(text, caffejax.TEST)
     assert net.blobs["p"].shape == (0,)
     np.testing.assert_array_equal(net.forward(x=np.float32([-1, 2, -3, 4, 5]))["p"], [4, 8, 10])
     np.testing.assert_array_equal(net.forward(x=np.float32([1, -2, -3, -4, -5]))["p"], [2])
@@ -63,6 +70,13 @@ def test_register_layer_with_host_forward_makes_a_top_whose_shape_depends_on_the
     np.testing.assert_array_equal(infer({"x": np.float32([3, 0, 1, -1, 2])})["p"], [6, 2, 4])
     with pytest.raises(caffejax.SchemaError, match="host_forward must be callable"):
         caffejax.register_layer("Bad", positives_before_a_pass, host_forward="positives")
+    with pytest.raises(caffejax.SchemaError, match="host_backward .* needs host_forward"):
+        caffejax.register_layer("Bad", positives_before_a_pass, host_backward=positives_backward)
+    # ``host_backward`` is its Backward on the host, between the programs of the layers after it and before it.
+    trained = caffejax.Net("force_backward: true\n" + text + '\nlayer { name: "half" type: "Power" bottom: "p" '
+                           'top: "h" power_param { scale: 0.5 } loss_weight: 1 }', caffejax.TRAIN)
+    trained.forward(x=np.float32([-1, 2, -3, 4, 5]))
+    np.testing.assert_array_equal(trained.backward()["x"], [0, 1, 0, 1, 1])
 
 
 def test_nets_with_registered_rules_stay_out_of_the_program_cache(isolated_registry, tmp_path, monkeypatch):
@@ -390,6 +404,11 @@ class KeepsPositives(caffejax.Layer):
         kept = bottom[0].data[bottom[0].data > 0]
         top[0].reshape(*kept.shape)
         top[0].data[...] = kept
+
+    def backward(self, top, propagate_down, bottom):
+        if propagate_down[0]:  # each kept entry's diff back where it came from
+            bottom[0].diff[...] = 0
+            bottom[0].diff[bottom[0].data > 0] = top[0].diff
 
 
 class Fails(caffejax.Layer):
@@ -1029,6 +1048,55 @@ def test_two_python_layers_sizing_their_tops_in_one_pass(layers_module):
         np.testing.assert_array_equal(run(net)["kept2"], [1, 3])
         assert counts.forwards == 2 and net.graph.staging_layers == [1]  # keep2 ends the net: after the program
         assert net.graph.layers[-1].runs_on_host
+
+
+def test_backward_through_a_python_layer_sizing_its_tops_by_the_data(layers_module):
+    """Net.backward runs such a layer's own backward on the host, between the programs of the layers after it and
+    before it (as Caffe's Backward calls it), whole and layer by layer: x -> x 3 -> the positives -> x 2 -> a loss
+    weight, so x's diff is 6 where x > 0, else 0."""
+    text = ("force_backward: true\n" + _input(6)
+            + 'layer { name: "triple" type: "Power" bottom: "x" top: "tripled" power_param { scale: 3 } }\n'
+            + _python_layer("keep", "KeepsPositives", ["tripled"], "kept")
+            + 'layer { name: "double" type: "Power" bottom: "kept" top: "doubled" power_param { scale: 2 } '
+              'loss_weight: 1 }\n')
+    x = np.float32([1, -2, 3, -4, 5, -6])
+    for by_layer in (False, True):
+        net = caffejax.Net(text, caffejax.TRAIN, allow_python_layers=True)
+        called = []
+        if by_layer:
+            net.after_backward(called.append)
+        assert net.forward(x=x)["doubled"].tolist() == [6, 18, 30] and net.graph.staging_layers == [2]
+        np.testing.assert_array_equal(net.backward()["x"], [6, 0, 6, 0, 6, 0])
+        np.testing.assert_array_equal(net.blobs["kept"].diff, [2, 2, 2])
+        assert called == ([3, 2, 1, 0] if by_layer else [])
+
+
+def test_a_solver_trains_through_a_python_layer_sizing_its_tops_by_the_data(layers_module):
+    """The first step's program finds the layer sizing its tops: that iteration runs again by passes on the same
+    batch (the layer's forward once), the momentum history kept; later steps run by passes around it. Loss 2 s
+    (the positives of x), so s's gradient is 2 x 9 = 18 while s > 0; SGD with momentum 0.9 at lr 0.01."""
+    from google.protobuf import text_format
+
+    text = ('base_lr: 0.01 lr_policy: "fixed" momentum: 0.9 max_iter: 3 snapshot_after_train: false\nnet_param {\n'
+            + _input(6)
+            + 'layer { name: "s" type: "Scale" bottom: "x" top: "scaled" scale_param { axis: 0 num_axes: 0 '
+              'filler { type: "constant" value: 3 } } }\n'
+            + _python_layer("keep", "KeepsPositives", ["scaled"], "kept")
+            + 'layer { name: "double" type: "Power" bottom: "kept" top: "doubled" power_param { scale: 2 } '
+              'loss_weight: 1 }\n}')
+    solver = caffejax.SGDSolver(text_format.Parse(text, caffe_pb2.SolverParameter()), allow_python_layers=True)
+    counts = sys.modules["caffejax_test_pylayers"].KeepsPositives
+    counts.forwards = 0
+    solver.net.blobs["x"].data[...] = [1, -2, 3, -4, 5, -6]
+    s, v = 3.0, 0.0
+    for k in range(3):
+        solver.step(1)
+        np.testing.assert_allclose(solver.net.blobs["doubled"].data, 2 * np.float32([1, 3, 5]) * s, rtol=1e-6)
+        v = 0.9 * v + 0.01 * 18
+        s -= v
+        np.testing.assert_allclose(solver.net.params["s"][0].data, [s], rtol=1e-6)
+        assert counts.forwards == k + 1
+    assert solver.net.graph.staging_layers == [2]
 
 
 def test_a_python_layer_sizing_the_nets_output_runs_after_the_program(layers_module):

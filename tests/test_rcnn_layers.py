@@ -709,9 +709,8 @@ def test_compile_inference_runs_in_stages(isolated_registry):
 
 
 def test_a_net_run_in_stages_refuses_one_program(isolated_registry, tmp_path):
-    """An export, an inference function over devices, a backward through the host layer and a solver's step
-    name the layers; a Proposal that does not see one image a batch is refused as py-faster-rcnn's layer
-    refuses it."""
+    """An export and an inference function over devices name the layers; a Proposal that does not see one image
+    a batch is refused as py-faster-rcnn's layer refuses it."""
     text = _faster_rcnn()
     net = caffejax.Net(text, caffejax.TEST)
     with pytest.raises(caffejax.UnsupportedError, match=r"layer 'proposal' \(type Proposal\) makes a top whose "
@@ -719,8 +718,116 @@ def test_a_net_run_in_stages_refuses_one_program(isolated_registry, tmp_path):
         export_stablehlo(net, str(tmp_path / "net.stablehlo"))
     with pytest.raises(caffejax.UnsupportedError, match="reads the top of layer 'proposal'"):
         caffejax.compile_inference(net, devices=1)  # each device would run the proposals on its rows
-    net.forward(**_image(np.random.default_rng(7), 64, 80))
-    with pytest.raises(caffejax.UnsupportedError, match="reads the top of layer 'proposal'"):
-        net.backward()
     with pytest.raises(ShapeError, match=r"proposal.*one image a batch"):
         caffejax.Net(text.replace("dim: 1 dim: 3 dim: 64", "dim: 2 dim: 3 dim: 64"), caffejax.TEST)
+
+
+SUMSQ_LOSS = ('layer { name: "loss" type: "Reduction" bottom: "cls_score" top: "loss" '
+              'reduction_param { operation: SUMSQ } loss_weight: 1 }\n')
+
+
+def test_backward_through_a_net_run_in_stages(isolated_registry):
+    """Net.backward over a Faster R-CNN with a loss after its ROIs runs in parts, as Caffe's Backward runs layer by
+    layer: the layers after the proposals (one program, handing on the diff of the feature map they read), the
+    Proposal layer's backward (py-faster-rcnn's passes: nothing reaches the RPN), the layers before. Its
+    gradients are those of the same head fed the same ROIs; force_backward takes them down to the image; layer
+    by layer (callbacks) gives the same; a test net with no loss backpropagates nothing."""
+    net = caffejax.Net(_faster_rcnn() + SUMSQ_LOSS, caffejax.TRAIN)
+    assert net.graph.layers[list(net._layer_names).index("proposal")].need_backward
+    feed = _image(np.random.default_rng(7), 64, 80)
+    net.forward(**feed)
+    rois = net.blobs["rois"].data.copy()
+    fed = caffejax.Net(FAST_RCNN_ROIS.replace("NUM", str(len(rois))) + SUMSQ_LOSS, caffejax.TRAIN)
+    fed.share_with(net)
+    fed.forward(data=feed["data"], rois=rois)
+    np.testing.assert_array_equal(net.blobs["loss"].data, fed.blobs["loss"].data)
+    fed.backward()
+    diffs = net.backward(diffs=["conv1"])
+    for name in fed.params:
+        for mine, want in zip(net.params[name], fed.params[name]):
+            np.testing.assert_allclose(mine.diff, want.diff, rtol=1e-6, atol=1e-6, err_msg=name)
+    np.testing.assert_allclose(diffs["conv1"], fed.blobs["conv1"].diff, rtol=1e-6, atol=1e-6)
+    assert np.abs(fed.params["conv1"][0].diff).max() > 0
+    for rpn in ("rpn_cls_score", "rpn_bbox_pred"):
+        assert not net.params[rpn][0].diff.any()
+    # force_backward: the image's diff, as the fed head's; layer by layer (a callback), the same diffs again.
+    forced = caffejax.Net("force_backward: true\n" + _faster_rcnn() + SUMSQ_LOSS, caffejax.TRAIN)
+    forced.share_with(net)
+    fed = caffejax.Net("force_backward: true\n" + FAST_RCNN_ROIS.replace("NUM", str(len(rois))) + SUMSQ_LOSS,
+                       caffejax.TRAIN)
+    fed.share_with(net)
+    fed.forward(data=feed["data"], rois=rois)
+    want = fed.backward()["data"]
+    forced.forward(**feed)
+    np.testing.assert_allclose(forced.backward()["data"], want, rtol=1e-5, atol=1e-6)
+    assert np.abs(want).max() > 0
+    called = []
+    forced.after_backward(called.append)
+    forced.clear_param_diffs()
+    np.testing.assert_allclose(forced.backward()["data"], want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(forced.params["conv1"][0].diff, fed.params["conv1"][0].diff, rtol=1e-5, atol=1e-6)
+    assert called == list(range(len(forced.layers) - 1, -1, -1))
+    # A test net: nothing needs a backward, and none runs.
+    test = caffejax.Net(_faster_rcnn(), caffejax.TEST)
+    test.forward(**feed)
+    assert not test.backward()["data"].any()
+
+
+def test_a_solver_trains_a_net_run_in_stages(isolated_registry, tmp_path):
+    """A solver's step through a Faster R-CNN with a loss after its ROIs runs Solver::Step's passes in stages
+    (Net.forward, Net.backward) and then its update: two SGD steps give the weights those passes and the update
+    by hand give. Over several devices the step is refused by name."""
+    text = _faster_rcnn() + SUMSQ_LOSS
+    (tmp_path / "train.prototxt").write_text(text)
+    param = tmp_path / "solver.prototxt"
+    param.write_text(f'net: "{tmp_path / "train.prototxt"}" base_lr: 0.001 lr_policy: "fixed" max_iter: 2 '
+                     'snapshot_after_train: false')
+    solver = caffejax.SGDSolver(str(param))
+    net = caffejax.Net(text, caffejax.TRAIN)
+    for name in net.params:
+        for mine, theirs in zip(net.params[name], solver.net.params[name]):
+            mine.data[...] = theirs.data
+    feed = _image(np.random.default_rng(11), 64, 80)
+    for blob, array in feed.items():
+        solver.net.blobs[blob].data[...] = array
+    for _ in range(2):
+        solver.step(1)
+        net.forward(**feed)
+        net.clear_param_diffs()
+        net.backward()
+        for name in net.params:
+            for mine, theirs in zip(net.params[name], solver.net.params[name]):
+                mine.data[...] -= np.float32(0.001) * mine.diff
+                np.testing.assert_allclose(theirs.data, mine.data, rtol=1e-5, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(solver.net.blobs["loss"].data, net.blobs["loss"].data, rtol=1e-5)
+    assert np.abs(net.params["fc"][0].diff).max() > 0
+    with pytest.raises(caffejax.UnsupportedError, match="reads the top of layer 'proposal'"):
+        caffejax.SGDSolver(str(param), devices=1).step(1)
+
+
+def test_caffejax_time_runs_a_net_in_stages(isolated_registry, tmp_path, capsys):
+    """caffejax time of a Faster R-CNN with a loss after its ROIs: its passes as Net.forward and Net.backward run
+    them, a program per stage and the proposals on the host between; every layer timed on the inputs its stage
+    gave it; each stage of the forward traced."""
+    import re
+
+    from caffejax.cli import main
+
+    (tmp_path / "net.prototxt").write_text(_faster_rcnn() + SUMSQ_LOSS)
+    status = main(["time", "-model", str(tmp_path / "net.prototxt"), "-phase", "TRAIN", "-iterations", "2",
+                   "--fork-layers"])
+    err = capsys.readouterr().err
+    assert status == 0, err
+    number = r"([\d.]+(?:e[-+]\d+)?)"
+    seconds = {}
+    for name in caffejax.Net(_faster_rcnn() + SUMSQ_LOSS, caffejax.TRAIN)._layer_names:
+        for way in ("forward", "backward"):
+            seconds[name, way] = float(re.search(rf"\] +{name}\t{way}: {number} ms\.$", err, re.M).group(1))
+    assert all(seconds[name, "forward"] > 0 for name in ("proposal", "roi_pool", "fc"))
+    assert seconds["fc", "backward"] > 0 and seconds["proposal", "backward"] == 0
+    for title in ("stage 1 \\(input to rpn_cls_prob_reshape\\)", "stage 2 \\(roi_pool to loss\\)"):
+        assert re.search(rf"Whole net's Forward pass, {title}, traced \(2 runs", err), title
+    assert re.search(r"forward +roi_pool  \(\d+ ops?\)", err)
+    averages = {name: float(re.search(rf"\] Average {name}: {number} ms\.$", err, re.M).group(1))
+                for name in ("Forward pass", "Backward pass", "Forward-Backward")}
+    assert averages["Forward pass"] > 0 and averages["Backward pass"] > 0

@@ -335,10 +335,12 @@ def time(args) -> int:
 
     Differs from Caffe, which times its layer-by-layer sweeps: the whole-net figures are the two compiled
     programs a net runs (the forward, and the forward-backward, where XLA fuses across layers); the backward
-    pass is the second's time less the first's. Each layer is timed alone, compiled on its own with the kernel
-    and layouts it has in the whole net, so the layers' times do not add up to the whole net's. A layer fed
-    from outside the programs (Input: 0; a data layer: reading one batch on the host) and a layer whose
-    backward computes no diff (0) are reported as such."""
+    pass is the second's time less the first's. A net run in stages around a layer on the host
+    (Graph.staging_layers: Faster R-CNN's proposals) is timed as Net.forward and Net.backward run it, a program
+    per stage and the host layers between; its forward's stages are traced one by one. Each layer is timed
+    alone, compiled on its own with the kernel and layouts it has in the whole net, so the layers' times do not
+    add up to the whole net's. A layer fed from outside the programs (Input: 0; a data layer: reading one batch
+    on the host) and a layer whose backward computes no diff (0) are reported as such."""
     import jax
 
     from caffejax.lower.optimize import value_layouts
@@ -356,9 +358,15 @@ def time(args) -> int:
     params = net.param_arrays()
     fed = {value: net.blobs[name].data for name, value in graph.fed.items()}
     key = jax.random.key(0)
-    forward, forward_backward = whole_net_programs(net)
-    # Caffe's forward runs every layer: the whole-net forward timed ends with the layers run on the host.
-    timed_forward = _then_on_host(graph, forward, net._python_layers) if graph.made_on_host else forward
+    if graph.staging_layers:
+        timed_forward, forward_backward = _passes_in_stages(net)
+        profiled = _stage_forwards(net, params, fed, key)
+    else:
+        forward, forward_backward = whole_net_programs(net)
+        # Caffe's forward runs every layer: the whole-net forward timed ends with the layers run on the host.
+        timed_forward = _then_on_host(graph, forward, net._python_layers) if graph.made_on_host else forward
+        profiled = {"Forward pass": (forward, (params, fed, key)),
+                    "Forward-Backward": (forward_backward, (params, fed, key))}
     log.info("Performing Backward")
     jax.block_until_ready(forward_backward(params, fed, key))  # compiled here, so no timed iteration compiles
 
@@ -373,9 +381,7 @@ def time(args) -> int:
         log.info("Iteration: %d forward-backward time: %s ms.", j + 1, log_float(iteration_seconds[-1] * 1e3))
     whole_forward_backward = sum(iteration_seconds) / iterations
 
-    every_blob = jax.jit(lambda p, env, k: program.run_layers(graph.layers, p, env, k, kernels=program.kernels)[0],
-                         compiler_options=compiler_options(graph))
-    env = every_blob(params, fed, key)  # each layer's inputs, for the per-layer timings
+    env = _every_value(net, params, fed, key)  # each layer's inputs, for the per-layer timings
     log.info("Average time per layer: ")
     log.info("(each layer compiled on its own, with the kernel and layouts it has in the whole net; there XLA "
              "fuses layers, so these do not add up to the whole-net figures)")
@@ -389,8 +395,9 @@ def time(args) -> int:
             fwd, bwd = _layer_times(program, layer, params, env, layouts, key, iterations)
         log.info("%10s\tforward: %s ms.", layer.name, log_float(fwd * 1e3))
         log.info("%10s\tbackward: %s ms.", layer.name, log_float((bwd or 0.0) * 1e3))
-    _log_program_profiles(graph, {"Forward pass": forward, "Forward-Backward": forward_backward},
-                          (params, fed, key), iterations)
+    _log_program_profiles(graph, profiled, iterations)
+    if graph.staging_layers:
+        log.info("(the forward-backward runs in stages too, Net.backward's programs; it is not traced)")
     if not any(net.blob_loss_weights.values()):
         log.info("The net has no loss, so its backward pass is empty.")
     log.info("Average Forward pass: %s ms.", log_float(whole_forward * 1e3))
@@ -439,13 +446,14 @@ def _fed_layer_seconds(net, layer, iterations: int) -> float:
 TRACED_RUNS = 10
 
 
-def _log_program_profiles(graph, programs, args, iterations: int) -> None:
-    """Each whole-net program traced: its XLA operations' time charged to the layers they compute
-    (:mod:`caffejax.runtime.program_profile`), where fusion puts layers together and backward passes run."""
+def _log_program_profiles(graph, programs, iterations: int) -> None:
+    """Each whole-net program (title -> (jitted program, its arguments)) traced: its XLA operations' time charged
+    to the layers they compute (:mod:`caffejax.runtime.program_profile`), where fusion puts layers together and
+    backward passes run."""
     from caffejax.runtime.program_profile import ProfileUnavailable, format_rows, profile_program
 
     names = [layer.name for layer in graph.layers]
-    for title, program in programs.items():
+    for title, (program, args) in programs.items():
         try:
             profile = profile_program(program.lower(*args).compile(), args, names,
                                       runs=min(iterations, TRACED_RUNS))
@@ -510,6 +518,92 @@ def _then_on_host(graph, forward, python_layers):
         return outputs
 
     return run
+
+
+def _stage_ranges(graph) -> list[list]:
+    """The layers of a net run in stages (Graph.staging_layers), cut after each staging layer: each piece its
+    compiled layers, then the layers run on the host (the staging one last)."""
+    cuts = [0, *(index + 1 for index in graph.staging_layers), len(graph.layers)]
+    return [graph.layers[begin:end] for begin, end in zip(cuts, cuts[1:]) if begin < end]
+
+
+def _every_value(net, params, fed, key) -> dict:
+    """Every value of the net's forward (value id -> array), for the per-layer timings: one program over all its
+    layers, or over each stage's of a net run in stages, the layers run on the host after each."""
+    import functools
+
+    import jax
+
+    from caffejax.lower.program import run_host_layers
+    from caffejax.runtime.xla_options import compiler_options
+
+    graph, program = net.graph, net._program
+
+    def run(layers, p, env, k):
+        return program.run_layers(layers, p, env, k, kernels=program.kernels)[0]
+
+    env = dict(fed)
+    for layers in _stage_ranges(graph) if graph.staging_layers else [graph.layers]:
+        env = dict(jax.jit(functools.partial(run, layers), compiler_options=compiler_options(graph))(params, env, key))
+        if graph.staging_layers:
+            env.update(run_host_layers(layers, env, net._python_layers))
+    return env
+
+
+def _passes_in_stages(net):
+    """``time``'s whole-net passes of a net run in stages (Graph.staging_layers), ``(params, fed, key) -> arrays``
+    to wait on, arguments unused: Net.forward's and Net.backward's own, a program per stage and the layers run on
+    the host between (the data layers keep the batch they read); the backward's diffs add up, as in Caffe's."""
+    last = len(net.graph.layers) - 1
+
+    def forward(*_):
+        with net._python_layers:
+            net._forward_in_stages(0, last, pull=False)
+        return [net.blobs[name]._data.value() for name in net.outputs]
+
+    def forward_backward(*_):
+        outputs = forward()
+        with net._python_layers:
+            net._backward_around_host(last, 0)
+        return outputs, [blob._diff.value() for blob in net._param_blobs.values()]
+
+    return forward, forward_backward
+
+
+def _stage_forwards(net, params, fed, key) -> dict:
+    """The forward programs of a net run in stages, to trace (title -> (program, arguments)): each stage's compiled
+    layers, handing back what later layers and the outputs read, on what the earlier stages made."""
+    import functools
+
+    import jax
+
+    from caffejax.runtime.xla_options import compiler_options
+
+    graph, program = net.graph, net._program
+    env = _every_value(net, params, fed, key)
+    fold_visible = net._reruns(graph.layers)
+    programs, begin = {}, 0
+
+    def run(layers, returned, p, env, k):
+        values = program.run_layers(layers, p, env, k, kernels=program.kernels, fold_visible=fold_visible)[0]
+        return [values[v] for v in returned]
+
+    for layers in _stage_ranges(graph):
+        end = begin + len(layers)
+        compiled = [layer for layer in layers if not layer.runs_on_host]
+        made = {v for layer in compiled if not layer.is_input for v in layer.top_values}
+        reads = {v for layer in compiled for v in (layer.top_values if layer.is_input else layer.bottom_values)
+                 if v not in made}
+        later = {v for layer in graph.layers[end:] for v in layer.bottom_values}
+        later |= {v for layer in layers if layer.runs_on_host for v in layer.bottom_values}
+        later |= set(_program_output_values(graph))
+        returned = [v for v in dict.fromkeys(v for layer in compiled for v in layer.top_values) if v in later]
+        if compiled and returned:
+            title = f"Forward pass, stage {len(programs) + 1} ({compiled[0].name} to {compiled[-1].name})"
+            fn = jax.jit(functools.partial(run, compiled, returned), compiler_options=compiler_options(graph))
+            programs[title] = (fn, (params, {v: env[v] for v in reads}, key))
+        begin = end
+    return programs
 
 
 def _host_layer_seconds(layer, env, iterations: int, python_layers) -> float:

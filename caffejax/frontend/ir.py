@@ -136,7 +136,7 @@ class Graph:
     def staging_layers(self) -> list[int]:
         """The layers run on the host whose tops compiled layers read (py-faster-rcnn's proposals feeding
         ROIPooling), by index: Net.forward and compile_inference run the layers before each as one program, the
-        layer on the host, then the layers after it, shaped by what it made."""
+        layer on the host, then the layers after it, shaped by what it made (Net.backward the other way round)."""
         read = {id(host) for _, host in reads_after_host(self.layers)}
         return [i for i, layer in enumerate(self.layers) if id(layer) in read]
 

@@ -51,6 +51,7 @@ class ForkLayer:
     bottoms: tuple[int, int | None] = (1, 1)
     tops: tuple[int, int | None] = (1, 1)
     host_forward: Callable | None = None  # LayerRule.host_forward: runs on the host, after the program
+    host_backward: Callable | None = None  # LayerRule.host_backward (None: Caffe's NOT_IMPLEMENTED)
     is_loss: bool = False
     allow_force_backward: Callable | None = None
 
@@ -1082,6 +1083,13 @@ def _nms_faster_rcnn(boxes: np.ndarray, threshold: float, limit: int) -> np.ndar
     return np.asarray(keep, np.int64)
 
 
+def propose_backward(layer_param, bottoms, tops, top_diffs, propagate_down) -> list[None]:
+    """ProposalLayer.backward: "This layer does not propagate gradients" (its body is ``pass``): the bottoms'
+    diffs stay as they are, so a backward through a Faster R-CNN (force_backward, or a loss after the ROIs)
+    reaches the image through the ROI pooling, not through the proposals."""
+    return [None] * len(bottoms)
+
+
 def propose(layer_param, bottoms: Sequence[np.ndarray]) -> list[np.ndarray]:
     """ProposalLayer.forward on host arrays (TEST settings from proposal_param): every anchor at every position
     of the (1, 2A, H, W) scores, moved by its deltas (bbox_transform_inv), clipped to the image of im_info
@@ -1202,7 +1210,7 @@ FORK_LAYERS: tuple[ForkLayer, ...] = (
     ForkLayer("DetectionOutput", detection_output, "register_detection_output", DETECTION_OUTPUT_PARAM.origin,
               DETECTION_OUTPUT_PARAM, bottoms=(3, 3), host_forward=detect),
     ForkLayer("Proposal", proposal, "register_proposal", PROPOSAL_PARAM.origin, PROPOSAL_PARAM, bottoms=(3, 3),
-              tops=(1, 2), host_forward=propose),
+              tops=(1, 2), host_forward=propose, host_backward=propose_backward),
     ForkLayer("ROIPooling", roi_pooling, "register_roi_pooling", ROI_POOLING_PARAM.origin, ROI_POOLING_PARAM,
               bottoms=(2, 2)),
     ForkLayer("PSROIPooling", psroi_pooling, "register_psroi_pooling", PSROI_POOLING_PARAM.origin,
@@ -1235,7 +1243,8 @@ def register(fork: ForkLayer, override: bool = False) -> None:
     if current is not None and current.forward is fork.forward:
         return
     register_layer(fork.type, fork.forward, fork.param_shapes, fork.init_params, bottoms=fork.bottoms,
-                   tops=fork.tops, host_forward=fork.host_forward, is_loss=fork.is_loss,
+                   tops=fork.tops, host_forward=fork.host_forward, host_backward=fork.host_backward,
+                   is_loss=fork.is_loss,
                    allow_force_backward=fork.allow_force_backward, override=override)
 
 

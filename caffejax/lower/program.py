@@ -256,20 +256,36 @@ def host_forward(layer: Layer, python_layers=None) -> Callable[[Any, Sequence[np
     return get_rule(layer.type).host_forward
 
 
+def host_backward(layer: Layer, python_layers=None) -> Callable[..., list[np.ndarray | None]]:
+    """``(layer_param, bottoms, tops, top_diffs, propagate_down) -> bottom diffs`` (None: left as they are) of a
+    layer run on the host: its rule's host_backward, or a Python layer's own backward on its net's object
+    (PythonLayers.host_backward). A layer without one raises UnsupportedError, as Caffe's NOT_IMPLEMENTED
+    Backward aborts (SSD's DetectionOutput)."""
+    if layer.type == "Python":
+        host_forward(layer, python_layers)  # the same error without the net's layer objects
+        return python_layers.host_backward
+    backward = get_rule(layer.type).host_backward
+    if backward is None:
+        raise layer_error(UnsupportedError, layer.name, layer.type,
+                          "has no backward (Caffe's is NOT_IMPLEMENTED), and the backward asked for one (a loss "
+                          "after its tops, or force_backward)")
+    return backward
+
+
 def check_one_program(layers: Sequence[Layer]) -> None:
     """Raise UnsupportedError if a compiled layer among ``layers`` reads what a layer run on the host among them
-    makes (Graph.staging_layers): one program would need the host's result inside it. Net.forward and
-    compile_inference run such a net in stages (Net._forward_in_stages, inference._Stages); nothing that compiles
-    the layers as one program can."""
+    makes (Graph.staging_layers): one program would need the host's result inside it. Net.forward, Net.backward,
+    a solver's step, compile_inference and caffejax time run such a net in stages (Net._forward_in_stages,
+    Net._backward_around_host, inference._Stages); nothing that compiles the layers as one program can."""
     found = next(reads_after_host(layers), None)
     if found is not None:
         layer, host = found
         raise layer_error(UnsupportedError, layer.name, layer.type,
                           f"reads the top of layer '{host.name}' (type {host.type}), which runs on the host "
-                          "because its top's shape depends on the data. Net.forward and compile_inference run "
-                          "such a net in stages around that layer; one compiled program over both "
-                          "(compile_inference over several devices, an export, a backward, a solver's step, "
-                          "caffejax time) cannot")
+                          "because its top's shape depends on the data. Net.forward, Net.backward, a solver's "
+                          "step, compile_inference and caffejax time run such a net in stages around that layer; "
+                          "one compiled program over both (over several devices, an export, "
+                          "caffejax.grad.value_and_grad) cannot")
 
 
 def _no_gradient(x):

@@ -24,8 +24,10 @@ this rule run, and it runs the layer as pycaffe does:
   builds run the layer on the host from then on (``Layer.runs_on_host``, :meth:`PythonLayers.host_forward`),
   as OpenCV's Proposal layer runs: Net.forward and compile_inference catch it and run the pass again in stages
   around the layer (that forward's tops are not lost: the host's first call on the same bottoms takes them).
-  Such a layer has bottoms, no learnable blobs and no top in place; one program over it (a solver's step)
-  raises the error.
+  Net.backward calls its ``backward`` there too (:meth:`PythonLayers.host_backward`), between the programs of
+  the layers after it and before it; a solver's step that finds it out runs that iteration again by passes
+  (Net.forward, Net.backward), on the same batch. Such a layer has bottoms, no learnable blobs and no top in
+  place; one program over it (an export, several devices) raises the error.
 
 Each net has its own layer objects, as Caffe makes one per layer per net (:class:`PythonLayers`, which the
 net hands its graph and programs through ``LayerContext.python_layers``): the net's rebuilds and all its
@@ -166,6 +168,18 @@ class PythonLayers:
         instance.last_top_shapes = [t.shape for t in tops]
         return tops
 
+    def host_backward(self, layer_param, bottoms: Sequence[np.ndarray], tops: Sequence[np.ndarray],
+                      top_diffs: Sequence[np.ndarray], propagate_down: Sequence[bool]) -> list[np.ndarray | None]:
+        """The bottoms' diffs from the ``backward`` of a layer run on the host (:meth:`runs_on_host`), on host blobs
+        of its last forward's bottoms and tops, the tops holding ``top_diffs``; None for a bottom
+        ``propagate_down`` leaves out (its diff stays as it is, as Caffe's blob keeps it)."""
+        instance = self.objects[_object_key(layer_param)]
+        dtype = np.dtype(tops[0].dtype) if len(tops) else np.dtype(np.float32)
+        top = [_holding(y, dtype, diff=g) for y, g in zip(tops, top_diffs)]
+        bottom = [_holding(x, dtype) for x in bottoms]
+        _checked(layer_param.name, "Python", "backward", instance.obj.backward, top, list(propagate_down), bottom)
+        return [np.array(b.diff, dtype) if down else None for b, down in zip(bottom, propagate_down)]
+
     def learnable_values(self, layer_param) -> list[np.ndarray]:
         """Copies of the data a Python layer's learnable blobs hold now (after its setup: their initial values)."""
         instance = self.objects[_object_key(layer_param)]
@@ -302,6 +316,13 @@ def calls_back(layer) -> bool:
     return layer.type == "Python" and not layer.is_input
 
 
+def may_size_tops_by_data(layer) -> bool:
+    """Whether an IR layer is a Python layer whose forward may size its tops by the data (TopsSizedByData) and
+    not yet run on the host: one the program calls back, with bottoms, no learnable blobs and no top in place."""
+    return (calls_back(layer) and not layer.runs_on_host and bool(layer.bottoms) and not layer.params
+            and not any(layer.in_place))
+
+
 class HostDataLayer:
     """A Python data layer as its net's data source: each ``next_batch`` runs the layer's ``reshape`` and
     ``forward`` on its top blobs (kept from batch to batch, as Caffe's are) and hands back copies of their
@@ -367,7 +388,8 @@ def _on_host(ctx: LayerContext, instance: _Instance, top_shapes: list[Shape], dt
     blob_shapes = instance.blob_shapes
     out_types = tuple(jax.ShapeDtypeStruct(shape, dtype) for shape in (*top_shapes, *blob_shapes))
     n_bottoms = len(bottoms)
-    # A layer with bottoms, no learnable blobs and no top in place may run on the host instead (runs_on_host).
+    # A layer with bottoms, no learnable blobs and no top in place may run on the host instead (runs_on_host,
+    # may_size_tops_by_data).
     sizes_by_data = n_bottoms > 0 and not blob_shapes and not any(_in_place(ctx, i) for i in range(len(top_shapes)))
 
     @functools.partial(_recording, instance)
@@ -385,10 +407,10 @@ def _on_host(ctx: LayerContext, instance: _Instance, top_shapes: list[Shape], dt
             instance.made = ([np.array(a) for a in arrays[:n_bottoms]], [np.array(t.data, dtype) for t in top])
             raise layer_error(TopsSizedByData, name, type_name, f"its reshape or forward changed the top shapes to "
                               f"{[tuple(t.shape) for t in top]} after the net was built for {top_shapes}: their "
-                              "size depends on the data (py-faster-rcnn's ProposalLayer). Net.forward and "
-                              "compile_inference run such a layer on the host between compiled programs from their "
-                              "first forward on; one program over it (an export, a backward, a solver's step) "
-                              "cannot")
+                              "size depends on the data (py-faster-rcnn's ProposalLayer). Net.forward, a solver's "
+                              "step and compile_inference run such a layer on the host between compiled programs "
+                              "from their first forward on; one program over it (an export, "
+                              "caffejax.grad.value_and_grad, several devices) cannot")
         _check_shapes(name, type_name, "forward", "top", top, top_shapes)
         _check_shapes(name, type_name, "forward", "learnable blob", obj.blobs, blob_shapes)
         return tuple(np.asarray(b.data, dtype) for b in (*top, *obj.blobs))

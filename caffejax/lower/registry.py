@@ -148,6 +148,9 @@ class LayerRule:
       DetectionOutput), Forward on host NumPy arrays, run after the compiled program on the bottoms it
       returned. Such a layer is no part of any program: ``forward`` then only gives the top shapes Caffe's
       Reshape sets before the first forward, and only other host layers may read its tops.
+    - ``host_backward(layer, bottoms, tops, top_diffs, propagate_down) -> bottom diffs``: such a layer's Backward
+      on host arrays, a diff or None (the bottom's diff left as it is) per bottom. Without it the layer has no
+      backward (Caffe's NOT_IMPLEMENTED): a backward that needs one raises.
     - ``state_shapes(layer, bottom_shapes) -> shapes`` of non-learnable state the layer carries from one
       forward to the next (RNN/LSTM without expose_hidden copy the last h_T/c_T into h_0/c_0). The program
       passes it in as ``ctx.state`` and returns what ``ctx.update_state`` wrote; the runtime keeps it.
@@ -169,6 +172,7 @@ class LayerRule:
     state_shapes: ParamShapesFn | None = None
     top_shapes: TopShapesFn | None = None
     host_forward: Callable[[Any, Sequence[np.ndarray]], list[np.ndarray]] | None = None
+    host_backward: Callable[..., list[np.ndarray | None]] | None = None
 
 
 _REGISTRY: dict[str, LayerRule] = {}
@@ -195,7 +199,8 @@ def register_layer(type_name: str, forward: ForwardFn, param_shapes: ParamShapes
                    init_params: InitParamsFn | None = None, *, bottoms: tuple[int, int | None] = (0, None),
                    tops: tuple[int, int | None] = (0, None), is_loss: bool = False, in_place: bool = True,
                    allow_force_backward: Callable[[Any, int], bool] | None = None, frozen_params: bool = False,
-                   host_forward: Callable | None = None, override: bool = False) -> LayerRule:
+                   host_forward: Callable | None = None, host_backward: Callable | None = None,
+                   override: bool = False) -> LayerRule:
     """Add a layer type written as a pure JAX function: the safe replacement for Caffe's Python layers.
 
     ``forward(ctx, bottoms, params) -> tops`` must be pure and jit-able; it reads its settings from
@@ -203,7 +208,8 @@ def register_layer(type_name: str, forward: ForwardFn, param_shapes: ParamShapes
     caffejax.frontend.prototxt.fork_param). ``param_shapes(layer, bottom_shapes) -> shapes`` declares learnable
     blobs (none by default) and ``init_params(layer, shapes, key) -> arrays`` fills them (zeros if absent and no
     weights are loaded). ``bottoms``/``tops`` are (min, max) counts, max None for unbounded. ``host_forward``
-    makes it a layer run on the host after the program (see :class:`LayerRule`). Replacing a
+    makes it a layer run on the host after the program, ``host_backward`` gives it a backward there (see
+    :class:`LayerRule`). Replacing a
     registered type, BVLC's included, needs ``override=True``.
     """
     _load_families()
@@ -214,9 +220,12 @@ def register_layer(type_name: str, forward: ForwardFn, param_shapes: ParamShapes
         problems.append("'Python' is Caffe's own type for pycaffe layers (run only with allow_python_layers=True); "
                         "give your layer its own type name")
     for name, fn in (("forward", forward), ("param_shapes", param_shapes), ("init_params", init_params),
-                     ("allow_force_backward", allow_force_backward), ("host_forward", host_forward)):
+                     ("allow_force_backward", allow_force_backward), ("host_forward", host_forward),
+                     ("host_backward", host_backward)):
         if fn is not None and not callable(fn):
             problems.append(f"{name} must be callable, got {type(fn).__name__}")
+    if host_backward is not None and host_forward is None:
+        problems.append("host_backward is the backward of a layer run on the host: it needs host_forward")
     for name, limits in (("bottoms", bottoms), ("tops", tops)):
         lo, hi = limits if isinstance(limits, tuple) and len(limits) == 2 else (None, None)
         if not (isinstance(lo, int) and lo >= 0 and (hi is None or (isinstance(hi, int) and hi >= lo))):
@@ -229,7 +238,7 @@ def register_layer(type_name: str, forward: ForwardFn, param_shapes: ParamShapes
     options = {} if allow_force_backward is None else {"allow_force_backward": allow_force_backward}
     rule = LayerRule(type=type_name, forward=forward, param_shapes=param_shapes or no_params,
                      init_params=init_params, is_loss=is_loss, bottoms=bottoms, tops=tops, in_place=in_place,
-                     frozen_params=frozen_params, host_forward=host_forward, **options)
+                     frozen_params=frozen_params, host_forward=host_forward, host_backward=host_backward, **options)
     _REGISTRY[type_name] = rule
     return rule
 

@@ -26,7 +26,7 @@ from caffejax.frontend.prototxt import locate_layer_error
 from caffejax.frontend.ir import Graph
 from caffejax.lower.fillers import HostKey, fold_in
 from caffejax.lower.optimize import layout_kernels
-from caffejax.lower.program import NetProgram, run_host_layers
+from caffejax.lower.program import NetProgram, host_backward, run_host_layers
 from caffejax.lower.python_layer import HostDataLayer, PythonLayers, calls_back
 from caffejax.lower.registry import TRAIN, TEST, get_rule
 from caffejax.runtime import mode
@@ -972,7 +972,10 @@ class Net:
         each."""
         for i in range(start, end - 1, -1):
             self._run_callbacks("before_backward", i)
-            if self._graph.layers[i].need_backward:
+            layer = self._graph.layers[i]
+            if layer.need_backward and layer.runs_on_host:
+                self._host_backward(layer)
+            elif layer.need_backward:
                 self._backward(i, i)
                 if self.debug_info:
                     log_backward(self, i)
@@ -1029,11 +1032,10 @@ class Net:
         layers = self._program.layers_between(end, start)
         self._require_shapes(layers, "run")
         if self._host_layers:
-            on_host = next((layer for layer in layers if layer.runs_on_host and layer.need_backward), None)
-            if on_host is not None:
-                raise layer_error(UnsupportedError, on_host.name, on_host.type,
-                                  "has no backward (Caffe's is NOT_IMPLEMENTED), and force_backward asks for one")
-            layers = [layer for layer in layers if not layer.runs_on_host]  # its bottoms' diffs seed, as Caffe's
+            # Only one whose backward is not needed (_backward_around_host splits the others off): its bottoms'
+            # diffs then seed the layers before it as they are, as Caffe's blobs keep them.
+            assert not any(layer.runs_on_host and layer.need_backward for layer in layers)
+            layers = [layer for layer in layers if not layer.runs_on_host]
         consumed = {v for layer in layers for v in layer.bottom_values}
         seeds = {value: self.blobs[top]._diff.value() for layer in layers if not layer.is_input
                  for top, value in zip(layer.tops, layer.top_values)
@@ -1082,6 +1084,48 @@ class Net:
             diff.set(summed)
         self._defer_diffs(start, end, {blob: value for blob, value in final.items() if value not in value_diffs},
                           (params, env, seeds, key, recorded))
+
+    def _backward_around_host(self, start: int, end: int, returned: Iterable[str] = ()) -> None:
+        """Caffe's BackwardFromTo(start, end) over layers among which some run on the host (Layer.runs_on_host)
+        and either need a backward or make what a compiled layer in the range reads (Graph.staging_layers): one
+        program can hold neither. The layers after such a layer first, as one program (handing back the diffs
+        of the blobs they read from before them); then the layer's backward on the host (program.host_backward:
+        py-faster-rcnn's Proposal propagates nothing, a Python layer runs its own backward), which writes its
+        bottoms' diffs; then the layers before it, seeded by those diffs."""
+        top = start
+        for index in range(start, end - 1, -1):
+            layer = self._graph.layers[index]
+            if layer.runs_on_host and (layer.need_backward or index in self._staging):
+                if index < top:
+                    self._backward(top, index + 1, [*returned, *self._read_from_before(index + 1, top)])
+                if layer.need_backward:
+                    self._host_backward(layer)
+                top = index - 1
+        if top >= end:
+            self._backward(top, end, returned)
+
+    def _read_from_before(self, begin: int, end: int) -> list[str]:
+        """The blobs layers begin..end read that layers before them make: a split backward's diffs handed on."""
+        layers = self._graph.layers[begin:end + 1]
+        made = {value for layer in layers for value in layer.top_values}
+        return list(dict.fromkeys(blob for layer in layers for blob, value in zip(layer.bottoms, layer.bottom_values)
+                                  if value not in made))
+
+    def _host_backward(self, layer) -> None:
+        """A layer run on the host: its backward (program.host_backward) on the blobs, as Caffe's Backward reads
+        them (tops with their diffs, bottoms as they are now), writing the diffs of the bottoms it propagates to."""
+        backward = host_backward(layer, self._python_layers)
+        bottoms = [np.asarray(self.blobs[blob].data) for blob in layer.bottoms]
+        tops = [np.asarray(self.blobs[blob].data) for blob in layer.tops]
+        top_diffs = [np.asarray(self.blobs[blob].diff) for blob in layer.tops]
+        diffs = backward(layer.proto, bottoms, tops, top_diffs, list(layer.bottom_need_backward))
+        for blob, diff, down in zip(layer.bottoms, diffs, layer.bottom_need_backward):
+            if down and diff is not None:
+                if np.shape(diff) != self.blobs[blob].shape:
+                    raise layer_error(ShapeError, layer.name, layer.type,
+                                      f"its backward gave bottom '{blob}' a diff of shape {np.shape(diff)}; the "
+                                      f"blob is {self.blobs[blob].shape}")
+                self.blobs[blob]._diff.set(np.asarray(diff, self.blobs[blob].data.dtype))
 
     def _defer_diffs(self, start: int, end: int, deferred: Mapping[str, str], arguments: tuple) -> None:
         """Blobs (name -> value id) whose diffs a backward over layers start..end did not hand back: on the first
@@ -1132,6 +1176,8 @@ class Net:
         with self._python_layers:
             if self._runs_layer_by_layer():
                 self._backward_layer_by_layer(start_ind, end_ind)
+            elif self._host_layers:
+                self._backward_around_host(start_ind, end_ind, returned=outputs)
             else:
                 self._backward(start_ind, end_ind, returned=outputs)
         return {name: self.blobs[name].diff for name in outputs}

@@ -43,13 +43,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from caffejax.errors import CaffejaxError, DataError, NumericalError, SolverError, UnsupportedError, WeightsError
+from caffejax.errors import (CaffejaxError, DataError, NumericalError, SolverError, TopsSizedByData, UnsupportedError,
+                             WeightsError)
 from caffejax.frontend.build import load_net_param
 from caffejax.frontend.ir import Graph
 from caffejax.frontend.prototxt import (as_bvlc_message, locate_layer_error, locate_solver_error, parse_solver_text,
                                         to_text)
 from caffejax.frontend.upgrade import upgrade_solver_as_needed
-from caffejax.lower.python_layer import calls_back
+from caffejax.lower.program import check_one_program
+from caffejax.lower.python_layer import calls_back, may_size_tops_by_data
 from caffejax.lower.registry import TEST, TRAIN
 from caffejax.proto import caffe_pb2
 from caffejax.runtime import lr_policy, mode, snapshot as snapshots
@@ -372,9 +374,12 @@ class Solver:
             if self._parallel is not None:
                 fn = self._parallel.train_step(net, counted_step)
             else:
+                # Not the history where a Python layer may size its tops by the data: the step then fails
+                # (TopsSizedByData) after giving it up, and the iteration runs again by passes.
                 fn = jit_through_cache(_into_spare(counted_step(net._program, returned=self._returned_blobs())),
                                        options=compiler_options(net.graph, backward=True),
-                                       describe=self._step_description, donate_argnums=(1, 6), keep_unused=True)
+                                       describe=self._step_description, keep_unused=True,
+                                       donate_argnums=(6,) if self._tops_may_be_sized_by_data else (1, 6))
             self._programs[cache_key] = fn
         return fn
 
@@ -430,6 +435,12 @@ class Solver:
         whose batches differ in shape (a data layer serving images of their own size) run one by one."""
         net = self.net
         batches = self._pull_batches()
+        if net.graph.staging_layers:
+            # Compiled layers read what a layer run on the host makes (Faster R-CNN's ROI pooling): the passes run
+            # in stages around it (Net.forward, Net.backward), then the update.
+            if self._parallel is not None:
+                check_one_program(net.graph.layers)  # each device would run the host layer on its rows
+            return self._train_iteration_by_passes(rate, batches)
         stacked = {}
         for top in batches[0] if batches else ():
             shapes = {b[top].shape for b in batches}
@@ -454,7 +465,17 @@ class Solver:
             before, fed, pulled, scalars = to_device((before, fed, pulled, scalars))
             spare = self._spare_weights(before)
             try:
-                outputs = fn(before, self._history, fed, pulled, key, scalars, spare)
+                with net._python_layers:
+                    outputs = fn(before, self._history, fed, pulled, key, scalars, spare)
+                    if self._tops_may_be_sized_by_data:
+                        jax.block_until_ready(outputs)  # a Python layer's failure surfaces here, typed
+            except TopsSizedByData:
+                # A Python layer's forward sized its tops by the data (py-faster-rcnn's ProposalLayer): the net
+                # rebuilt runs it on the host, and this iteration by passes around it, on the batches pulled
+                # (its first host call takes the tops that forward made). The history was not given up.
+                net._forget_deferred_blobs()
+                net.reshape()
+                return self._train_iteration_by_passes(rate, batches)
             except BaseException:
                 net._forget_deferred_blobs()  # the last iteration's, computed from the weights given up
                 raise
@@ -483,6 +504,12 @@ class Solver:
         net._note_pass(0, len(graph.layers) - 1, read)
         net._state.update(state)
         return loss, norm
+
+    @property
+    def _tops_may_be_sized_by_data(self) -> bool:
+        """Whether a Python layer of the train net may find its tops sized by the data in a step
+        (python_layer.may_size_tops_by_data)."""
+        return any(may_size_tops_by_data(layer) for layer in self.net.graph.layers)
 
     def _spare_weights(self, weights) -> list:
         """Buffers for the iteration's new learnable weights, given up to it: those the last iteration started
