@@ -1048,6 +1048,13 @@ def test_two_python_layers_sizing_their_tops_in_one_pass(layers_module):
         np.testing.assert_array_equal(run(net)["kept2"], [1, 3])
         assert counts.forwards == 2 and net.graph.staging_layers == [1]  # keep2 ends the net: after the program
         assert net.graph.layers[-1].runs_on_host
+    # Backward through both (a loss weight after the second): each one's backward between three programs.
+    net = caffejax.Net("force_backward: true\n" + text + 'layer { name: "sum" type: "Power" bottom: "kept2" '
+                       'top: "summed" power_param { scale: 3 } loss_weight: 1 }\n', caffejax.TRAIN,
+                       allow_python_layers=True)
+    net.forward(x=x)
+    assert net.graph.staging_layers == [1, 4]
+    np.testing.assert_array_equal(net.backward()["x"], [0, 6, 0, 6, 0, 0])  # 3 x 2 where less > 0
 
 
 def test_backward_through_a_python_layer_sizing_its_tops_by_the_data(layers_module):
