@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import math
+import re
 import sys
 
 import jax
@@ -726,7 +728,7 @@ SUMSQ_LOSS = ('layer { name: "loss" type: "Reduction" bottom: "cls_score" top: "
               'reduction_param { operation: SUMSQ } loss_weight: 1 }\n')
 
 
-def test_backward_through_a_net_run_in_stages(isolated_registry):
+def test_backward_through_a_net_run_in_stages(isolated_registry, caplog):
     """Net.backward over a Faster R-CNN with a loss after its ROIs runs in parts, as Caffe's Backward runs layer by
     layer: the layers after the proposals (one program, handing on the diff of the feature map they read), the
     Proposal layer's backward (py-faster-rcnn's passes: nothing reaches the RPN), the layers before. Its
@@ -767,6 +769,12 @@ def test_backward_through_a_net_run_in_stages(isolated_registry):
     np.testing.assert_allclose(forced.backward()["data"], want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(forced.params["conv1"][0].diff, fed.params["conv1"][0].diff, rtol=1e-5, atol=1e-6)
     assert called == list(range(len(forced.layers) - 1, -1, -1))
+    forced.debug_info = True  # Caffe's BackwardDebugInfo lines, the host layer's among them
+    with caplog.at_level(logging.INFO, logger="caffejax"):
+        forced.backward()
+    assert "[Backward] Layer proposal, bottom blob rpn_cls_prob_reshape diff: 0" in caplog.text
+    assert float(re.search(r"\[Backward\] Layer roi_pool, bottom blob conv1_relu1_0_split_2 diff: (\S+)",
+                           caplog.text).group(1)) > 0
     # A test net: nothing needs a backward, and none runs.
     test = caffejax.Net(_faster_rcnn(), caffejax.TEST)
     test.forward(**feed)
@@ -809,8 +817,6 @@ def test_caffejax_time_runs_a_net_in_stages(isolated_registry, tmp_path, capsys)
     """caffejax time of a Faster R-CNN with a loss after its ROIs: its passes as Net.forward and Net.backward run
     them, a program per stage and the proposals on the host between; every layer timed on the inputs its stage
     gave it; each stage of the forward traced."""
-    import re
-
     from caffejax.cli import main
 
     (tmp_path / "net.prototxt").write_text(_faster_rcnn() + SUMSQ_LOSS)

@@ -973,10 +973,11 @@ class Net:
         for i in range(start, end - 1, -1):
             self._run_callbacks("before_backward", i)
             layer = self._graph.layers[i]
-            if layer.need_backward and layer.runs_on_host:
-                self._host_backward(layer)
-            elif layer.need_backward:
-                self._backward(i, i)
+            if layer.need_backward:
+                if layer.runs_on_host:
+                    self._host_backward(layer)
+                else:
+                    self._backward(i, i)
                 if self.debug_info:
                     log_backward(self, i)
             self._run_callbacks("after_backward", i)
