@@ -77,6 +77,25 @@ def test_register_layer_with_host_forward_makes_a_top_whose_shape_depends_on_the
                            'top: "h" power_param { scale: 0.5 } loss_weight: 1 }', caffejax.TRAIN)
     trained.forward(x=np.float32([-1, 2, -3, 4, 5]))
     np.testing.assert_array_equal(trained.backward()["x"], [0, 1, 0, 1, 1])
+    # A rule giving the wrong number of tops or diffs, or a diff of the wrong shape, is named.
+    caffejax.register_layer("Positives", positives_before_a_pass, host_forward=lambda layer, bottoms: [],
+                            host_backward=lambda *args: [], override=True)
+    with pytest.raises(caffejax.GraphError, match=r"layer 'p' \(type Positives\): its forward on the host gave 0 "
+                                                  r"tops; the layer has 1 \(p\)"):
+        caffejax.Net(text, caffejax.TEST).forward(x=np.ones(5, np.float32))
+    caffejax.register_layer("Positives", positives_before_a_pass, host_forward=positives,
+                            host_backward=lambda *args: [], override=True)
+    trained = caffejax.Net("force_backward: true\n" + text + '\nlayer { name: "half" type: "Power" bottom: "p" '
+                           'top: "h" power_param { scale: 0.5 } loss_weight: 1 }', caffejax.TRAIN)
+    trained.forward(x=np.ones(5, np.float32))
+    with pytest.raises(caffejax.GraphError, match=r"layer 'p' \(type Positives\): its backward on the host gave 0 "
+                                                  r"diffs; the layer has 1 bottoms \(y\)"):
+        trained.backward()
+    caffejax.register_layer("Positives", positives_before_a_pass, host_forward=positives,
+                            host_backward=lambda layer, bottoms, *rest: [np.ones(2, np.float32)], override=True)
+    with pytest.raises(caffejax.ShapeError, match=r"layer 'p' \(type Positives\): its backward gave bottom 'y' a "
+                                                  r"diff of shape \(2,\); the blob is \(5,\)"):
+        trained.backward()
 
 
 def test_nets_with_registered_rules_stay_out_of_the_program_cache(isolated_registry, tmp_path, monkeypatch):

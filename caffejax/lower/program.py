@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from caffejax.errors import UnsupportedError, layer_error
+from caffejax.errors import GraphError, UnsupportedError, layer_error
 from caffejax.frontend.ir import Graph, Layer, reads_after_host
 from caffejax.lower.optimize import Layouts
 from caffejax.lower.registry import LayerContext, get_rule
@@ -241,7 +241,11 @@ def run_host_layers(layers: Sequence[Layer], values: Mapping[str, Any], python_l
     for layer in layers:
         if layer.runs_on_host:
             bottoms = [made[v] if v in made else np.asarray(values[v]) for v in layer.bottom_values]
-            made.update(zip(layer.top_values, host_forward(layer, python_layers)(layer.proto, bottoms)))
+            tops = list(host_forward(layer, python_layers)(layer.proto, bottoms))
+            if len(tops) < len(layer.tops):  # more: optional tops the layer does not have (Proposal's scores)
+                raise layer_error(GraphError, layer.name, layer.type, f"its forward on the host gave {len(tops)} "
+                                  f"tops; the layer has {len(layer.tops)} ({', '.join(layer.tops)})")
+            made.update(zip(layer.top_values, tops))
     return made
 
 

@@ -146,8 +146,10 @@ class LayerRule:
       abstract evaluation of ``forward``. ``tests/test_shape_rules.py`` checks each against that.
     - ``host_forward(layer, bottoms) -> tops``: for a layer whose top shapes depend on the data (SSD's
       DetectionOutput), Forward on host NumPy arrays, run after the compiled program on the bottoms it
-      returned. Such a layer is no part of any program: ``forward`` then only gives the top shapes Caffe's
-      Reshape sets before the first forward, and only other host layers may read its tops.
+      returned (at least one top per top the layer has; more are optional tops it was not given, dropped).
+      Such a layer is no part of any program: ``forward`` then only gives the top shapes Caffe's Reshape sets
+      before the first forward, and compiled layers reading its tops run in a later program
+      (Graph.staging_layers).
     - ``host_backward(layer, bottoms, tops, top_diffs, propagate_down) -> bottom diffs``: such a layer's Backward
       on host arrays, a diff or None (the bottom's diff left as it is) per bottom. Without it the layer has no
       backward (Caffe's NOT_IMPLEMENTED): a backward that needs one raises.

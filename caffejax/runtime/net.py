@@ -17,8 +17,9 @@ from typing import Any, Iterable, Mapping, Sequence
 import jax
 import numpy as np
 
-from caffejax.errors import (CaffejaxError, DataSourceUnavailable, NumericalError, OutOfMemoryError, ShapeError,
-                             TopsSizedByData, UnknownBlobError, UnsupportedError, WeightsError, layer_error)
+from caffejax.errors import (CaffejaxError, DataSourceUnavailable, GraphError, NumericalError, OutOfMemoryError,
+                             ShapeError, TopsSizedByData, UnknownBlobError, UnsupportedError, WeightsError,
+                             layer_error)
 from caffejax.fileio import atomic_write
 from caffejax.frontend.build import build_graph, load_net_param
 from caffejax.frontend.caffemodel import encode_net, read_weights
@@ -1119,7 +1120,10 @@ class Net:
         bottoms = [np.asarray(self.blobs[blob].data) for blob in layer.bottoms]
         tops = [np.asarray(self.blobs[blob].data) for blob in layer.tops]
         top_diffs = [np.asarray(self.blobs[blob].diff) for blob in layer.tops]
-        diffs = backward(layer.proto, bottoms, tops, top_diffs, list(layer.bottom_need_backward))
+        diffs = list(backward(layer.proto, bottoms, tops, top_diffs, list(layer.bottom_need_backward)))
+        if len(diffs) != len(bottoms):
+            raise layer_error(GraphError, layer.name, layer.type, f"its backward on the host gave {len(diffs)} "
+                              f"diffs; the layer has {len(bottoms)} bottoms ({', '.join(layer.bottoms)})")
         for blob, diff, down in zip(layer.bottoms, diffs, layer.bottom_need_backward):
             if down and diff is not None:
                 if np.shape(diff) != self.blobs[blob].shape:
