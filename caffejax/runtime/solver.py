@@ -435,7 +435,7 @@ class Solver:
         whose batches differ in shape (a data layer serving images of their own size) run one by one."""
         net = self.net
         batches = self._pull_batches()
-        if net.graph.staging_layers:
+        if net._staging:
             # Compiled layers read what a layer run on the host makes (Faster R-CNN's ROI pooling): the passes run
             # in stages around it (Net.forward, Net.backward), then the update.
             if self._parallel is not None:
