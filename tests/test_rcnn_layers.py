@@ -638,6 +638,12 @@ def test_py_faster_rcnns_python_proposal_layer_runs_in_stages(isolated_registry,
         np.testing.assert_array_equal(net.blobs["rois"].data, reference.blobs["rois"].data)
         assert net.blobs["roi_scores"].shape == (len(scores), 1) and len(scores) > 1
     assert len(calls) == 3  # the Python layer's forward, once a pass (the Proposal rule's host_forward is its own)
+    # Without allow_python_layers, py-faster-rcnn's own module and class are refused, naming caffejax's Proposal.
+    own = text.replace('module: "caffejax_test_rpn"', 'module: "rpn.proposal_layer"')
+    with pytest.raises(caffejax.UnsupportedError, match=r"layer 'proposal' \(type Python\): Python layer \(module "
+                       r"'rpn.proposal_layer', class 'ProposalLayer'\) is not run.*change this layer to type: "
+                       r"\"Proposal\" with proposal_param \{ feat_stride: 4 \}"):
+        caffejax.Net(own, caffejax.TEST)
     assert net.graph.staging_layers == [list(net._layer_names).index("proposal")]
     np.testing.assert_array_equal(caffejax.compile_inference(net)(feed)["cls_prob"], scores)
     assert len(calls) == 4

@@ -218,12 +218,14 @@ class _Builder:
 
     def _rule(self, lp) -> LayerRule:
         if lp.type == "Python" and not self.allow_python_layers:
+            from caffejax.lower import forks  # lazy: forks imports this module
+
             p = lp.python_param
             raise layer_error(UnsupportedError, lp.name, lp.type,
                               f"Python layer (module '{p.module}', class '{p.layer}') is not run: model files must "
                               "not execute code. Register a pure-JAX replacement with caffejax.register_layer, or "
                               "pass allow_python_layers=True (on the command line, --allow-python-layers) if you "
-                              "trust this model")
+                              "trust this model." + forks.python_layer_hint(p.module, p.layer, p.param_str))
         try:
             return get_rule(lp.type)
         except KeyError:

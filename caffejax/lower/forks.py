@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import logging
 import math
+import re
 from typing import Any, Callable, Sequence
 
 import jax
@@ -1224,6 +1225,19 @@ FORK_LAYERS: tuple[ForkLayer, ...] = (
 def provider_of(field: str) -> ForkLayer | None:
     """The fork layer caffejax has for a LayerParameter field a fork added (for the parser's messages)."""
     return next((f for f in FORK_LAYERS if f.param is not None and f.param.field == field), None)
+
+
+def python_layer_hint(module: str, layer: str, param_str: str) -> str:
+    """For a refused Python layer whose computation a fork layer here carries (py-faster-rcnn's and py-R-FCN's
+    rpn.proposal_layer.ProposalLayer): how to run the model without its code; else ""."""
+    if (module, layer) != ("rpn.proposal_layer", "ProposalLayer"):
+        return ""
+    stride = re.search(r"feat_stride'?\s*:\s*(\d+)", param_str)
+    return (" caffejax's Proposal layer computes py-faster-rcnn's ProposalLayer without its code: change this "
+            f"layer to type: \"Proposal\" with proposal_param {{ feat_stride: {stride.group(1) if stride else 16} }} "
+            "(with pre_nms_topn, post_nms_topn, nms_thresh and min_size as your lib's cfg.TEST sets them: 6000, "
+            "300, 0.7 and 16 in py-faster-rcnn's) and enable it (--fork-layers, or "
+            "caffejax.lower.forks.register_proposal())")
 
 
 def enabling_hint(fork: ForkLayer) -> str:
