@@ -756,3 +756,41 @@ def test_weights_move_to_the_device_once_and_writes_through_data_still_count():
     assert isinstance(value, np.ndarray) and not value.any() and not net.params["ip2"][0]._data.on_host()
     net.copy_from(str(LENET_WEIGHTS))
     np.testing.assert_allclose(net.forward(data=x)["prob"], before, rtol=1e-6)
+
+
+UNREAD_INPUT = '''input: "x" input_shape { dim: 2 dim: 3 } input: "unused" input_shape { dim: 2 dim: 5 }
+layer { name: "ip" type: "InnerProduct" bottom: "x" top: "y"
+        inner_product_param { num_output: 2 weight_filler { type: "gaussian" std: 1 } } }
+layer { name: "loss" type: "Reduction" bottom: "y" top: "loss" reduction_param { operation: SUMSQ } loss_weight: 1 }
+'''
+
+
+def test_a_fed_blob_no_layer_reads_keeps_its_data_and_shapes_no_program(tmp_path):
+    """An input no layer reads is one of the net's outputs, as in Caffe, holding what was fed: after a forward,
+    layer by layer, a backward, a solver's step and debug_nans' checks. A pass's program does not take it, so
+    a new shape of it compiles nothing."""
+    net = caffejax.Net(UNREAD_INPUT, caffejax.TRAIN)
+    x = np.ones((2, 3), np.float32)
+    out = net.forward(x=x, unused=np.full((2, 5), 3, np.float32))
+    assert set(out) == {"loss", "unused"} and (out["unused"] == 3).all()
+    net.backward()
+    assert not net.blobs["unused"].diff.any()
+    compiled = net.compile_count
+    net.blobs["unused"].reshape(4, 5)
+    net.blobs["unused"].data[...] = 4
+    net.forward()
+    net.backward()
+    assert net.compile_count == compiled and (net.blobs["unused"].data == 4).all()
+    net.debug_nans = True
+    net.after_forward(lambda i: None)
+    net.blobs["unused"].data[...] = np.nan  # debug_nans checks the outputs: a NaN fed there is named
+    with pytest.raises(caffejax.NumericalError, match="unused"):
+        net.forward()
+    (tmp_path / "net.prototxt").write_text(UNREAD_INPUT)
+    (tmp_path / "solver.prototxt").write_text(f'net: "{tmp_path / "net.prototxt"}" base_lr: 0.01 lr_policy: "fixed" '
+                                              'max_iter: 1 snapshot_after_train: false')
+    solver = caffejax.SGDSolver(str(tmp_path / "solver.prototxt"))
+    solver.net.blobs["unused"].data[...] = 7
+    solver.net.blobs["x"].data[...] = 1
+    solver.step(1)
+    assert (solver.net.blobs["unused"].data == 7).all() and solver.net.blobs["y"].data.shape == (2, 2)

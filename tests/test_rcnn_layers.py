@@ -843,3 +843,28 @@ def test_caffejax_time_runs_a_net_in_stages(isolated_registry, tmp_path, capsys)
     averages = {name: float(re.search(rf"\] Average {name}: {number} ms\.$", err, re.M).group(1))
                 for name in ("Forward pass", "Backward pass", "Forward-Backward")}
     assert averages["Forward pass"] > 0 and averages["Backward pass"] > 0
+
+
+def test_a_stage_compiles_again_only_for_the_shapes_it_reads(isolated_registry):
+    """An input only the layers after the proposals read (py-faster-rcnn's training reads gt_boxes, of a new count
+    each image, only after them): a new shape of it compiles the stage that reads it, not the stage before the
+    proposals (VGG16's convolutions there). Its backward likewise."""
+    text = (_faster_rcnn() + 'input: "side" input_shape { dim: 2 dim: 4 }\n'
+            'layer { name: "side_sum" type: "Reduction" bottom: "side" top: "side_sum" }\n'
+            'layer { name: "scaled" type: "Scale" bottom: "cls_score" bottom: "side_sum" top: "both" '
+            'scale_param { axis: 0 num_axes: 0 } }\n'
+            + SUMSQ_LOSS.replace('bottom: "cls_score" top: "loss"', 'bottom: "both" top: "loss"'))
+    net = caffejax.Net(text, caffejax.TRAIN)
+    proposal = list(net._layer_names).index("proposal")
+    feed = _image(np.random.default_rng(12), 64, 80)
+    ranges = []  # the layer ranges of the programs each pass compiled
+    for count in (2, 3, 5):
+        before, compiled = set(net._compiled), net.compile_count
+        net.blobs["side"].reshape(count, 4)
+        net.forward(side=np.ones((count, 4), np.float32), **feed)
+        np.testing.assert_allclose(net.blobs["both"].data, net.blobs["cls_score"].data * 4 * count, rtol=1e-6)
+        net.backward()
+        ranges.append({tuple(sorted(key[2:4])) for key in set(net._compiled) - before})
+        assert net.compile_count > compiled
+    assert (0, proposal - 1) in ranges[0] and (proposal, proposal) in ranges[0]
+    assert all(first > proposal for new in ranges[1:] for first, _ in new), ranges

@@ -355,17 +355,26 @@ class Net:
                         raise OutOfMemoryError(f"blob '{top}' (the loss top of layer '{layer.name}'): {e}") from None
 
     @staticmethod
-    def _signature(graph: Graph, before: int | None = None):
-        """What a compiled program depends on: the fed shapes, which layers run on the host (a Python layer does
-        once its forward sized its tops by the data) and the shapes they made (those before layer ``before``
-        only: a pass from there on reads what they made, and makes the rest after its program), and the data of
-        shape-deciding blobs."""
-        first = len(graph.layers) if before is None else before
-        shapes = tuple((layer.name, (tuple(graph.value_shapes[v] or ()) if v in graph.value_shapes else None)
-                        if layer.is_input or i < first else "on the host")
-                       for i, layer in enumerate(graph.layers) if layer.is_input or layer.runs_on_host
-                       for v in layer.top_values)
+    def _signature(graph: Graph):
+        """What a whole net's graph and its programs depend on: the fed shapes, which layers run on the host (a
+        Python layer does once its forward sized its tops by the data) and the shapes they made, and the data
+        of shape-deciding blobs. (A program over some of the layers: _range_signature.)"""
+        shapes = tuple((layer.name, tuple(graph.value_shapes[v] or ()) if v in graph.value_shapes else None)
+                       for layer in graph.layers if layer.is_input or layer.runs_on_host for v in layer.top_values)
         return shapes + tuple((value, data.tobytes()) for value, data in sorted(graph.concrete.items()))
+
+    @staticmethod
+    def _range_signature(graph: Graph, first: int, last: int):
+        """What a compiled program over layers first..last depends on: the shapes of the values they read from
+        outside the range (fed, carried state, made by earlier layers or on the host), which of them run on the
+        host, and the data of shape-deciding blobs. Not the shapes of what it does not read: in a net run in
+        stages, a stage is not compiled again when an input only a later stage reads changes shape."""
+        layers = graph.layers[first:last + 1]
+        made = {v for layer in layers if not layer.is_input for v in layer.top_values}
+        read = dict.fromkeys(v for layer in layers for v in (*layer.bottom_values, *layer.state_in) if v not in made)
+        return (tuple((v, graph.value_shapes.get(v)) for v in read),
+                tuple(i for i, layer in enumerate(layers, first) if layer.runs_on_host),
+                tuple((value, data.tobytes()) for value, data in sorted(graph.concrete.items())))
 
     def _init_params(self, skip: set[str] = frozenset()) -> None:
         """Allocate the learnable blobs not allocated yet and run Caffe's fillers on them: every blob when the
@@ -525,25 +534,29 @@ class Net:
                 out[name][i] = array
         return out
 
-    def _feed(self, layers) -> dict[str, Any]:
-        """Values the layers read but do not produce: fed tops and earlier blobs, from the blobs' data."""
+    def _feed(self, layers, read_only: bool = False) -> dict[str, Any]:
+        """Values the layers read but do not produce: fed tops and earlier blobs, from the blobs' data. With
+        ``read_only``, not the fed tops none of them reads: a program over them (a pass's) then does not change
+        with their shapes (_range_signature)."""
         produced = set()
         env = {}
+        read = {value for layer in layers for value in layer.bottom_values} if read_only else None
         for layer in layers:
             for j, value in enumerate(layer.bottom_values):
                 if value not in produced and value not in env:
                     env[value] = self.blobs[layer.bottoms[j]]._data.value()
             if layer.is_input:
                 for top, value in zip(layer.tops, layer.top_values):
-                    env[value] = self.blobs[top]._data.value()
+                    if read is None or value in read:
+                        env[value] = self.blobs[top]._data.value()
             produced.update(layer.top_values)
         for value in self._graph.concrete:  # these enter the program as constants, see _with_concrete
             env.pop(value, None)
         return env
 
-    def _last_forward_feed(self, layers) -> dict[str, Any]:
+    def _last_forward_feed(self, layers, read_only: bool = False) -> dict[str, Any]:
         """:meth:`_feed`, with the fed values the last forward read where a layer in place overwrote their blob."""
-        env = self._feed(layers)
+        env = self._feed(layers, read_only)
         env.update((v, array) for v, array in self._overwritten_inputs.items() if v in env)
         return env
 
@@ -627,7 +640,7 @@ class Net:
     def _jitted(self, kind: str, start: int, end: int, build, variant: tuple = ()):
         """The compiled program of ``kind`` over layers start..end, ``build`` traced the first time; ``variant``
         names what else decides it (a backward's diffs made at once)."""
-        cache_key = (self._signature(self._graph, min(start, end)), kind, start, end, variant)
+        cache_key = (self._range_signature(self._graph, min(start, end), max(start, end)), kind, start, end, variant)
         fn = self._compiled.get(cache_key)
         if fn is None:
             def counted(*args):
@@ -778,7 +791,7 @@ class Net:
         # What this pass sees, kept for a deferred blob's recompute: device values, and private copies of host
         # arrays (ArraySlot.value), which the program call moves to the device (_jitted).
         params = self.param_arrays()
-        env = {**self._feed(layers), **self._read_state(layers)}
+        env = {**self._feed(layers, read_only=True), **self._read_state(layers)}
         if keep_inputs:  # one layer run on its own: its backward reads what it read (not the blobs' later data),
             self._layer_inputs[start] = (env, key)  # with its key (the same Dropout mask)
         try:  # a Python layer's failure inside the program surfaces here, typed, once the program has run
@@ -1074,7 +1087,7 @@ class Net:
             env, key = kept
         else:
             key = self._last_key if self._last_key is not None else self._next_key()
-            env = {**self._last_forward_feed(layers), **self._state_feed(layers, self._state_seen)}
+            env = {**self._last_forward_feed(layers, read_only=True), **self._state_feed(layers, self._state_seen)}
             env.update(self._recomputed_feed(end, layers, key))
         recorded = {v: self._recorded_tops[v] for v in _python_top_values(layers) if v in self._recorded_tops}
         params = self.param_arrays()
