@@ -822,7 +822,7 @@ def test_a_solver_trains_a_net_run_in_stages(isolated_registry, tmp_path):
 def test_caffejax_time_runs_a_net_in_stages(isolated_registry, tmp_path, capsys):
     """caffejax time of a Faster R-CNN with a loss after its ROIs: its passes as Net.forward and Net.backward run
     them, a program per stage and the proposals on the host between; every layer timed on the inputs its stage
-    gave it; each stage of the forward traced."""
+    gave it; each stage's forward and backward programs traced."""
     from caffejax.cli import main
 
     (tmp_path / "net.prototxt").write_text(_faster_rcnn() + SUMSQ_LOSS)
@@ -838,7 +838,9 @@ def test_caffejax_time_runs_a_net_in_stages(isolated_registry, tmp_path, capsys)
     assert all(seconds[name, "forward"] > 0 for name in ("proposal", "roi_pool", "fc"))
     assert seconds["fc", "backward"] > 0 and seconds["proposal", "backward"] == 0
     for title in ("stage 1 \\(input to rpn_cls_prob_reshape\\)", "stage 2 \\(roi_pool to loss\\)"):
-        assert re.search(rf"Whole net's Forward pass, {title}, traced \(2 runs", err), title
+        for program in ("Forward pass", "Forward-Backward"):
+            assert re.search(rf"Whole net's {program}, {title}, traced \(2 runs", err), (program, title)
+    assert re.search(r"backward +(\S+\+)?fc(\+\S+)?  \(\d+ ops?\)", err)
     assert re.search(r"forward +roi_pool  \(\d+ ops?\)", err)
     averages = {name: float(re.search(rf"\] Average {name}: {number} ms\.$", err, re.M).group(1))
                 for name in ("Forward pass", "Backward pass", "Forward-Backward")}

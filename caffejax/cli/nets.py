@@ -337,9 +337,9 @@ def time(args) -> int:
     programs a net runs (the forward, and the forward-backward, where XLA fuses across layers); the backward
     pass is the second's time less the first's. A net run in stages around a layer on the host
     (Graph.staging_layers: Faster R-CNN's proposals) is timed as Net.forward and Net.backward run it, a program
-    per stage and the host layers between; its forward's stages are traced one by one. Each layer is timed
-    alone, compiled on its own with the kernel and layouts it has in the whole net, so the layers' times do not
-    add up to the whole net's. A layer fed from outside the programs (Input: 0; a data layer: reading one batch
+    per stage and the host layers between; each stage's forward and backward programs are traced. Each layer is
+    timed alone, compiled on its own with the kernel and layouts it has in the whole net, so the layers' times
+    do not add up to the whole net's. A layer fed from outside the programs (Input: 0; a data layer: reading one batch
     on the host) and a layer whose backward computes no diff (0) are reported as such."""
     import jax
 
@@ -360,13 +360,10 @@ def time(args) -> int:
     key = jax.random.key(0)
     if graph.staging_layers:
         timed_forward, forward_backward = _passes_in_stages(net)
-        profiled = _stage_forwards(net, params, fed, key)
     else:
         forward, forward_backward = whole_net_programs(net)
         # Caffe's forward runs every layer: the whole-net forward timed ends with the layers run on the host.
         timed_forward = _then_on_host(graph, forward, net._python_layers) if graph.made_on_host else forward
-        profiled = {"Forward pass": (forward, (params, fed, key)),
-                    "Forward-Backward": (forward_backward, (params, fed, key))}
     log.info("Performing Backward")
     jax.block_until_ready(forward_backward(params, fed, key))  # compiled here, so no timed iteration compiles
 
@@ -395,9 +392,10 @@ def time(args) -> int:
             fwd, bwd = _layer_times(program, layer, params, env, layouts, key, iterations)
         log.info("%10s\tforward: %s ms.", layer.name, log_float(fwd * 1e3))
         log.info("%10s\tbackward: %s ms.", layer.name, log_float((bwd or 0.0) * 1e3))
+    profiled = (_stage_programs(net, params, env, key) if graph.staging_layers else
+                {"Forward pass": (forward, (params, fed, key)),
+                 "Forward-Backward": (forward_backward, (params, fed, key))})
     _log_program_profiles(graph, profiled, iterations)
-    if graph.staging_layers:
-        log.info("(the forward-backward runs in stages too, Net.backward's programs; it is not traced)")
     if not any(net.blob_loss_weights.values()):
         log.info("The net has no loss, so its backward pass is empty.")
     log.info("Average Forward pass: %s ms.", log_float(whole_forward * 1e3))
@@ -570,9 +568,12 @@ def _passes_in_stages(net):
     return forward, forward_backward
 
 
-def _stage_forwards(net, params, fed, key) -> dict:
-    """The forward programs of a net run in stages, to trace (title -> (program, arguments)): each stage's compiled
-    layers, handing back what later layers and the outputs read, on what the earlier stages made."""
+def _stage_programs(net, params, env, key) -> dict:
+    """The programs of a net run in stages, to trace (title -> (program, arguments)), on ``env`` (every value of
+    its forward, :func:`_every_value`) and the diffs its last backward left in the blobs. Per stage: the forward
+    of its compiled layers, handing back what later layers and the outputs read, and Net.backward's program
+    for it, seeded by the diffs of its tops that no layer of it reads (the losses', and what later stages and
+    the host layer's backward wrote), handing back the diffs of what it read from before it."""
     import functools
 
     import jax
@@ -580,15 +581,17 @@ def _stage_forwards(net, params, fed, key) -> dict:
     from caffejax.runtime.xla_options import compiler_options
 
     graph, program = net.graph, net._program
-    env = _every_value(net, params, fed, key)
     fold_visible = net._reruns(graph.layers)
     programs, begin = {}, 0
 
-    def run(layers, returned, p, env, k):
+    def forward(layers, returned, p, env, k):
         values = program.run_layers(layers, p, env, k, kernels=program.kernels, fold_visible=fold_visible)[0]
         return [values[v] for v in returned]
 
-    for layers in _stage_ranges(graph):
+    def forward_backward(first, last, diff_values, p, env, seeds, k):
+        return program.forward_backward(p, env, seeds, k, start=first, end=last, diff_values=diff_values)[2:]
+
+    for stage, layers in enumerate(_stage_ranges(graph), 1):
         end = begin + len(layers)
         compiled = [layer for layer in layers if not layer.runs_on_host]
         made = {v for layer in compiled if not layer.is_input for v in layer.top_values}
@@ -598,10 +601,21 @@ def _stage_forwards(net, params, fed, key) -> dict:
         later |= {v for layer in layers if layer.runs_on_host for v in layer.bottom_values}
         later |= set(_program_output_values(graph))
         returned = [v for v in dict.fromkeys(v for layer in compiled for v in layer.top_values) if v in later]
+        inputs = (params, {v: env[v] for v in reads}, key)
+        names = f"{compiled[0].name} to {compiled[-1].name}" if compiled else ""
         if compiled and returned:
-            title = f"Forward pass, stage {len(programs) + 1} ({compiled[0].name} to {compiled[-1].name})"
-            fn = jax.jit(functools.partial(run, compiled, returned), compiler_options=compiler_options(graph))
-            programs[title] = (fn, (params, {v: env[v] for v in reads}, key))
+            programs[f"Forward pass, stage {stage} ({names})"] = (jax.jit(
+                functools.partial(forward, compiled, returned), compiler_options=compiler_options(graph)), inputs)
+        consumed = {v for layer in compiled for v in layer.bottom_values}
+        seeds = {value: net.blobs[top].diff for layer in compiled if not layer.is_input
+                 for top, value in zip(layer.tops, layer.top_values) if value not in consumed and top in net.blobs}
+        diff_values = tuple(dict.fromkeys(v for layer in compiled if layer.need_backward
+                                          for v, need in zip(layer.bottom_values, layer.bottom_need_backward)
+                                          if need and v in reads))
+        if any(layer.need_backward for layer in compiled):
+            programs[f"Forward-Backward, stage {stage} ({names})"] = (jax.jit(
+                functools.partial(forward_backward, begin, end - 1, diff_values),
+                compiler_options=compiler_options(graph, backward=True)), (*inputs[:2], seeds, key))
         begin = end
     return programs
 
