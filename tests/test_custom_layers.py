@@ -1097,6 +1097,28 @@ def test_backward_through_a_python_layer_sizing_its_tops_by_the_data(layers_modu
         assert called == ([3, 2, 1, 0] if by_layer else [])
 
 
+def test_layers_after_a_python_layer_sizing_its_tops_are_shaped_after_its_forward(layers_module):
+    """The build shapes the layer's tops by its setup and reshape; where those do not fit a layer after it, that
+    layer is shaped once the Python layer has run, as Caffe reshapes each layer just before its forward: the
+    Python layer then runs on the host, and a genuine mismatch is the later layer's own ShapeError."""
+    text = _input(6) + _python_layer("keep", "KeepsPositives", ["x"], "kept") + \
+        'layer { name: "sum" type: "Eltwise" bottom: "kept" bottom: "x" top: "s" }\n'
+    net = caffejax.Net(text, caffejax.TEST, allow_python_layers=True)  # kept is (1,) at the build: deferred
+    assert list(net.graph.deferred_errors) == ["sum"]
+    x = np.arange(1, 7, dtype=np.float32)
+    np.testing.assert_array_equal(net.forward(x=x)["s"], 2 * x)
+    assert net.graph.staging_layers == [2] and not net.graph.deferred_errors
+    with pytest.raises(caffejax.ShapeError, match=r"layer 'sum' \(type Eltwise\)"):
+        net.forward(x=_positives(1, 2))
+    # An inference function of a net that has not met the data learns it the same way.
+    infer = caffejax.compile_inference(caffejax.Net(text, caffejax.TEST, allow_python_layers=True))
+    np.testing.assert_array_equal(infer({"x": x})["s"], 2 * x)
+    # Where nothing sizes its tops by the data, the build raises at once, as before.
+    with pytest.raises(caffejax.ShapeError, match=r"layer 'sum' \(type Eltwise\)"):
+        caffejax.Net(_input(6) + _input(2, name="y") + 'layer { name: "sum" type: "Eltwise" bottom: "x" '
+                     'bottom: "y" top: "s" }\n', caffejax.TEST)
+
+
 def test_a_solver_trains_through_a_python_layer_sizing_its_tops_by_the_data(layers_module):
     """The first step's program finds the layer sizing its tops: that iteration runs again by passes on the same
     batch (the layer's forward once), the momentum history kept; later steps run by passes around it. Loss 2 s

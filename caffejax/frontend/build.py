@@ -63,6 +63,13 @@ def build_graph(net: caffe_pb2.NetParameter, phase: int, level: int = 0, stages:
     return builder.finish()
 
 
+def _may_size_tops(lp, param_shapes, is_input: bool) -> bool:
+    """Whether a layer's forward may size its tops by the data although the build shaped them: a Python layer
+    with bottoms, no learnable blobs and no top in place (python_layer.may_size_tops_by_data, on the IR)."""
+    in_place = any(i < len(lp.bottom) and top == lp.bottom[i] for i, top in enumerate(lp.top))
+    return lp.type == "Python" and not is_input and bool(lp.bottom) and not param_shapes and not in_place
+
+
 def distinct_layer_names(net: caffe_pb2.NetParameter) -> None:
     """Renames, in place, each layer whose name an earlier layer of ``net`` has to ``name#k`` (the k-th layer of
     that name).
@@ -111,6 +118,10 @@ class _Builder:
         self.loss_weights: dict[str, float] = {}
         self.top_shapes_by_config: dict[tuple, list[Shape]] = {}
         self.rules: list[LayerRule] = []  # one per layer, in order (layer names need not be unique)
+        # Values whose shapes a layer sizing its tops by the data decides (Graph.deferred_errors): value id -> the
+        # names of those layers upstream.
+        self.sized_by: dict[str, tuple[str, ...]] = {}
+        self.deferred_errors: dict[str, tuple[Exception, tuple[str, ...]]] = {}
 
     # -- one layer ------------------------------------------------------------------------------------------
     def add_layer(self, index: int, lp) -> None:
@@ -167,7 +178,11 @@ class _Builder:
 
         bottom_shapes = [self.value_shapes[v] for v in bottom_values]
         concrete = self._concrete_bottoms(lp, rule, bottom_values, bottom_shapes)
-        param_shapes, top_shapes, is_input = self._shapes(lp, rule, tops, bottom_shapes, concrete, on_host)
+        sized_by = tuple(dict.fromkeys(name for v in bottom_values for name in self.sized_by.get(v, ())))
+        param_shapes, top_shapes, is_input = self._shapes(lp, rule, tops, bottom_shapes, concrete, on_host, sized_by)
+        if on_host or _may_size_tops(lp, param_shapes, is_input):
+            sized_by = (*sized_by, lp.name)
+        self.sized_by.update((value, sized_by) for value in top_values if sized_by)
         for j, (blob, shape) in enumerate(zip(tops, top_shapes)):
             if (j < len(lp.bottom) and blob == lp.bottom[j] and None not in (shape, bottom_shapes[j])
                     and tuple(shape) != tuple(bottom_shapes[j])):
@@ -273,8 +288,9 @@ class _Builder:
             return True
         return lp.type == "Python" and self.python_layers is not None and self.python_layers.runs_on_host(lp)
 
-    def _shapes(self, lp, rule: LayerRule, tops, bottom_shapes, concrete, on_host: bool):
-        """(param shapes, top shapes, is_input) of one layer; shapes are None downstream of unknown data."""
+    def _shapes(self, lp, rule: LayerRule, tops, bottom_shapes, concrete, on_host: bool, sized_by=()):
+        """(param shapes, top shapes, is_input) of one layer; shapes are None downstream of unknown data, and
+        where bottoms that layers sizing their tops by the data (``sized_by``) made do not fit (deferred)."""
         shapes = None  # the shapes of a fed layer's tops (is_input)
         if lp.type == "Python":  # a data layer's tops are fed: it runs on the host before each pass
             from caffejax.lower.python_layer import data_layer_top_shapes  # noqa: PLC0415 (runtime imports build)
@@ -315,7 +331,15 @@ class _Builder:
             # What its last forward on the host made (Net keeps them: layers after it are shaped by the data)
             top_shapes = [tuple(self.input_shapes[t]) for t in tops]
         else:
-            top_shapes = self._infer_top_shapes(lp, rule, bottom_shapes, param_shapes, len(tops), concrete)
+            try:
+                top_shapes = self._infer_top_shapes(lp, rule, bottom_shapes, param_shapes, len(tops), concrete)
+            except ShapeError as e:
+                if not sized_by:
+                    raise
+                # Bottoms a layer sizing its tops by the data made, as its last forward (or a Python layer's
+                # reshape) left them: that layer's next forward may give them the shapes that fit.
+                self.deferred_errors[lp.name] = (e, sized_by)
+                return param_shapes, [None] * len(tops), False
         for s in top_shapes:
             _check_shape(lp, s)
         return param_shapes, top_shapes, False
@@ -428,7 +452,8 @@ class _Builder:
                      layers=self.layers, blobs=self.blobs, value_shapes=self.value_shapes,
                      blob_value=self.blob_value, blob_first_value=self.blob_first_value, inputs=self.inputs,
                      outputs=sorted(self.available), blob_loss_weights=self.loss_weights, proto=self.param,
-                     concrete=self.concrete, python_layers=self.python_layers, swept_need_backward=swept)
+                     concrete=self.concrete, python_layers=self.python_layers, swept_need_backward=swept,
+                     deferred_errors=self.deferred_errors)
 
     def _sweep_backward(self) -> None:
         """Net::Init's backward sweep: layers not under a loss, or whose tops all skip backprop, need none."""

@@ -104,6 +104,11 @@ class Graph:
     # Each layer's need_backward after Net::Init's backward sweep and before force_backward: what Caffe logs
     # as "<layer> needs backward computation." (force_backward then sets every layer's).
     swept_need_backward: tuple[bool, ...] = ()
+    # Layers whose top shapes could not be inferred from bottoms that a layer sizing its tops by the data made
+    # (its tops' shapes from its last forward, or from a Python layer's reshape, which its forward may change):
+    # layer name -> (the ShapeError, the layers sizing by the data upstream). Their shapes are unknown (None)
+    # until that layer has run: Caffe reshapes each layer just before its forward.
+    deferred_errors: dict[str, tuple[Exception, tuple[str, ...]]] = dataclasses.field(default_factory=dict)
 
     def layer(self, name: str) -> Layer:
         for layer in self.layers:

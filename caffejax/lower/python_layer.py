@@ -148,6 +148,12 @@ class PythonLayers:
         instance = self.objects.get(_object_key(layer_param))
         return instance is not None and instance.sized_by_data
 
+    def size_by_data(self, layer_param) -> None:
+        """Run the layer on the host from the net's next build on (:meth:`runs_on_host`), its tops shaped by its
+        forward: the build found the shapes its reshape gave do not fit the layers after it
+        (Graph.deferred_errors), which its forward may change, as py-faster-rcnn's layers do."""
+        self.objects[_object_key(layer_param)].sized_by_data = True
+
     def host_forward(self, layer_param, bottoms: Sequence[np.ndarray]) -> list[np.ndarray]:
         """The tops of a layer run on the host (:meth:`runs_on_host`): ``reshape`` and ``forward`` on host blobs of
         ``bottoms``, the tops starting from the shapes they last had (Caffe's top blobs keep theirs); the tops of

@@ -109,12 +109,12 @@ class InferenceFunction:
         # _signature's key, made without its int() of every dim: np.shape gives Python ints. At LeNet's batch 1
         # the Python around the program call is a tenth of the call.
         signature = tuple((name, np.shape(inputs[name])) for name in self._sorted_inputs)
-        program = self._programs.get(signature) or self._program(self._signature(dict(signature)))
-        fed = {value: _as_input(inputs[blob], self.dtype, program.device) for blob, value in program.feeds}
-        if program.inputs_to_device_first:
-            fed = _inputs_to_device(fed)
         # A Python layer's failure as its typed error; buffers the device cannot hold as an OutOfMemoryError.
         try:
+            program = self._programs.get(signature) or self._program(self._signature(dict(signature)))
+            fed = {value: _as_input(inputs[blob], self.dtype, program.device) for blob, value in program.feeds}
+            if program.inputs_to_device_first:
+                fed = _inputs_to_device(fed)
             with self._net._python_layers, DeviceMemoryErrors(program.plan.graph):
                 outputs = program.run(program.params, fed)
         except TopsSizedByData:
@@ -180,12 +180,17 @@ class InferenceFunction:
         return _Program(plan, params, run, feeds)
 
     def _graph(self, shapes: Mapping[str, tuple[int, ...]]) -> Graph:
-        """The net's graph with its inputs at ``shapes`` (Caffe's Reshape of every layer)."""
+        """The net's graph with its inputs at ``shapes`` (Caffe's Reshape of every layer). Where shapes after a
+        Python layer that may size its tops by the data do not fit (Graph.deferred_errors), that layer runs on
+        the host from now on: TopsSizedByData, on which the caller rebuilds, as for a forward that found it."""
         try:
             graph = self._net.graph_at(shapes)
         except ShapeError as error:
             raise ShapeError(f"compile_inference: the net does not accept inputs of shapes {dict(shapes)}: "
                              f"{error}") from None
+        if graph.deferred_errors and self._net.learn_layers_sizing_by_data(graph):
+            raise TopsSizedByData(f"compile_inference: layers {sorted(graph.deferred_errors)} do not fit the "
+                                  "shapes a Python layer's reshape gave; it runs on the host from now on")
         return graph if self.outputs == graph.outputs else dataclasses.replace(graph, outputs=self.outputs)
 
 

@@ -702,6 +702,11 @@ class Net:
                                                          for v in (*layer.bottom_values, *layer.top_values))), None)
         if unknown is None:
             return
+        position = graph.layers.index(unknown)
+        deferred = next((graph.deferred_errors[layer.name][0] for layer in graph.layers[:position + 1]
+                         if layer.name in graph.deferred_errors), None)
+        if deferred is not None:  # its bottoms did not fit although the layers sizing them by the data have run
+            raise deferred
         hint = (f"so the shapes of layer '{unknown.name}' are unknown and it cannot {doing}. To feed the data "
                 f"by hand, reshape the data layer's tops (net.blobs[name].reshape(...)) and call net.reshape(){then}")
         for layer in graph.layers:
@@ -772,6 +777,8 @@ class Net:
         if pull:
             self._pull_batches(self._program.layers_between(start, end))
         self._sync_shapes()
+        if self._graph.deferred_errors and self.learn_layers_sizing_by_data():
+            return self._forward_sized_by_data(start, end, keep_inputs)
         layers = self._program.layers_between(start, end)
         self._require_shapes(layers, "run")
         program = self._program
@@ -943,6 +950,24 @@ class Net:
     def _run_callbacks(self, when: str, index: int) -> None:
         for callback in self._layer_callbacks[when]:
             callback(index)
+
+    def learn_layers_sizing_by_data(self, graph: Graph | None = None) -> bool:
+        """After a rebuild whose shapes did not fit downstream of Python layers that may size their tops by the
+        data (Graph.deferred_errors: py-faster-rcnn's anchor target layer, its tops shaped in setup at the last
+        image size and in forward at this one): run those layers on the host from now on, as one whose forward
+        sized its tops does (TopsSizedByData), so that the layers after them are shaped by what they make.
+        Returns whether any was newly learnt (the caller then rebuilds). ``graph``: a build of this net at other
+        shapes (compile_inference's), else the net's own."""
+        graph = self._graph if graph is None else graph
+        named = {layer.name: layer for layer in graph.layers}
+        learnt = False
+        for _, sized_by in graph.deferred_errors.values():
+            for name in sized_by:
+                layer = named[name]
+                if calls_back(layer) and not layer.runs_on_host:
+                    self._python_layers.size_by_data(layer.proto)
+                    learnt = True
+        return learnt
 
     def _forward_sized_by_data(self, start: int, end: int, keep_inputs: bool) -> float:
         """The pass over layers start..end again, after a Python layer's forward in it sized its tops by the data

@@ -451,6 +451,9 @@ class Solver:
                                 f"({sorted(shapes)}); over several devices one iteration needs equal shapes")
             stacked[top] = np.stack([b[top] for b in batches])
         net._sync_shapes()
+        if net.graph.deferred_errors and net.learn_layers_sizing_by_data():
+            net.reshape()  # they run on the host now, in stages around them: so does this iteration
+            return self._train_iteration_by_passes(rate, batches)
         graph = net.graph
         pulled_values = {top: value for layer in _pulled_layers(graph)
                          for top, value in zip(layer.tops, layer.top_values)}
