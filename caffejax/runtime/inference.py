@@ -105,7 +105,12 @@ class InferenceFunction:
         if inputs.keys() != self._input_names:
             raise CaffejaxError(f"inputs {sorted(inputs)} do not match the net's inputs {self.inputs}")
         if self._stages is not None:
-            return self._stages(inputs)
+            try:
+                return self._stages(inputs)
+            except TopsSizedByData:  # a Python layer learnt at a build (_graph): the stages are built anew
+                self._net.reshape()
+                self._stages = self._in_stages()
+                return self(inputs)
         # _signature's key, made without its int() of every dim: np.shape gives Python ints. At LeNet's batch 1
         # the Python around the program call is a tenth of the call.
         signature = tuple((name, np.shape(inputs[name])) for name in self._sorted_inputs)
