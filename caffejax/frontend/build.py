@@ -63,11 +63,11 @@ def build_graph(net: caffe_pb2.NetParameter, phase: int, level: int = 0, stages:
     return builder.finish()
 
 
-def _may_size_tops(lp, param_shapes, is_input: bool) -> bool:
-    """Whether a layer's forward may size its tops by the data although the build shaped them: a Python layer
-    with bottoms, no learnable blobs and no top in place (python_layer.may_size_tops_by_data, on the IR)."""
+def may_size_tops_by_data(lp, params, is_input: bool) -> bool:
+    """Whether a layer's forward may size its tops by the data although the build shaped them (TopsSizedByData):
+    a Python layer with bottoms, no learnable blobs (``params``: their shapes or slots) and no top in place."""
     in_place = any(i < len(lp.bottom) and top == lp.bottom[i] for i, top in enumerate(lp.top))
-    return lp.type == "Python" and not is_input and bool(lp.bottom) and not param_shapes and not in_place
+    return lp.type == "Python" and not is_input and bool(lp.bottom) and not params and not in_place
 
 
 def distinct_layer_names(net: caffe_pb2.NetParameter) -> None:
@@ -180,7 +180,7 @@ class _Builder:
         concrete = self._concrete_bottoms(lp, rule, bottom_values, bottom_shapes)
         sized_by = tuple(dict.fromkeys(name for v in bottom_values for name in self.sized_by.get(v, ())))
         param_shapes, top_shapes, is_input = self._shapes(lp, rule, tops, bottom_shapes, concrete, on_host, sized_by)
-        if on_host or _may_size_tops(lp, param_shapes, is_input):
+        if on_host or may_size_tops_by_data(lp, param_shapes, is_input):
             sized_by = (*sized_by, lp.name)
         self.sized_by.update((value, sized_by) for value in top_values if sized_by)
         for j, (blob, shape) in enumerate(zip(tops, top_shapes)):

@@ -322,13 +322,6 @@ def calls_back(layer) -> bool:
     return layer.type == "Python" and not layer.is_input
 
 
-def may_size_tops_by_data(layer) -> bool:
-    """Whether an IR layer is a Python layer whose forward may size its tops by the data (TopsSizedByData) and
-    not yet run on the host: one the program calls back, with bottoms, no learnable blobs and no top in place."""
-    return (calls_back(layer) and not layer.runs_on_host and bool(layer.bottoms) and not layer.params
-            and not any(layer.in_place))
-
-
 class HostDataLayer:
     """A Python data layer as its net's data source: each ``next_batch`` runs the layer's ``reshape`` and
     ``forward`` on its top blobs (kept from batch to batch, as Caffe's are) and hands back copies of their
@@ -395,7 +388,7 @@ def _on_host(ctx: LayerContext, instance: _Instance, top_shapes: list[Shape], dt
     out_types = tuple(jax.ShapeDtypeStruct(shape, dtype) for shape in (*top_shapes, *blob_shapes))
     n_bottoms = len(bottoms)
     # A layer with bottoms, no learnable blobs and no top in place may run on the host instead (runs_on_host,
-    # may_size_tops_by_data).
+    # build.may_size_tops_by_data).
     sizes_by_data = n_bottoms > 0 and not blob_shapes and not any(_in_place(ctx, i) for i in range(len(top_shapes)))
 
     @functools.partial(_recording, instance)

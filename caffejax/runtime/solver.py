@@ -45,13 +45,13 @@ import numpy as np
 
 from caffejax.errors import (CaffejaxError, DataError, NumericalError, SolverError, TopsSizedByData, UnsupportedError,
                              WeightsError)
-from caffejax.frontend.build import load_net_param
+from caffejax.frontend.build import load_net_param, may_size_tops_by_data
 from caffejax.frontend.ir import Graph
 from caffejax.frontend.prototxt import (as_bvlc_message, locate_layer_error, locate_solver_error, parse_solver_text,
                                         to_text)
 from caffejax.frontend.upgrade import upgrade_solver_as_needed
 from caffejax.lower.program import check_one_program
-from caffejax.lower.python_layer import calls_back, may_size_tops_by_data
+from caffejax.lower.python_layer import calls_back
 from caffejax.lower.registry import TEST, TRAIN
 from caffejax.proto import caffe_pb2
 from caffejax.runtime import lr_policy, mode, snapshot as snapshots
@@ -510,9 +510,10 @@ class Solver:
 
     @property
     def _tops_may_be_sized_by_data(self) -> bool:
-        """Whether a Python layer of the train net may find its tops sized by the data in a step
-        (python_layer.may_size_tops_by_data)."""
-        return any(may_size_tops_by_data(layer) for layer in self.net.graph.layers)
+        """Whether a Python layer of the train net not yet run on the host may find its tops sized by the data
+        in a step (build.may_size_tops_by_data)."""
+        return any(not layer.runs_on_host and may_size_tops_by_data(layer.proto, layer.params, layer.is_input)
+                   for layer in self.net.graph.layers)
 
     def _spare_weights(self, weights) -> list:
         """Buffers for the iteration's new learnable weights, given up to it: those the last iteration started
