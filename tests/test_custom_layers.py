@@ -1098,18 +1098,24 @@ def test_backward_through_a_python_layer_sizing_its_tops_by_the_data(layers_modu
 
 
 def test_layers_after_a_python_layer_sizing_its_tops_are_shaped_after_its_forward(layers_module):
-    """The build shapes the layer's tops by its setup and reshape; where those do not fit a layer after it, that
-    layer is shaped once the Python layer has run, as Caffe reshapes each layer just before its forward: the
-    Python layer then runs on the host, and a genuine mismatch is the later layer's own ShapeError."""
-    text = _input(6) + _python_layer("keep", "KeepsPositives", ["x"], "kept") + \
+    """A build shapes the layer's tops by its setup and reshape. Where a rebuild for new inputs finds those do
+    not fit a layer after it, that layer is shaped once the Python layer has run, as Caffe's Forward reshapes
+    each layer just before it: the Python layer then runs on the host, and a genuine mismatch is the later
+    layer's own ShapeError. At the net's first build (Net::Init's Reshape) a mismatch is an error at once."""
+    layers = _python_layer("keep", "KeepsPositives", ["x"], "kept") + \
         'layer { name: "sum" type: "Eltwise" bottom: "kept" bottom: "x" top: "s" }\n'
-    net = caffejax.Net(text, caffejax.TEST, allow_python_layers=True)  # kept is (1,) at the build: deferred
+    with pytest.raises(caffejax.ShapeError, match=r"layer 'sum' \(type Eltwise\)"):
+        caffejax.Net(_input(6) + layers, caffejax.TEST, allow_python_layers=True)  # kept is (1,) at the build
+    text = _input(1) + layers
+    net = caffejax.Net(text, caffejax.TEST, allow_python_layers=True)
+    net.blobs["x"].reshape(6)
+    net.reshape()
     assert list(net.graph.deferred_errors) == ["sum"]
     x = np.arange(1, 7, dtype=np.float32)
     np.testing.assert_array_equal(net.forward(x=x)["s"], 2 * x)
     assert net.graph.staging_layers == [2] and not net.graph.deferred_errors
     with pytest.raises(caffejax.ShapeError, match=r"layer 'sum' \(type Eltwise\)"):
-        net.forward(x=_positives(1, 2))
+        net.forward(x=_positives(1, 2))  # two kept of six
     # An inference function of a net that has not met the data learns it the same way, in stages too (a second
     # such layer after the first: its Eltwise waits for it).
     infer = caffejax.compile_inference(caffejax.Net(text, caffejax.TEST, allow_python_layers=True))

@@ -42,7 +42,7 @@ def load_net_param(source, *, is_path: bool | None = None) -> caffe_pb2.NetParam
 def build_graph(net: caffe_pb2.NetParameter, phase: int, level: int = 0, stages: Sequence[str] = (),
                 input_shapes: Mapping[str, Shape] | None = None, base_dir: str | None = None,
                 allow_python_layers: bool = False, concrete_inputs: Mapping[str, np.ndarray] | None = None,
-                python_layers: Any = None) -> Graph:
+                python_layers: Any = None, defer_shape_errors: bool = True) -> Graph:
     """Filter, split, wire and shape-infer an (already upgraded) NetParameter.
 
     ``input_shapes`` overrides the shapes of Input tops (``net.reshape`` after a user resized an input), and of
@@ -50,14 +50,16 @@ def build_graph(net: caffe_pb2.NetParameter, phase: int, level: int = 0, stages:
     ``base_dir`` resolves relative data-source paths. ``concrete_inputs`` (fed blob name -> data) gives the
     values of blobs whose data decide shapes (Filter's selector); absent ones count as zeros, the data a
     fresh Caffe blob holds. ``python_layers``: the net's pycaffe layer objects (PythonLayers), which
-    ``Python`` layers' setup and reshape run on.
+    ``Python`` layers' setup and reshape run on. ``defer_shape_errors``: where layers after one sizing its tops
+    by the data do not fit, leave their shapes unknown until it has run (Graph.deferred_errors) instead of
+    raising (Net::Init's first Reshape raises; a rebuild for new inputs waits, as Caffe's Forward reshapes).
     """
     param = with_state(net, phase, level, stages)
     param = filter_net(param, param.state)
     distinct_layer_names(param)
     param = insert_splits(param)
     builder = _Builder(param, phase, dict(input_shapes or {}), base_dir, allow_python_layers,
-                       dict(concrete_inputs or {}), python_layers)
+                       dict(concrete_inputs or {}), python_layers, defer_shape_errors)
     for index, layer_param in enumerate(param.layer):
         builder.add_layer(index, layer_param)
     return builder.finish()
@@ -95,8 +97,10 @@ def distinct_layer_names(net: caffe_pb2.NetParameter) -> None:
 
 
 class _Builder:
-    def __init__(self, param, phase, input_shapes, base_dir, allow_python_layers, concrete_inputs, python_layers):
+    def __init__(self, param, phase, input_shapes, base_dir, allow_python_layers, concrete_inputs, python_layers,
+                 defer_shape_errors: bool = True):
         self.param = param
+        self.defer_shape_errors = defer_shape_errors
         self.python_layers = python_layers
         self.concrete_inputs = concrete_inputs
         self.concrete: dict[str, np.ndarray] = {}
@@ -334,7 +338,7 @@ class _Builder:
             try:
                 top_shapes = self._infer_top_shapes(lp, rule, bottom_shapes, param_shapes, len(tops), concrete)
             except ShapeError as e:
-                if not sized_by:
+                if not sized_by or not self.defer_shape_errors:
                     raise
                 # Bottoms a layer sizing its tops by the data made, as its last forward (or a Python layer's
                 # reshape) left them: that layer's next forward may give them the shapes that fit.

@@ -193,7 +193,7 @@ class InferenceFunction:
         except ShapeError as error:
             raise ShapeError(f"compile_inference: the net does not accept inputs of shapes {dict(shapes)}: "
                              f"{error}") from None
-        if graph.deferred_errors and self._net.learn_layers_sizing_by_data(graph):
+        if graph.deferred_errors and self._net._learn_layers_sizing_by_data(graph):
             raise TopsSizedByData(f"compile_inference: layers {sorted(graph.deferred_errors)} do not fit the "
                                   "shapes a Python layer's reshape gave; it runs on the host from now on")
         return graph if self.outputs == graph.outputs else dataclasses.replace(graph, outputs=self.outputs)

@@ -259,7 +259,9 @@ class Net:
         self._state: dict[str, Any] = {}
         self._state_seen: dict[str, Any] = {}
         try:
-            self._set_graph(self._build({}))
+            # Net::Init reshapes every layer at the shapes setup gave: a mismatch there is an error at once, also
+            # after a Python layer that may size its tops by the data (later builds wait for its forward).
+            self._set_graph(self._build({}, defer_shape_errors=False))
             # Fillers run only for layers the weights file does not cover (the file would overwrite them).
             loaded = read_weights(weights) if weights is not None else None
             self._init_params(skip=set(loaded.blobs) if loaded else set())
@@ -272,11 +274,12 @@ class Net:
             self._copy_weights(loaded)
 
     # -- structure ------------------------------------------------------------------------------------------
-    def _build(self, input_shapes) -> Graph:
+    def _build(self, input_shapes, defer_shape_errors: bool = True) -> Graph:
         try:
             return build_graph(self._net_param, self._phase, self._level, self._stages, input_shapes=input_shapes,
                                base_dir=self._base_dir, allow_python_layers=self._allow_python,
-                               concrete_inputs=self._concrete_data(), python_layers=self._python_layers)
+                               concrete_inputs=self._concrete_data(), python_layers=self._python_layers,
+                               defer_shape_errors=defer_shape_errors)
         except CaffejaxError as e:
             raise locate_layer_error(e, self._source) from None
 
@@ -777,7 +780,7 @@ class Net:
         if pull:
             self._pull_batches(self._program.layers_between(start, end))
         self._sync_shapes()
-        if self._graph.deferred_errors and self.learn_layers_sizing_by_data():
+        if self._graph.deferred_errors and self._learn_layers_sizing_by_data():
             return self._forward_sized_by_data(start, end, keep_inputs)
         layers = self._program.layers_between(start, end)
         self._require_shapes(layers, "run")
@@ -951,7 +954,7 @@ class Net:
         for callback in self._layer_callbacks[when]:
             callback(index)
 
-    def learn_layers_sizing_by_data(self, graph: Graph | None = None) -> bool:
+    def _learn_layers_sizing_by_data(self, graph: Graph | None = None) -> bool:
         """After a rebuild whose shapes did not fit downstream of Python layers that may size their tops by the
         data (Graph.deferred_errors: py-faster-rcnn's anchor target layer, its tops shaped in setup at the last
         image size and in forward at this one): run those layers on the host from now on, as one whose forward

@@ -451,7 +451,7 @@ class Solver:
                                 f"({sorted(shapes)}); over several devices one iteration needs equal shapes")
             stacked[top] = np.stack([b[top] for b in batches])
         net._sync_shapes()
-        if net.graph.deferred_errors and net.learn_layers_sizing_by_data():
+        if net.graph.deferred_errors and net._learn_layers_sizing_by_data():
             net.reshape()  # they run on the host now, in stages around them: so does this iteration
             return self._train_iteration_by_passes(rate, batches)
         graph = net.graph
