@@ -578,6 +578,7 @@ def _stage_programs(net, params, env, key) -> dict:
 
     import jax
 
+    from caffejax.frontend.ir import stage_interface
     from caffejax.runtime.xla_options import compiler_options
 
     graph, program = net.graph, net._program
@@ -591,16 +592,11 @@ def _stage_programs(net, params, env, key) -> dict:
     def forward_backward(first, last, diff_values, p, env, seeds, k):
         return program.forward_backward(p, env, seeds, k, start=first, end=last, diff_values=diff_values)[2:]
 
+    outputs = set(_program_output_values(graph))
     for stage, layers in enumerate(_stage_ranges(graph), 1):
         end = begin + len(layers)
-        compiled = [layer for layer in layers if not layer.runs_on_host]
-        made = {v for layer in compiled if not layer.is_input for v in layer.top_values}
-        reads = {v for layer in compiled for v in (layer.top_values if layer.is_input else layer.bottom_values)
-                 if v not in made}
-        later = {v for layer in graph.layers[end:] for v in layer.bottom_values}
-        later |= {v for layer in layers if layer.runs_on_host for v in layer.bottom_values}
-        later |= set(_program_output_values(graph))
-        returned = [v for v in dict.fromkeys(v for layer in compiled for v in layer.top_values) if v in later]
+        compiled, reads, needed = stage_interface(graph, begin, end, outputs)
+        returned = [v for v in dict.fromkeys(v for layer in compiled for v in layer.top_values) if v in needed]
         inputs = (params, {v: env[v] for v in reads}, key)
         names = f"{compiled[0].name} to {compiled[-1].name}" if compiled else ""
         if compiled and returned:

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from caffejax.errors import CaffejaxError, ShapeError, TopsSizedByData, UnknownBlobError, UnsupportedError
-from caffejax.frontend.ir import Graph
+from caffejax.frontend.ir import Graph, stage_interface
 from caffejax.lower.optimize import (DEFAULT_PASSES, Plan, aligned_copy, check_passes, make_plan, optimize,
                                      prepare_params, run_plan)
 from caffejax.lower.program import check_one_program, run_host_layers
@@ -265,26 +265,20 @@ class _Stages:
         return {blob: values[graph.blob_value[blob]] for blob in graph.outputs}
 
     def _program(self, graph: Graph, begin: int, end: int, values: Mapping[str, Any]) -> _StageProgram:
-        layers = [layer for layer in graph.layers[begin:end] if not layer.runs_on_host]
-        made = {value for layer in layers if not layer.is_input for value in layer.top_values}
-        reads = list(dict.fromkeys([*(v for layer in layers if layer.is_input for v in layer.top_values),
-                                    *(v for layer in layers for v in layer.bottom_values if v not in made)]))
+        layers, reads, needed = stage_interface(graph, begin, end, {graph.blob_value[b] for b in graph.outputs})
         key = (begin, end, tuple((v, tuple(np.shape(values[v]))) for v in reads))
         program = self.programs.get(key)
         if program is None:
             with garbage_collection_paused():
-                program = self.programs[key] = self._build(graph, begin, end, layers, reads)
+                program = self.programs[key] = self._build(graph, layers, reads, needed)
         return program
 
-    def _build(self, graph: Graph, begin: int, end: int, layers, reads: list[str]) -> _StageProgram:
-        """The optimised program of one stage: a graph of its compiled layers that takes ``reads`` (by value)
-        and hands back, by value, what the layers after it, the host layers and the net's outputs read."""
+    def _build(self, graph: Graph, layers, reads: list[str], needed: set[str]) -> _StageProgram:
+        """The optimised program of one stage (:func:`stage_interface`): a graph of its compiled layers that
+        takes ``reads`` (by value) and hands back, by value, those of them and of its tops that are ``needed``."""
         owner = self.owner
-        later = {v for layer in graph.layers[end:] for v in layer.bottom_values}
-        later |= {v for layer in graph.layers[begin:end] if layer.runs_on_host for v in layer.bottom_values}
-        later |= {graph.blob_value[blob] for blob in graph.outputs}
         returned = [v for v in dict.fromkeys([*reads, *(v for layer in layers for v in layer.top_values)])
-                    if v in later]
+                    if v in needed]
         stage = dataclasses.replace(graph, layers=layers, outputs=returned, blob_value={v: v for v in returned})
         plan = optimize(make_plan(stage, owner._weights), owner.passes)
         params = prepare_params(plan, owner.dtype)
