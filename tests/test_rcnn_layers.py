@@ -872,6 +872,33 @@ def test_a_stage_compiles_again_only_for_the_shapes_it_reads(isolated_registry):
     assert all(first > proposal for new in ranges[1:] for first, _ in new), ranges
 
 
+def test_a_host_layers_tops_keep_their_data_through_a_later_stages_rebuild(isolated_registry):
+    """py-faster-rcnn's proposals are read only by its proposal target layer, run on the host, whose ROIs the head
+    reads (a stage after it). A new number of ROIs rebuilds the net for the head in the middle of the forward;
+    the proposals' ROIs keep what the Proposal layer made (Caffe reshapes a top only in its layer's forward).
+    Here a host layer appends the ground-truth boxes to the ROIs, as the proposal target layer does."""
+    def append_boxes(layer, bottoms):
+        rois, gt = bottoms
+        return [np.concatenate([rois, np.column_stack([np.zeros(len(gt)), gt[:, :4]])]).astype(np.float32)]
+
+    caffejax.register_layer("AppendBoxes", lambda ctx, bottoms, params: [bottoms[0]], host_forward=append_boxes,
+                            bottoms=(2, 2), tops=(1, 1))
+    text = (_faster_rcnn().replace('input: "im_info"', 'input: "gt_boxes"\ninput_shape { dim: 1 dim: 5 }\n'
+                                   'input: "im_info"')
+            .replace('bottom: "conv1" bottom: "rois" top: "pool"', 'bottom: "conv1" bottom: "all_rois" top: "pool"')
+            .replace('layer { name: "roi_pool"', 'layer { name: "with_gt" type: "AppendBoxes" bottom: "rois" '
+                     'bottom: "gt_boxes" top: "all_rois" }\nlayer { name: "roi_pool"'))
+    net = caffejax.Net(text, caffejax.TEST)
+    feed = _image(np.random.default_rng(3), 64, 80)
+    for count in (1, 2, 3, 1):
+        gt = np.float32([[4 * i, 2 * i, 4 * i + 20, 2 * i + 30, 1] for i in range(count)])
+        net.blobs["gt_boxes"].reshape(*gt.shape)
+        net.forward(gt_boxes=gt, **feed)
+        np.testing.assert_array_equal(net.blobs["all_rois"].data[-count:, 1:], gt[:, :4])
+        np.testing.assert_array_equal(net.blobs["all_rois"].data[:-count], net.blobs["rois"].data)
+        assert len(net.blobs["cls_prob"].data) == len(net.blobs["all_rois"].data)
+
+
 END2END_MODULE = """
 import numpy as np
 import caffejax

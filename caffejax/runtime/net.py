@@ -343,10 +343,17 @@ class Net:
         self._pass_writes: dict[tuple[int, int], tuple[dict[str, str], tuple[str, ...], tuple[str, ...]]] = {}
         old = getattr(self, "blobs", {})
         self.blobs: collections.OrderedDict[str, Blob] = collections.OrderedDict()
+        # A top of a layer run on the host keeps what its last forward made: that layer's forward reshapes it (as
+        # Caffe's Layer::Forward calls its Reshape), not a rebuild for other shapes, which a later stage of the
+        # same forward may need (py-faster-rcnn's proposals, read by its proposal target layer on the host).
+        made_on_host = graph.made_on_host
         for name in graph.blobs:
             shape = graph.blob_shape(name) or ()
-            blob = old.get(name) or Blob(shape, self._dtype)
-            blob.reshape(shape)
+            blob = old.get(name)
+            if blob is None:
+                blob = Blob(shape, self._dtype)
+            elif name not in made_on_host:
+                blob.reshape(shape)
             self.blobs[name] = blob
         # Caffe keeps a loss top's diff at its loss weight; backward starts from it.
         for layer in graph.layers:
