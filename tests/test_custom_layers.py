@@ -40,23 +40,26 @@ def test_register_layer_adds_a_pure_jax_layer(isolated_registry):
     np.testing.assert_allclose(net.params["sq"][0].diff, (x * x).sum(0))
 
 
+def positives_before_a_pass(ctx, bottoms, params):
+    return [jnp.zeros((0,), bottoms[0].dtype)]
+
+
+def positives(layer, bottoms):
+    (x,) = bottoms
+    return [x[x > 0]]
+
+
+def positives_backward(layer, bottoms, tops, top_diffs, propagate_down):
+    (x,), (diff,) = bottoms, top_diffs
+    dx = np.zeros_like(x)
+    dx[x > 0] = diff
+    return [dx if propagate_down[0] else None]
+
+
 def test_register_layer_with_host_forward_makes_a_top_whose_shape_depends_on_the_data(isolated_registry):
     """``host_forward`` (NumPy) runs such a layer on the host after the program; ``forward`` gives only its shape
     before the first pass. Its top takes each pass's shape, in Net.forward and compile_inference alike;
     ``host_backward`` is its backward."""
-    def positives_before_a_pass(ctx, bottoms, params):
-        return [jnp.zeros((0,), bottoms[0].dtype)]
-
-    def positives(layer, bottoms):
-        (x,) = bottoms
-        return [x[x > 0]]
-
-    def positives_backward(layer, bottoms, tops, top_diffs, propagate_down):
-        (x,), (diff,) = bottoms, top_diffs
-        dx = np.zeros_like(x)
-        dx[x > 0] = diff
-        return [dx if propagate_down[0] else None]
-
     caffejax.register_layer("Positives", positives_before_a_pass, host_forward=positives, bottoms=(1, 1),
                             tops=(1, 1), host_backward=positives_backward)
     text = (_input(5) + 'layer { name: "double" type: "Power" bottom: "x" top: "y" power_param { scale: 2 } }\n'
@@ -96,6 +99,30 @@ def test_register_layer_with_host_forward_makes_a_top_whose_shape_depends_on_the
     with pytest.raises(caffejax.ShapeError, match=r"layer 'p' \(type Positives\): its backward gave bottom 'y' a "
                                                   r"diff of shape \(2,\); the blob is \(5,\)"):
         trained.backward()
+
+
+def test_a_blob_only_layers_run_on_the_host_read_is_split_there(isolated_registry):
+    """A blob that only layers run on the host read is split on the host too (LayerRule.host_when_read_on_host),
+    so no program reads it for them. The Split's backward there sums their diffs into the blob's, in order, as
+    SplitLayer::Backward does: in one pass, and layer by layer."""
+    caffejax.register_layer("Positives", positives_before_a_pass, host_forward=positives, bottoms=(1, 1),
+                            tops=(1, 1), host_backward=positives_backward)
+    net = caffejax.Net("force_backward: true\n" + _input(5) + """
+        layer { name: "p1" type: "Positives" bottom: "x" top: "p1" }
+        layer { name: "p2" type: "Positives" bottom: "x" top: "p2" }
+        layer { name: "half" type: "Power" bottom: "p1" top: "h" power_param { scale: 0.5 } loss_weight: 1 }
+        layer { name: "double" type: "Power" bottom: "p2" top: "d" power_param { scale: 2 } loss_weight: 1 }""",
+                       caffejax.TRAIN)
+    assert [layer.name for layer in net.graph.layers if layer.runs_on_host] == ["x_in_x_0_split", "p1", "p2"]
+    x = np.float32([-1, 2, -3, 4, 5])
+    for layer_by_layer in (False, True):
+        if layer_by_layer:
+            net.after_backward(lambda i: None)
+        outputs = net.forward(x=x)
+        np.testing.assert_array_equal(outputs["h"], [1, 2, 2.5])
+        np.testing.assert_array_equal(outputs["d"], [4, 8, 10])
+        np.testing.assert_array_equal(net.backward()["x"], [0, 2.5, 0, 2.5, 2.5])
+        np.testing.assert_array_equal(net.blobs["x_in_x_0_split_1"].diff, [0, 2, 0, 2, 2])
 
 
 def test_nets_with_registered_rules_stay_out_of_the_program_cache(isolated_registry, tmp_path, monkeypatch):

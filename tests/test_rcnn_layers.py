@@ -872,31 +872,71 @@ def test_a_stage_compiles_again_only_for_the_shapes_it_reads(isolated_registry):
     assert all(first > proposal for new in ranges[1:] for first, _ in new), ranges
 
 
+def _append_boxes(layer, bottoms):
+    """proposal_target_layer's appending of the ground-truth boxes to the ROIs, on the host."""
+    rois, gt = bottoms
+    return [np.concatenate([rois, np.column_stack([np.zeros(len(gt)), gt[:, :4]])]).astype(np.float32)]
+
+
+def _faster_rcnn_with_boxes(extra_layers: str = "") -> str:
+    """The Faster R-CNN test net with a gt_boxes input, which a host layer appends to the ROIs the head pools."""
+    caffejax.register_layer("AppendBoxes", lambda ctx, bottoms, params: [bottoms[0]], host_forward=_append_boxes,
+                            bottoms=(2, 2), tops=(1, 1))
+    return (_faster_rcnn().replace('input: "im_info"', 'input: "gt_boxes"\ninput_shape { dim: 1 dim: 5 }\n'
+                                   'input: "im_info"')
+            .replace('bottom: "conv1" bottom: "rois" top: "pool"', 'bottom: "conv1" bottom: "all_rois" top: "pool"')
+            .replace('layer { name: "roi_pool"', 'layer { name: "with_gt" type: "AppendBoxes" bottom: "rois" '
+                     f'bottom: "gt_boxes" top: "all_rois" }}\n{extra_layers}layer {{ name: "roi_pool"'))
+
+
+def _boxes(count: int) -> np.ndarray:
+    return np.float32([[4 * i, 2 * i, 4 * i + 20, 2 * i + 30, 1] for i in range(count)])
+
+
 def test_a_host_layers_tops_keep_their_data_through_a_later_stages_rebuild(isolated_registry):
     """py-faster-rcnn's proposals are read only by its proposal target layer, run on the host, whose ROIs the head
     reads (a stage after it). A new number of ROIs rebuilds the net for the head in the middle of the forward;
     the proposals' ROIs keep what the Proposal layer made (Caffe reshapes a top only in its layer's forward).
     Here a host layer appends the ground-truth boxes to the ROIs, as the proposal target layer does."""
-    def append_boxes(layer, bottoms):
-        rois, gt = bottoms
-        return [np.concatenate([rois, np.column_stack([np.zeros(len(gt)), gt[:, :4]])]).astype(np.float32)]
-
-    caffejax.register_layer("AppendBoxes", lambda ctx, bottoms, params: [bottoms[0]], host_forward=append_boxes,
-                            bottoms=(2, 2), tops=(1, 1))
-    text = (_faster_rcnn().replace('input: "im_info"', 'input: "gt_boxes"\ninput_shape { dim: 1 dim: 5 }\n'
-                                   'input: "im_info"')
-            .replace('bottom: "conv1" bottom: "rois" top: "pool"', 'bottom: "conv1" bottom: "all_rois" top: "pool"')
-            .replace('layer { name: "roi_pool"', 'layer { name: "with_gt" type: "AppendBoxes" bottom: "rois" '
-                     'bottom: "gt_boxes" top: "all_rois" }\nlayer { name: "roi_pool"'))
-    net = caffejax.Net(text, caffejax.TEST)
+    net = caffejax.Net(_faster_rcnn_with_boxes(), caffejax.TEST)
     feed = _image(np.random.default_rng(3), 64, 80)
     for count in (1, 2, 3, 1):
-        gt = np.float32([[4 * i, 2 * i, 4 * i + 20, 2 * i + 30, 1] for i in range(count)])
+        gt = _boxes(count)
         net.blobs["gt_boxes"].reshape(*gt.shape)
         net.forward(gt_boxes=gt, **feed)
         np.testing.assert_array_equal(net.blobs["all_rois"].data[-count:, 1:], gt[:, :4])
         np.testing.assert_array_equal(net.blobs["all_rois"].data[:-count], net.blobs["rois"].data)
         assert len(net.blobs["cls_prob"].data) == len(net.blobs["all_rois"].data)
+
+
+def test_a_fed_blob_only_host_layers_read_is_split_on_the_host(isolated_registry):
+    """py-faster-rcnn's ground-truth boxes, of a new count each image, are read by its anchor and proposal target
+    layers (run on the host) through a Split. The Split runs on the host with them, so the program before the
+    proposals does not read the boxes and is not compiled again for each count, in Net.forward and in
+    compile_inference. Here two host layers read the boxes: one appends them to the ROIs (as the proposal target
+    layer does), one counts them."""
+    caffejax.register_layer("CountBoxes", lambda ctx, bottoms, params: [jnp.zeros((1,))],
+                            host_forward=lambda layer, bottoms: [np.float32([len(bottoms[0])])],
+                            bottoms=(1, 1), tops=(1, 1))
+    net = caffejax.Net(_faster_rcnn_with_boxes('layer { name: "count" type: "CountBoxes" bottom: "gt_boxes" '
+                                               'top: "count" }\n'), caffejax.TEST)
+    split = net.graph.layer("gt_boxes_input_1_split")
+    assert split.runs_on_host and [net._layer_names[i] for i in net.graph.staging_layers] == ["with_gt"]
+    with_gt = list(net._layer_names).index("with_gt")
+    infer = caffejax.compile_inference(net)
+    feed = _image(np.random.default_rng(3), 64, 80)
+    for count, new_programs in ((1, 2), (2, 1), (3, 1), (1, 0)):  # compile_inference's: a new count, the head's
+        gt = _boxes(count)
+        before, compiled = set(net._compiled), infer.compile_count
+        inferred = infer({**feed, "gt_boxes": gt})
+        assert infer.compile_count == compiled + new_programs, count
+        net.blobs["gt_boxes"].reshape(*gt.shape)
+        outputs = net.forward(gt_boxes=gt, **feed)
+        for name in ("count", "cls_prob"):
+            np.testing.assert_array_equal(inferred[name], outputs[name])
+        np.testing.assert_array_equal(outputs["count"], [count])
+        first_ranges = {min(key[2:4]) for key in set(net._compiled) - before}
+        assert count == 1 or all(first > with_gt for first in first_ranges), count
 
 
 END2END_MODULE = """
@@ -1071,7 +1111,12 @@ def test_py_faster_rcnns_end2end_training_net_trains(isolated_registry, tmp_path
     assert np.isfinite(losses).all() and all(loss > 0 for loss in np.sum(losses, 1))
     names = list(net._layer_names)
     assert [names[i] for i in net.graph.staging_layers] == ["rpn-data", "roi-data"]  # the proposals feed roi-data
-    assert [layer.name for layer in net.graph.layers if layer.runs_on_host] == ["rpn-data", "proposal", "roi-data"]
+    assert [layer.name for layer in net.graph.layers if layer.runs_on_host] == [
+        "im_info_input-data_1_split", "gt_boxes_input-data_2_split", "rpn-data", "proposal", "roi-data"]
+    # The layers before the anchor targets were compiled once per image size, not per number of boxes: the boxes
+    # reach the Python layers through a Split run on the host.
+    before_anchors = [key for key in net._compiled if key[1:4] == ("forward", 0, names.index("rpn-data") - 1)]
+    assert len(before_anchors) == 2
     for name in ("conv1", "rpn_cls_score_1", "rpn_bbox_pred_1", "fc", "cls_score", "bbox_pred"):
         assert not np.array_equal(net.params[name][0].data, weights[name][0]), name
     for name in ("rpn_cls_score", "rpn_bbox_pred"):  # only the proposals read them, which send back nothing

@@ -596,7 +596,8 @@ def _stage_programs(net, params, env, key) -> dict:
     for stage, layers in enumerate(_stage_ranges(graph), 1):
         end = begin + len(layers)
         compiled, reads, needed = stage_interface(graph, begin, end, outputs)
-        returned = [v for v in dict.fromkeys(v for layer in compiled for v in layer.top_values) if v in needed]
+        returned = [v for v in dict.fromkeys(v for layer in compiled if not layer.is_input for v in layer.top_values)
+                    if v in needed]
         inputs = (params, {v: env[v] for v in reads}, key)
         names = f"{compiled[0].name} to {compiled[-1].name}" if compiled else ""
         if compiled and returned:

@@ -288,7 +288,7 @@ class _Builder:
         """Whether the layer's top shapes depend on the data, so that it runs on the host (Layer.runs_on_host): its
         rule's host_forward says so, or a Python layer's forward sized its tops by the data in an earlier pass of
         this net (PythonLayers.runs_on_host)."""
-        if rule.host_forward is not None:
+        if rule.host_forward is not None and not rule.host_when_read_on_host:
             return True
         return lp.type == "Python" and self.python_layers is not None and self.python_layers.runs_on_host(lp)
 
@@ -451,6 +451,7 @@ class _Builder:
                     self.blob_need_backward[blob] = (self.blob_need_backward[blob]
                                                      or layer.bottom_need_backward[j])
                 layer.param_need_backward = [True] * len(layer.params)
+        self._run_on_host_with_readers()
         return Graph(name=self.param.name, phase=self.phase, level=self.param.state.level,
                      stages=tuple(self.param.state.stage), force_backward=self.param.force_backward,
                      layers=self.layers, blobs=self.blobs, value_shapes=self.value_shapes,
@@ -458,6 +459,20 @@ class _Builder:
                      outputs=sorted(self.available), blob_loss_weights=self.loss_weights, proto=self.param,
                      concrete=self.concrete, python_layers=self.python_layers, swept_need_backward=swept,
                      deferred_errors=self.deferred_errors)
+
+    def _run_on_host_with_readers(self) -> None:
+        """Layers with a host form (LayerRule.host_when_read_on_host: Split) run on the host where only layers run
+        there read their tops, later ones first (a Split read by such a Split). A program then neither reads their
+        bottoms for them nor hands back their tops: py-faster-rcnn's ground-truth boxes, which its anchor and
+        proposal target layers read through a Split, no longer key the program of the layers before them."""
+        readers: dict[str, list[Layer]] = {}
+        for layer in self.layers:
+            for value in layer.bottom_values:
+                readers.setdefault(value, []).append(layer)
+        for layer, rule in zip(reversed(self.layers), reversed(self.rules)):
+            if (rule.host_when_read_on_host and not any(layer.loss_weights)
+                    and all(readers.get(v) and all(r.runs_on_host for r in readers[v]) for v in layer.top_values)):
+                layer.runs_on_host = True
 
     def _sweep_backward(self) -> None:
         """Net::Init's backward sweep: layers not under a loss, or whose tops all skip backprop, need none."""

@@ -184,12 +184,15 @@ def reads_after_host(layers: Sequence[Layer]) -> Iterator[tuple[Layer, Layer]]:
 def stage_interface(graph: Graph, begin: int, end: int, outputs: set[str]
                     ) -> tuple[list[Layer], list[str], set[str]]:
     """One stage of a net run in stages (layers begin..end-1): its compiled layers, the values they read from
-    outside them (fed tops first, then earlier layers' in the order read), and the values later needed: read by
-    the layers after the stage or by its layers run on the host, or among ``outputs`` (value ids)."""
+    outside them (fed tops first, then earlier layers' in the order read; not the fed tops only later stages or
+    layers run on the host read, which would key the stage's program by their shapes), and the values later
+    needed: read by the layers after the stage or by its layers run on the host, or among ``outputs`` (value
+    ids)."""
     layers = [layer for layer in graph.layers[begin:end] if not layer.runs_on_host]
     made = {v for layer in layers if not layer.is_input for v in layer.top_values}
-    reads = list(dict.fromkeys([*(v for layer in layers if layer.is_input for v in layer.top_values),
-                                *(v for layer in layers for v in layer.bottom_values if v not in made)]))
+    read = [v for layer in layers for v in layer.bottom_values if v not in made]
+    reads = list(dict.fromkeys([*(v for layer in layers if layer.is_input for v in layer.top_values if v in read),
+                                *read]))
     needed = {v for layer in graph.layers[end:] for v in layer.bottom_values}
     needed |= {v for layer in graph.layers[begin:end] if layer.runs_on_host for v in layer.bottom_values}
     return layers, reads, needed | outputs

@@ -524,8 +524,19 @@ def slice_(ctx: LayerContext, bottoms, params):
     return jnp.split(x, points, axis=axis)
 
 
+def split_on_host(lp, bottoms):
+    """Split's forward on the host, where only layers run there read its tops (LayerRule.host_when_read_on_host)."""
+    return [bottoms[0]] * len(lp.top)
+
+
+def split_backward_on_host(lp, bottoms, tops, top_diffs, propagate_down):
+    """The tops' diffs summed in order, as SplitLayer::Backward_cpu adds each to the first."""
+    return [functools.reduce(np.add, top_diffs) if propagate_down[0] else None]
+
+
 @layer("Split", bottoms=(1, 1), tops=(1, None), in_place=False,
-       top_shapes=lambda lp, bottom_shapes, param_shapes, num_tops: [tuple(bottom_shapes[0])] * num_tops)
+       top_shapes=lambda lp, bottom_shapes, param_shapes, num_tops: [tuple(bottom_shapes[0])] * num_tops,
+       host_forward=split_on_host, host_backward=split_backward_on_host, host_when_read_on_host=True)
 def split(ctx: LayerContext, bottoms, params):
     """Every top is the bottom; the bottom's diff is the sum of the tops' diffs."""
     return [bottoms[0]] * ctx.num_tops

@@ -156,6 +156,11 @@ class LayerRule:
     - ``state_shapes(layer, bottom_shapes) -> shapes`` of non-learnable state the layer carries from one
       forward to the next (RNN/LSTM without expose_hidden copy the last h_T/c_T into h_0/c_0). The program
       passes it in as ``ctx.state`` and returns what ``ctx.update_state`` wrote; the runtime keeps it.
+    - ``host_when_read_on_host``: ``host_forward``/``host_backward`` are not the layer's only form but one it runs
+      in where every layer reading its tops runs on the host (Split: a program would otherwise read the blob it
+      copies only to hand the copies back, so that a program over the layers before py-faster-rcnn's anchor
+      target layer read the ground-truth boxes, and was compiled again for each number of boxes). Elsewhere it
+      is compiled.
     """
 
     type: str
@@ -175,6 +180,7 @@ class LayerRule:
     top_shapes: TopShapesFn | None = None
     host_forward: Callable[[Any, Sequence[np.ndarray]], list[np.ndarray]] | None = None
     host_backward: Callable[..., list[np.ndarray | None]] | None = None
+    host_when_read_on_host: bool = False
 
 
 _REGISTRY: dict[str, LayerRule] = {}

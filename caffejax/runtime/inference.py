@@ -275,10 +275,11 @@ class _Stages:
 
     def _build(self, graph: Graph, layers, reads: list[str], needed: set[str]) -> _StageProgram:
         """The optimised program of one stage (:func:`stage_interface`): a graph of its compiled layers that
-        takes ``reads`` (by value) and hands back, by value, those of them and of its tops that are ``needed``."""
+        takes ``reads`` (by value) and hands back, by value, those of them and of its tops that are ``needed`` (not
+        the inputs it does not read: the caller has them)."""
         owner = self.owner
-        returned = [v for v in dict.fromkeys([*reads, *(v for layer in layers for v in layer.top_values)])
-                    if v in needed]
+        returned = [v for v in dict.fromkeys([*reads, *(v for layer in layers if not layer.is_input
+                                                        for v in layer.top_values)]) if v in needed]
         stage = dataclasses.replace(graph, layers=layers, outputs=returned, blob_value={v: v for v in returned})
         plan = optimize(make_plan(stage, owner._weights), owner.passes)
         params = prepare_params(plan, owner.dtype)

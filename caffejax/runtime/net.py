@@ -381,7 +381,8 @@ class Net:
         stages, a stage is not compiled again when an input only a later stage reads changes shape."""
         layers = graph.layers[first:last + 1]
         made = {v for layer in layers if not layer.is_input for v in layer.top_values}
-        read = dict.fromkeys(v for layer in layers for v in (*layer.bottom_values, *layer.state_in) if v not in made)
+        read = dict.fromkeys(v for layer in layers if not layer.runs_on_host
+                             for v in (*layer.bottom_values, *layer.state_in) if v not in made)
         return (tuple((v, graph.value_shapes.get(v)) for v in read),
                 tuple(i for i, layer in enumerate(layers, first) if layer.runs_on_host),
                 tuple((value, data.tobytes()) for value, data in sorted(graph.concrete.items())))
@@ -546,13 +547,15 @@ class Net:
 
     def _feed(self, layers, read_only: bool = False) -> dict[str, Any]:
         """Values the layers read but do not produce: fed tops and earlier blobs, from the blobs' data. With
-        ``read_only``, not the fed tops none of them reads: a program over them (a pass's) then does not change
-        with their shapes (_range_signature)."""
+        ``read_only``, only what the compiled layers among them read (not the fed tops none of them reads, nor
+        what only layers run on the host read: _host_feed): a program over them (a pass's) then does not change
+        with those values' shapes (_range_signature)."""
         produced = set()
         env = {}
-        read = {value for layer in layers for value in layer.bottom_values} if read_only else None
+        read = ({value for layer in layers if not layer.runs_on_host for value in layer.bottom_values}
+                if read_only else None)
         for layer in layers:
-            for j, value in enumerate(layer.bottom_values):
+            for j, value in enumerate(() if read_only and layer.runs_on_host else layer.bottom_values):
                 if value not in produced and value not in env:
                     env[value] = self.blobs[layer.bottoms[j]]._data.value()
             if layer.is_input:
@@ -563,6 +566,13 @@ class Net:
         for value in self._graph.concrete:  # these enter the program as constants, see _with_concrete
             env.pop(value, None)
         return env
+
+    def _host_feed(self, layers) -> dict[str, Any]:
+        """What the layers run on the host among ``layers`` (a pass's) read from before them, from the blobs' data:
+        the fed tops and earlier blobs that the pass's program is not given (_feed's ``read_only``)."""
+        made = {v for layer in layers if not layer.is_input for v in layer.top_values}
+        return {v: self.blobs[blob]._data.value() for layer in layers if layer.runs_on_host
+                for blob, v in zip(layer.bottoms, layer.bottom_values) if v not in made}
 
     def _last_forward_feed(self, layers, read_only: bool = False) -> dict[str, Any]:
         """:meth:`_feed`, with the fed values the last forward read where a layer in place overwrote their blob."""
@@ -809,6 +819,7 @@ class Net:
         # arrays (ArraySlot.value), which the program call moves to the device (_jitted).
         params = self.param_arrays()
         env = {**self._feed(layers, read_only=True), **self._read_state(layers)}
+        host_fed = self._host_feed(layers) if self._host_layers else {}
         if keep_inputs:  # one layer run on its own: its backward reads what it read (not the blobs' later data),
             self._layer_inputs[start] = (env, key)  # with its key (the same Dropout mask)
         try:  # a Python layer's failure inside the program surfaces here, typed, once the program has run
@@ -816,7 +827,7 @@ class Net:
                 values, updates, loss = jax.block_until_ready(fn(params, env, key))
         except TopsSizedByData:
             return self._forward_sized_by_data(start, end, keep_inputs)
-        made_on_host = self._run_host_layers(layers, values, env)
+        made_on_host = self._run_host_layers(layers, values, {**host_fed, **env})
         # A Python layer's tops, for a backward that must not run its forward again (Caffe's Backward reads the
         # tops Forward left; a pass over a Python layer hands back every value).
         self._recorded_tops.update((v, values[v]) for v in _python_top_values(layers) if v in values)
