@@ -1149,12 +1149,16 @@ def test_layers_after_a_python_layer_sizing_its_tops_are_shaped_after_its_forwar
     np.testing.assert_array_equal(infer({"x": x})["s"], 2 * x)
     second = (SIZED_BY_DATA + _python_layer("keep2", "KeepsPositives", ["doubled"], "kept2")
               + 'layer { name: "sum2" type: "Eltwise" bottom: "kept2" bottom: "kept" top: "s2" }\n')
+    counts = sys.modules["caffejax_test_pylayers"].KeepsPositives
     for first in (_positives(1, 2), x):  # 2: the first layer learnt in the program, the second at a stage's build
         net = caffejax.Net(second, caffejax.TEST, allow_python_layers=True)
         infer = caffejax.compile_inference(net)
+        counts.forwards = 0
         np.testing.assert_array_equal(infer({"x": first})["s2"], 3 * first[first > 0])
+        assert counts.forwards == 2  # each layer's forward once: the pass goes on after the second is learnt
         np.testing.assert_array_equal(infer({"x": x})["s2"], 3 * x)
         np.testing.assert_array_equal(net.forward(x=_positives(3))["s2"], [9])
+        assert counts.forwards == 6
     # Where nothing sizes its tops by the data, the build raises at once, as before.
     with pytest.raises(caffejax.ShapeError, match=r"layer 'sum' \(type Eltwise\)"):
         caffejax.Net(_input(6) + _input(2, name="y") + 'layer { name: "sum" type: "Eltwise" bottom: "x" '

@@ -247,10 +247,7 @@ class _Stages:
                 except TopsSizedByData:
                     # Another Python layer sized its tops by the data: the net rebuilt runs it on the host too,
                     # and this stage runs again, split around it (its first host call takes those tops).
-                    owner._net.reshape()
-                    self._graphs.clear()
-                    self.programs.clear()
-                    graph = self._graph(shapes)
+                    graph = self._rebuilt(shapes)
                     continue
                 # Layers run on the host within the range (whose tops no compiled layer reads) finish it.
                 values.update(run_host_layers(graph.layers[begin:stage], values, python_layers))
@@ -260,9 +257,24 @@ class _Stages:
             made = run_host_layers([host], values, python_layers)
             values.update(made)
             shapes.update((top, made[value].shape) for top, value in zip(host.tops, host.top_values))
-            graph = self._graph(shapes)  # the layers after it shaped by what it made
+            try:
+                graph = self._graph(shapes)  # the layers after it shaped by what it made
+            except TopsSizedByData:
+                # Layers after it do not fit what it made, and a Python layer before them may size its tops by
+                # the data: that layer runs on the host from now on. The pass goes on from here, on the values
+                # it has: the host layers before are not run again (a Python layer's forward once a pass).
+                graph = self._rebuilt(shapes)
             begin = stage + 1
         return {blob: values[graph.blob_value[blob]] for blob in graph.outputs}
+
+    def _rebuilt(self, shapes: Mapping[str, tuple[int, ...]]) -> Graph:
+        """The graph at ``shapes`` once the net has learnt a Python layer sizing its tops by the data (it runs on the
+        host now): the graphs and programs built before are dropped, since which layers they compile changed.
+        Layer indices and value ids do not change, so a pass in progress goes on with its values."""
+        self.owner._net.reshape()
+        self._graphs.clear()
+        self.programs.clear()
+        return self._graph(shapes)
 
     def _program(self, graph: Graph, begin: int, end: int, values: Mapping[str, Any]) -> _StageProgram:
         layers, reads, needed = stage_interface(graph, begin, end, {graph.blob_value[b] for b in graph.outputs})
