@@ -790,7 +790,8 @@ def test_backward_through_a_net_run_in_stages(isolated_registry, caplog):
 def test_a_solver_trains_a_net_run_in_stages(isolated_registry, tmp_path):
     """A solver's step through a Faster R-CNN with a loss after its ROIs runs Solver::Step's passes in stages
     (Net.forward, Net.backward) and then its update: two SGD steps give the weights those passes and the update
-    by hand give. Over several devices the step is refused by name."""
+    by hand give, although the solver's backward passes run from its forward passes' pullbacks. Over several
+    devices the step is refused by name."""
     text = _faster_rcnn() + SUMSQ_LOSS
     (tmp_path / "train.prototxt").write_text(text)
     param = tmp_path / "solver.prototxt"
@@ -815,6 +816,14 @@ def test_a_solver_trains_a_net_run_in_stages(isolated_registry, tmp_path):
                 np.testing.assert_allclose(theirs.data, mine.data, rtol=1e-5, atol=1e-6, err_msg=name)
         np.testing.assert_allclose(solver.net.blobs["loss"].data, net.blobs["loss"].data, rtol=1e-5)
     assert np.abs(net.params["fc"][0].diff).max() > 0
+    # The solver's backward passes ran from their forwards' pullbacks (Net._keeping_pullbacks), not running the
+    # stages' forwards again as Net.backward on its own does.
+    proposal, last = list(net._layer_names).index("proposal"), len(net._layer_names) - 1
+    ran = {key[1:4] for key in solver.net._compiled}
+    for first, end in ((0, proposal - 1), (proposal + 1, last)):
+        assert ("forward-pullback", first, end) in ran and ("backward-pullback", first, end) in ran
+        assert ("backward", first, end) not in ran and ("backward", first, end) in {k[1:4] for k in net._compiled}
+    assert solver.net._pullbacks is None  # none kept after the iteration
     with pytest.raises(caffejax.UnsupportedError, match="reads the top of layer 'proposal'"):
         caffejax.SGDSolver(str(param), devices=1).step(1)
 
@@ -1115,7 +1124,8 @@ def test_py_faster_rcnns_end2end_training_net_trains(isolated_registry, tmp_path
         "im_info_input-data_1_split", "gt_boxes_input-data_2_split", "rpn-data", "proposal", "roi-data"]
     # The layers before the anchor targets were compiled once per image size, not per number of boxes: the boxes
     # reach the Python layers through a Split run on the host.
-    before_anchors = [key for key in net._compiled if key[1:4] == ("forward", 0, names.index("rpn-data") - 1)]
+    before_anchors = [key for key in net._compiled if key[1] in ("forward", "forward-pullback")
+                      and key[2:4] == (0, names.index("rpn-data") - 1)]
     assert len(before_anchors) == 2
     for name in ("conv1", "rpn_cls_score_1", "rpn_bbox_pred_1", "fc", "cls_score", "bbox_pred"):
         assert not np.array_equal(net.params[name][0].data, weights[name][0]), name

@@ -561,9 +561,10 @@ class Solver:
             on_start()
         loss = 0.0
         for k in range(self.param.iter_size):
-            with _serving(net, batches[k]) if batches else contextlib.nullcontext():
-                net.forward()
-            net.backward()
+            with net._keeping_pullbacks():  # each backward pass runs from its forward's pullback
+                with _serving(net, batches[k]) if batches else contextlib.nullcontext():
+                    net.forward()
+                net.backward()
             if net.debug_info:
                 log_param_norms(net)  # the end of Net::Backward(), which ForwardBackward calls
             loss += net._last_loss
