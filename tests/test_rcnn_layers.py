@@ -787,6 +787,25 @@ def test_backward_through_a_net_run_in_stages(isolated_registry, caplog):
     assert not test.backward()["data"].any()
 
 
+def test_a_backward_in_stages_takes_each_stages_dropout_masks(isolated_registry):
+    """Net.backward runs each stage's backward with the key of that stage's forward pass, so a Dropout before the
+    proposals drops in its backward what it dropped in its forward (it took the key of the last stage's pass):
+    where conv1 is not 0, its diff is twice the dropped blob's where that was kept, else 0."""
+    text = (_faster_rcnn() + SUMSQ_LOSS).replace(
+        'layer { name: "rpn_cls_score" type: "Convolution" bottom: "conv1"',
+        'layer { name: "drop1" type: "Dropout" bottom: "conv1" top: "dropped" }\n'
+        'layer { name: "rpn_cls_score" type: "Convolution" bottom: "dropped"').replace(
+        'bottom: "conv1" top: "rpn_bbox_pred"', 'bottom: "dropped" top: "rpn_bbox_pred"').replace(
+        'bottom: "conv1" bottom: "rois"', 'bottom: "dropped" bottom: "rois"')
+    net = caffejax.Net(text, caffejax.TRAIN)
+    net.forward(**_image(np.random.default_rng(7), 64, 80))
+    net.backward()
+    conv1, dropped = net.blobs["conv1"], net.blobs["dropped"]
+    kept = conv1.data != 0
+    assert 0.2 < (dropped.data[kept] != 0).mean() < 0.8 and np.abs(dropped.diff).max() > 0
+    np.testing.assert_allclose(conv1.diff[kept], (2 * dropped.diff * (dropped.data != 0))[kept], rtol=1e-6)
+
+
 def test_a_solver_trains_a_net_run_in_stages(isolated_registry, tmp_path):
     """A solver's step through a Faster R-CNN with a loss after its ROIs runs Solver::Step's passes in stages
     (Net.forward, Net.backward) and then its update: two SGD steps give the weights those passes and the update

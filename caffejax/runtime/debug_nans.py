@@ -55,9 +55,8 @@ def find_first_nan(net, params: Mapping[str, list[Any]] | None = None,
     params = net.param_arrays() if params is None else params
     env = {**net._last_forward_feed(graph.layers), **net._state_feed(graph.layers, net._state_seen),
            **graph.concrete}
-    key = net._last_key if net._last_key is not None else jax.random.key(0)
     with jax.disable_jit():
-        for layer in graph.layers:
+        for index, layer in enumerate(graph.layers):
             if layer.is_input:
                 for top, value in zip(layer.tops, layer.top_values):
                     found = _non_finite(layer, "input", top, env[value])
@@ -71,6 +70,8 @@ def find_first_nan(net, params: Mapping[str, list[Any]] | None = None,
             if layer.runs_on_host:
                 env.update(run_host_layers([layer], env, net._python_layers))
             else:
+                # The key of the forward pass that ran this layer (in a net run in stages, each stage's own).
+                key = net._key_of_forward(index, index) if net._last_key is not None else jax.random.key(0)
                 env, _ = program.run_layers([layer], params, env, key, recorded=recorded)
             for top, value in zip(layer.tops, layer.top_values):
                 found = _non_finite(layer, "top", top, env[value])

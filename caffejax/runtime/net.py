@@ -211,11 +211,10 @@ def _names_a_file(text: str) -> bool:
 @dataclasses.dataclass
 class _Pullback:
     """A forward pass's pullback (Net._keeping_pullbacks): jax.vjp's function, from the diffs of the values seeding
-    a backward over the pass's layers to the params' diffs and those of ``inputs``, and the pass's key."""
+    a backward over the pass's layers to the params' diffs and those of ``inputs``."""
 
     pullback: Any
     inputs: tuple[str, ...]
-    key: Any
     seeds: dict[str, jax.ShapeDtypeStruct]  # what the pullback takes: the seeding values' shapes and dtypes
     # The pass's range signature (Net._range_signature): a rebuild for a later stage's new shapes (a new number of
     # ROIs) keeps the pullback of a stage before it, whose layers it leaves as they were.
@@ -272,6 +271,10 @@ class Net:
         self._pass_count = 0
         self._sources: dict[str, Any] = {}
         self._last_key = None
+        # Each forward pass's key by its range (first, last layer): a backward over part of it, or find_first_nan's
+        # replay, takes that pass's key (its Dropout masks), not the last pass's (in a net run in stages, the
+        # layers after the proposals).
+        self._pass_keys: dict[tuple[int, int], jax.Array] = {}
         self._seed_key: tuple[int, jax.Array] | None = None  # (seed, jax.random.key(seed)), made once per seed
         # State layers carry between forwards (RNN/LSTM's h_T -> h_0), by the value id a forward reads it
         # as: what the next forward reads, and what the last forward read (backward recomputes from it).
@@ -840,7 +843,7 @@ class Net:
         else:
             fn = self._jitted("forward", start, end, self._with_concrete(outputs_only))
         key = self._next_key()
-        self._last_key = key
+        self._note_pass_key(start, end, key)
         # What this pass sees, kept for a deferred blob's recompute: device values, and private copies of host
         # arrays (ArraySlot.value), which the program call moves to the device (_jitted).
         params = self.param_arrays()
@@ -854,7 +857,7 @@ class Net:
         except TopsSizedByData:
             return self._forward_sized_by_data(start, end, keep_inputs)
         if pullback:
-            self._pullbacks[(start, end)] = _Pullback(pullback[0], pullback_of, key, {
+            self._pullbacks[(start, end)] = _Pullback(pullback[0], pullback_of, {
                 v: jax.ShapeDtypeStruct(np.shape(values[v]), values[v].dtype) for v in seeded},
                 self._range_signature(self._graph, start, end))
         made_on_host = self._run_host_layers(layers, values, {**host_fed, **env})
@@ -872,6 +875,20 @@ class Net:
             for i, value in changed.items():
                 self._param_blobs[(owner, i)]._data.set(value)
         return float(loss)
+
+    def _note_pass_key(self, start: int, end: int, key: jax.Array) -> None:
+        """Remember the key of a forward pass over layers start..end (it supersedes those of passes it overlaps)."""
+        self._last_key = key
+        self._pass_keys = {(a, b): k for (a, b), k in self._pass_keys.items() if b < start or a > end}
+        self._pass_keys[(start, end)] = key
+
+    def _key_of_forward(self, first: int, last: int) -> jax.Array:
+        """The key of the last forward pass whose range holds layers first..last, which the layers' Dropout masks
+        came from; else the last pass's (or a new one, before any forward)."""
+        for (a, b), key in self._pass_keys.items():
+            if a <= first and last <= b:
+                return key
+        return self._last_key if self._last_key is not None else self._next_key()
 
     @contextlib.contextmanager
     def _keeping_pullbacks(self):
@@ -1221,8 +1238,7 @@ class Net:
         if kept is not None:
             env, key = kept
         else:
-            key = (pulled.key if pulled is not None else self._last_key if self._last_key is not None
-                   else self._next_key())
+            key = self._key_of_forward(end, start)
             env = {**self._last_forward_feed(layers, read_only=True), **self._state_feed(layers, self._state_seen)}
             env.update(self._recomputed_feed(end, layers, key))
         recorded = {v: self._recorded_tops[v] for v in _python_top_values(layers) if v in self._recorded_tops}
