@@ -787,6 +787,39 @@ def test_backward_through_a_net_run_in_stages(isolated_registry, caplog):
     assert not test.backward()["data"].any()
 
 
+def _solver_and_twin(tmp_path, text: str, seed: int):
+    """An SGD solver (lr 0.001) over ``text``, a Net of it with the solver's initial weights, and an image fed to the
+    solver's net (returned, to feed the twin)."""
+    (tmp_path / "train.prototxt").write_text(text)
+    (tmp_path / "solver.prototxt").write_text(f'net: "{tmp_path / "train.prototxt"}" base_lr: 0.001 '
+                                              'lr_policy: "fixed" max_iter: 2 snapshot_after_train: false')
+    solver = caffejax.SGDSolver(str(tmp_path / "solver.prototxt"))
+    net = caffejax.Net(text, caffejax.TRAIN)
+    for name in net.params:
+        for mine, theirs in zip(net.params[name], solver.net.params[name]):
+            mine.data[...] = theirs.data
+    feed = _image(np.random.default_rng(seed), 64, 80)
+    for blob, array in feed.items():
+        solver.net.blobs[blob].data[...] = array
+    return solver, net, feed
+
+
+def test_a_solver_step_makes_the_proposals_that_end_its_net(isolated_registry, tmp_path):
+    """An RPN trained with its Proposal layer at the end (nothing compiled reads the ROIs, so one fused program a
+    step): the step's program hands the proposal layer the score maps, and the layer reads im_info, a fed blob,
+    as it is (the step used to fail with a KeyError on it). The ROIs are those of the step's forward."""
+    text = (_faster_rcnn().split('layer { name: "roi_pool"')[0]
+            + 'layer { name: "loss" type: "Reduction" bottom: "rpn_bbox_pred" top: "loss" '
+              'reduction_param { operation: SUMSQ } loss_weight: 1 }\n')
+    solver, net, feed = _solver_and_twin(tmp_path, text, seed=1)
+    assert [layer.name for layer in solver.net.graph.layers if layer.runs_on_host] == ["proposal"]
+    assert not solver.net.graph.staging_layers
+    solver.step(1)
+    net.forward(**feed)
+    assert net.blobs["rois"].shape[0] > 1
+    np.testing.assert_allclose(solver.net.blobs["rois"].data, net.blobs["rois"].data, rtol=1e-5, atol=1e-4)
+
+
 def test_a_backward_in_stages_takes_each_stages_dropout_masks(isolated_registry):
     """Net.backward runs each stage's backward with the key of that stage's forward pass, so a Dropout before the
     proposals drops in its backward what it dropped in its forward (it took the key of the last stage's pass):
@@ -811,19 +844,7 @@ def test_a_solver_trains_a_net_run_in_stages(isolated_registry, tmp_path):
     (Net.forward, Net.backward) and then its update: two SGD steps give the weights those passes and the update
     by hand give, although the solver's backward passes run from its forward passes' pullbacks. Over several
     devices the step is refused by name."""
-    text = _faster_rcnn() + SUMSQ_LOSS
-    (tmp_path / "train.prototxt").write_text(text)
-    param = tmp_path / "solver.prototxt"
-    param.write_text(f'net: "{tmp_path / "train.prototxt"}" base_lr: 0.001 lr_policy: "fixed" max_iter: 2 '
-                     'snapshot_after_train: false')
-    solver = caffejax.SGDSolver(str(param))
-    net = caffejax.Net(text, caffejax.TRAIN)
-    for name in net.params:
-        for mine, theirs in zip(net.params[name], solver.net.params[name]):
-            mine.data[...] = theirs.data
-    feed = _image(np.random.default_rng(11), 64, 80)
-    for blob, array in feed.items():
-        solver.net.blobs[blob].data[...] = array
+    solver, net, feed = _solver_and_twin(tmp_path, _faster_rcnn() + SUMSQ_LOSS, seed=11)
     for _ in range(2):
         solver.step(1)
         net.forward(**feed)
@@ -844,7 +865,7 @@ def test_a_solver_trains_a_net_run_in_stages(isolated_registry, tmp_path):
         assert ("backward", first, end) not in ran and ("backward", first, end) in {k[1:4] for k in net._compiled}
     assert solver.net._pullbacks is None  # none kept after the iteration
     with pytest.raises(caffejax.UnsupportedError, match="reads the top of layer 'proposal'"):
-        caffejax.SGDSolver(str(param), devices=1).step(1)
+        caffejax.SGDSolver(str(tmp_path / "solver.prototxt"), devices=1).step(1)
 
 
 def test_caffejax_time_runs_a_net_in_stages(isolated_registry, tmp_path, capsys):

@@ -490,8 +490,9 @@ class Solver:
         self._write_back(params, [new[0] if update is None else update for update, new in zip(updates, history)])
         for name, value in blobs.items():
             net.blobs[name]._data.set(value)
+        read = {**fed, **{v: a[0] for v, a in pulled.items()}}
         made_on_host = net._run_host_layers(graph.layers, {graph.blob_value[name]: value for name, value in
-                                                           blobs.items()}) if net._host_layers else set()
+                                                           blobs.items()}, read) if net._host_layers else set()
         # The Python layers' tops the blobs hold, as Net.forward records them: debug_nans' replay and a
         # net.backward() after the step take them instead of running those layers again.
         python_tops = set(_python_top_values(graph.layers))
@@ -502,7 +503,6 @@ class Solver:
         # train_step folds 0 into) are recomputed when read.
         unreturned = {blob: value for blob, value in graph.blob_value.items()
                       if blob not in blobs and value not in fed and value not in pulled and value not in made_on_host}
-        read = {**fed, **{v: a[0] for v, a in pulled.items()}}
         net._defer_blobs(0, len(graph.layers) - 1, unreturned, before, read, key, fold=0)
         net._note_pass(0, len(graph.layers) - 1, read)
         net._state.update(state)
