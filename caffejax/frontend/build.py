@@ -462,9 +462,10 @@ class _Builder:
 
     def _run_on_host_with_readers(self) -> None:
         """Layers with a host form (LayerRule.host_when_read_on_host: Split) run on the host where only layers run
-        there read their tops, later ones first (a Split read by such a Split). A program then neither reads their
-        bottoms for them nor hands back their tops: py-faster-rcnn's ground-truth boxes, which its anchor and
-        proposal target layers read through a Split, no longer key the program of the layers before them."""
+        there read their tops (the last first, so that one read only by another such layer follows it there). A
+        program then neither reads their bottoms for them nor hands back their tops: py-faster-rcnn's ground-truth
+        boxes, which its anchor and proposal target layers read through a Split, no longer key the program of the
+        layers before them."""
         readers: dict[str, list[Layer]] = {}
         for layer in self.layers:
             for value in layer.bottom_values:
