@@ -775,6 +775,8 @@ def test_a_fed_blob_no_layer_reads_keeps_its_data_and_shapes_no_program(tmp_path
     assert set(out) == {"loss", "unused"} and (out["unused"] == 3).all()
     net.backward()
     assert not net.blobs["unused"].diff.any()
+    net.forward()
+    net.backward()  # (now a backward follows each forward: the programs handing on the forward's pullback)
     compiled = net.compile_count
     net.blobs["unused"].reshape(4, 5)
     net.blobs["unused"].data[...] = 4
@@ -794,3 +796,57 @@ def test_a_fed_blob_no_layer_reads_keeps_its_data_and_shapes_no_program(tmp_path
     solver.net.blobs["x"].data[...] = 1
     solver.step(1)
     assert (solver.net.blobs["unused"].data == 7).all() and solver.net.blobs["y"].data.shape == (2, 2)
+
+
+PULLBACK_NET = """force_backward: true
+layer { name: "x" type: "Input" top: "x" input_param { shape { dim: 2 dim: 3 dim: 8 dim: 8 } } }
+layer { name: "conv" type: "Convolution" bottom: "x" top: "conv"
+  convolution_param { num_output: 4 kernel_size: 3 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "relu" type: "ReLU" bottom: "conv" top: "conv" }
+layer { name: "drop" type: "Dropout" bottom: "conv" top: "conv" }
+layer { name: "fc" type: "InnerProduct" bottom: "conv" top: "fc"
+  inner_product_param { num_output: 5 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "loss" type: "Reduction" bottom: "fc" top: "loss" reduction_param { operation: SUMSQ } loss_weight: 1 }
+"""
+
+
+def test_a_backward_after_a_forward_runs_from_its_pullback(monkeypatch):
+    """pycaffe's loop of net.forward() and net.backward(): once a backward followed a forward of the same layers,
+    the next forward keeps its pullback and the backward runs from it, not running the forward again, with the
+    same diffs (the same Dropout masks). A weight or an input written between the two makes the backward run the
+    forward again on the new one, as before; forwards alone keep no pullback."""
+    net, twin = caffejax.Net(PULLBACK_NET, caffejax.TRAIN), caffejax.Net(PULLBACK_NET, caffejax.TRAIN)
+    twin._wants_pullback = lambda start, end: False
+    for name in net.params:
+        for mine, theirs in zip(twin.params[name], net.params[name]):
+            mine.data[...] = theirs.data
+    ran = []
+    jitted = caffejax.Net._jitted
+    monkeypatch.setattr(caffejax.Net, "_jitted", lambda self, kind, *args, **kwargs: (
+        ran.append(kind) if self is net and not kind.endswith("-all") else None,  # (-all: deferred blobs')
+        jitted(self, kind, *args, **kwargs))[1])
+    rng = np.random.default_rng(3)
+
+    def both(between=None):
+        x = rng.standard_normal((2, 3, 8, 8)).astype(np.float32)
+        ran.clear()
+        for each in (net, twin):
+            each.forward(x=x)
+            if between:
+                between(each)
+            each.backward()
+        for name in ("conv", "fc"):
+            np.testing.assert_allclose(net.params[name][0].diff, twin.params[name][0].diff, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(net.blobs["x"].diff, twin.blobs["x"].diff, rtol=1e-5, atol=1e-7)
+        assert np.abs(net.blobs["x"].diff).max() > 0
+        return list(ran)
+
+    assert both() == ["forward", "backward"]  # the first backward learns that one follows a forward
+    assert both() == ["forward-pullback", "backward-pullback"] == both()
+    twice = lambda each: each.params["conv"][0].data.__imul__(2)  # noqa: E731
+    assert both(twice) == ["forward-pullback", "backward"]  # the new weights
+    other = lambda each: each.blobs["x"].data.__setitem__(Ellipsis, 1.0)  # noqa: E731
+    assert both(other) == ["forward-pullback", "backward"]  # the new input, as the blob holds it now
+    net.forward(x=np.ones((2, 3, 8, 8), np.float32))
+    net.forward(x=np.ones((2, 3, 8, 8), np.float32))  # forwards alone: the user stopped calling backward
+    assert not net._pullbacks and not net._pullback_ranges

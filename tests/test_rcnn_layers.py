@@ -863,7 +863,7 @@ def test_a_solver_trains_a_net_run_in_stages(isolated_registry, tmp_path):
     for first, end in ((0, proposal - 1), (proposal + 1, last)):
         assert ("forward-pullback", first, end) in ran and ("backward-pullback", first, end) in ran
         assert ("backward", first, end) not in ran and ("backward", first, end) in {k[1:4] for k in net._compiled}
-    assert solver.net._pullbacks is None  # none kept after the iteration
+    assert not solver.net._pullbacks  # none kept after the iteration
     with pytest.raises(caffejax.UnsupportedError, match="reads the top of layer 'proposal'"):
         caffejax.SGDSolver(str(tmp_path / "solver.prototxt"), devices=1).step(1)
 
@@ -909,7 +909,7 @@ def test_a_stage_compiles_again_only_for_the_shapes_it_reads(isolated_registry):
     proposal = list(net._layer_names).index("proposal")
     feed = _image(np.random.default_rng(12), 64, 80)
     ranges = []  # the layer ranges of the programs each pass compiled
-    for count in (2, 3, 5):
+    for count in (2, 2, 3, 5):  # (the second: the programs of a forward keeping its pullback for the backward)
         before, compiled = set(net._compiled), net.compile_count
         net.blobs["side"].reshape(count, 4)
         net.forward(side=np.ones((count, 4), np.float32), **feed)
@@ -918,7 +918,7 @@ def test_a_stage_compiles_again_only_for_the_shapes_it_reads(isolated_registry):
         ranges.append({tuple(sorted(key[2:4])) for key in set(net._compiled) - before})
         assert net.compile_count > compiled
     assert (0, proposal - 1) in ranges[0] and (proposal, proposal) in ranges[0]
-    assert all(first > proposal for new in ranges[1:] for first, _ in new), ranges
+    assert all(first > proposal for new in ranges[2:] for first, _ in new), ranges
 
 
 def _append_boxes(layer, bottoms):

@@ -208,13 +208,23 @@ def _names_a_file(text: str) -> bool:
     return bool(text.strip()) and not any(c in text for c in '\n{"') and ":" not in os.path.basename(text)
 
 
+def _same_arrays(arrays: list, tree) -> bool:
+    """Whether ``tree``'s leaves are the very ``arrays`` (identity: a blob hands a program the same array until its
+    data is set or written through ``.data``)."""
+    leaves = jax.tree.leaves(tree)
+    return len(leaves) == len(arrays) and all(a is b for a, b in zip(arrays, leaves))
+
+
 @dataclasses.dataclass
 class _Pullback:
-    """A forward pass's pullback (Net._keeping_pullbacks): jax.vjp's function, from the diffs of the values seeding
-    a backward over the pass's layers to the params' diffs and those of ``inputs``."""
+    """A forward pass's pullback (Net._wants_pullback): jax.vjp's function, from the diffs of the values seeding a
+    backward over the pass's layers to the params' diffs and those of ``inputs``."""
 
     pullback: Any
     inputs: tuple[str, ...]
+    # The weights and inputs it was made from (None in a solver's iteration, where nothing runs between the passes):
+    # a user may change them between Net.forward and Net.backward, whose backward then reads the new ones.
+    made_from: list | None
     seeds: dict[str, jax.ShapeDtypeStruct]  # what the pullback takes: the seeding values' shapes and dtypes
     # The pass's range signature (Net._range_signature): a rebuild for a later stage's new shapes (a new number of
     # ROIs) keeps the pullback of a stage before it, whose layers it leaves as they were.
@@ -264,8 +274,11 @@ class Net:
         # pycaffe's net.before_forward(fn) ... after_backward(fn): called with each layer's index around it
         self._layer_callbacks: dict[str, list] = {when: [] for when in _CALLBACK_POINTS}
         self._layer_inputs: dict[int, tuple[dict[str, Any], Any]] = {}  # (what it read, its key), one by one
-        # Forward passes' pullbacks, while a solver's iteration by passes wants them (_keeping_pullbacks).
-        self._pullbacks: dict[tuple[int, int], _Pullback] | None = None
+        # Forward passes' pullbacks by range, for the backward passes over the same ranges (_wants_pullback): the
+        # ranges whose forward a backward followed, and whether every pass keeps one (a solver's iteration).
+        self._pullbacks: dict[tuple[int, int], _Pullback] = {}
+        self._pullback_ranges: set[tuple[int, int]] = set()
+        self._keep_every_pullback = False
         self._compiled: dict[Any, Any] = {}
         self.compile_count = 0  # how many times a program was traced (each trace is one XLA compile)
         self._pass_count = 0
@@ -834,7 +847,8 @@ class Net:
                                                  fold_visible=reruns)
             return {v: values[v] for v in returned if v in values}, updates, program.loss(values, layers)
 
-        pullback_of = self._pullback_inputs(layers) if self._pullbacks is not None and not keep_inputs else None
+        wanted = self._wants_pullback(start, end)  # (first: it drops the pullbacks this pass supersedes)
+        pullback_of = self._pullback_inputs(layers) if wanted and not keep_inputs else None
         if pullback_of is not None:
             seeded = tuple(self._backward_seeds([layer for layer in layers if not layer.runs_on_host]))
             returned = sorted({*returned, *seeded})
@@ -857,8 +871,9 @@ class Net:
         except TopsSizedByData:
             return self._forward_sized_by_data(start, end, keep_inputs)
         if pullback:
-            self._pullbacks[(start, end)] = _Pullback(pullback[0], pullback_of, {
-                v: jax.ShapeDtypeStruct(np.shape(values[v]), values[v].dtype) for v in seeded},
+            self._pullbacks[(start, end)] = _Pullback(
+                pullback[0], pullback_of, None if self._keep_every_pullback else jax.tree.leaves((params, env)),
+                {v: jax.ShapeDtypeStruct(np.shape(values[v]), values[v].dtype) for v in seeded},
                 self._range_signature(self._graph, start, end))
         made_on_host = self._run_host_layers(layers, values, {**host_fed, **env})
         # A Python layer's tops, for a backward that must not run its forward again (Caffe's Backward reads the
@@ -892,17 +907,28 @@ class Net:
 
     @contextlib.contextmanager
     def _keeping_pullbacks(self):
-        """A solver's iteration by passes (Net.forward, then Net.backward): each forward pass whose range a backward
-        pass then runs over keeps its pullback (jax.vjp's, holding what the backward needs of the forward), and
-        that backward runs from it instead of running the forward again. A Faster R-CNN's training iteration in
-        stages otherwise computes each stage's forward twice (VGG16 at 300 x 400: Net.forward 1.1 s of the 5.1 s
-        of Net.forward and Net.backward). Outside, pullbacks are not kept: a user's Net.forward may never be
-        followed by a backward, and one may change the weights in between."""
-        self._pullbacks = {}
+        """A solver's iteration by passes (Net.forward, then Net.backward, nothing between them): every forward pass
+        keeps its pullback (_wants_pullback), from the first iteration on; none is kept after it."""
+        self._keep_every_pullback = True
         try:
             yield
         finally:
-            self._pullbacks = None
+            self._keep_every_pullback = False
+            self._pullbacks.clear()
+
+    def _wants_pullback(self, start: int, end: int) -> bool:
+        """Whether a forward pass over layers start..end keeps its pullback (jax.vjp's, holding what a backward needs
+        of the forward), so that the backward over the same range runs from it instead of running the forward again
+        (AlexNet at batch 16, Net.forward + Net.backward to the data 1.07 -> 0.81 s; GoogLeNet at 8, 0.82 -> 0.70;
+        a VGG16 Faster R-CNN's stages at 300 x 400, 4.7 -> 3.7 s). It costs the forward about a tenth more and holds
+        the residuals until that backward. So it is kept in a solver's iteration by passes, and for a range whose
+        last forward a backward followed (pycaffe's loop of net.forward() and net.backward()), until a forward of it
+        finds the last one's pullback unused: the user runs forwards alone now."""
+        for overlapping in [r for r in self._pullbacks if not (r[1] < start or r[0] > end)]:
+            del self._pullbacks[overlapping]
+            if overlapping == (start, end) and not self._keep_every_pullback:
+                self._pullback_ranges.discard(overlapping)
+        return self._keep_every_pullback or (start, end) in self._pullback_ranges
 
     def _pullback_inputs(self, layers) -> tuple[str, ...] | None:
         """For a forward pass over ``layers`` that keeps its pullback: the values read from before them whose
@@ -1228,21 +1254,25 @@ class Net:
                                                           diff_values=now, recorded=recorded)[2:]
             return [diff + grads[owner][index] for (owner, index), diff in zip(slots, param_diffs)], value_diffs
 
-        # The forward's pullback, where this pass's forward kept one (_keeping_pullbacks) and only diffs it can give
-        # are wanted now: the forward is not run again.
-        pulled = self._pullbacks.pop((end, start), None) if self._pullbacks else None
-        if pulled is not None and (not set(now) <= set(pulled.inputs)
-                                   or pulled.signature != self._range_signature(self._graph, end, start)):
-            pulled = None
         kept = self._layer_inputs.get(start) if start == end else None
+        params = self.param_arrays()
         if kept is not None:
             env, key = kept
         else:
             key = self._key_of_forward(end, start)
             env = {**self._last_forward_feed(layers, read_only=True), **self._state_feed(layers, self._state_seen)}
             env.update(self._recomputed_feed(end, layers, key))
+        # The forward's pullback, where this pass's forward kept one (_wants_pullback), only diffs it can give are
+        # wanted now, and the weights and inputs are the ones it was made from: the forward is not run again.
+        pulled = self._pullbacks.pop((end, start), None)
+        if pulled is not None and (not set(now) <= set(pulled.inputs)
+                                   or pulled.signature != self._range_signature(self._graph, end, start)
+                                   or (pulled.made_from is not None
+                                       and not _same_arrays(pulled.made_from, (params, env)))):
+            pulled = None
+        if pulled is None and (end, start) in self._pass_keys and self._pullback_inputs(layers) is not None:
+            self._pullback_ranges.add((end, start))  # a backward followed that forward: the next one keeps one
         recorded = {v: self._recorded_tops[v] for v in _python_top_values(layers) if v in self._recorded_tops}
-        params = self.param_arrays()
         diffs_before = [diff.value() for _, _, diff in accumulated]
         if pulled is not None:
             avals = pulled.seeds
