@@ -814,7 +814,9 @@ def test_a_backward_after_a_forward_runs_from_its_pullback(monkeypatch):
     """pycaffe's loop of net.forward() and net.backward(): once a backward followed a forward of the same layers,
     the next forward keeps its pullback and the backward runs from it, not running the forward again, with the
     same diffs (the same Dropout masks). A weight or an input written between the two makes the backward run the
-    forward again on the new one, as before; forwards alone keep no pullback."""
+    forward again on the new one, as before; forwards alone keep no pullback. Not with the program cache on
+    (test_program_cache's backward test)."""
+    monkeypatch.setattr(caffejax.runtime.net, "cache_directory", lambda: None)  # (with it, none is learnt)
     net, twin = caffejax.Net(PULLBACK_NET, caffejax.TRAIN), caffejax.Net(PULLBACK_NET, caffejax.TRAIN)
     twin._wants_pullback = lambda start, end: False
     for name in net.params:
