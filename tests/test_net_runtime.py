@@ -642,6 +642,36 @@ def test_a_new_value_fills_a_held_host_copy_and_replaces_one_nobody_holds():
     np.testing.assert_array_equal(slot.host(), 4.0)
 
 
+def test_a_held_host_array_is_handed_to_programs_as_one_copy_while_its_bits_stay():
+    """A held host array is handed to a program as a private copy (the user may write to it while the program
+    runs); while its bits stay as they were, the same copy again, so that weights the user holds are not copied on
+    every pass, and a backward finds its forward's inputs unchanged. Any changed bit makes a new copy: a NaN is
+    the same NaN, -0.0 is not 0.0."""
+    from caffejax.runtime.blob import ArraySlot, _same_bits
+
+    slot = ArraySlot((2, 3))
+    held = slot.host()
+    held[...] = 1.0
+    first = slot.value()
+    assert first is not held and slot.value() is first
+    held[0, 0] = np.nan
+    nan = slot.value()
+    assert nan is not first and np.isnan(nan[0, 0]) and slot.value() is nan
+    held[0, 1] = 0.0
+    zero = slot.value()
+    held[0, 1] = -0.0
+    assert slot.value() is not zero and np.signbit(slot.value()[0, 1])
+    before = slot.value()
+    slot.set(jax.numpy.full((2, 3), 5.0))  # copied into the held array: a new copy is handed
+    assert slot.value() is not before
+    np.testing.assert_array_equal(slot.value(), 5.0)
+    a = np.arange(10, dtype=np.float32)
+    b = a.copy()
+    assert _same_bits(a, b, chunk=4)
+    b[9] = 0  # in the last chunk
+    assert not _same_bits(a, b, chunk=4) and not _same_bits(a, a[:9], chunk=4)
+
+
 def test_programs_of_big_nets_get_their_numpy_arguments_on_the_device_first(monkeypatch):
     """Given a NumPy argument, a program runs on an XLA worker thread, where glibc maps big buffers afresh on
     every call (MobileNet v2's forward + backward at batch 16: up to 400 thousand page faults): Net's programs
@@ -849,6 +879,13 @@ def test_a_backward_after_a_forward_runs_from_its_pullback(monkeypatch):
     assert both(twice) == ["forward-pullback", "backward"]  # the new weights
     other = lambda each: each.blobs["x"].data.__setitem__(Ellipsis, 1.0)  # noqa: E731
     assert both(other) == ["forward-pullback", "backward"]  # the new input, as the blob holds it now
+    # Arrays the user holds (a notebook's `x = net.blobs["x"].data`) are handed to programs as one private copy
+    # while their bits stay (ArraySlot.value), so the backward still knows its forward's inputs and weights.
+    held = {each: (each.blobs["x"].data, each.params["fc"][0].data) for each in (net, twin)}
+    assert both() == ["forward-pullback", "backward-pullback"] == both()
+    assert both(lambda each: held[each][0].__imul__(2)) == ["forward-pullback", "backward"]
+    assert both(lambda each: held[each][1].__imul__(0.5)) == ["forward-pullback", "backward"]
+    del held
     net.forward(x=np.ones((2, 3, 8, 8), np.float32))
     net.forward(x=np.ones((2, 3, 8, 8), np.float32))  # forwards alone: the user stopped calling backward
     assert not net._pullbacks and not net._pullback_ranges

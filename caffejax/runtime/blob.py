@@ -37,14 +37,29 @@ def _zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
                                f"could allocate; is a dim mistyped?") from None
 
 
+def _same_bits(a: np.ndarray, b: np.ndarray, chunk: int = 1 << 18) -> bool:
+    """Whether two arrays of one shape and dtype hold the same bits (NaNs and -0.0 included), stopping at the
+    first chunk that differs: new data written over a held array costs one chunk to tell apart."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    bits = np.dtype(f"u{a.dtype.itemsize}") if a.dtype.itemsize in (1, 2, 4, 8) else None
+    a, b = a.reshape(-1), b.reshape(-1)
+    if bits is not None:
+        a, b = a.view(bits), b.view(bits)
+    return all(np.array_equal(a[i:i + chunk], b[i:i + chunk]) for i in range(0, a.size, chunk))
+
+
 class ArraySlot:
     """One array that is either on the device, on the host, or both (host wins)."""
 
-    __slots__ = ("_device", "_host", "_shape", "_dtype", "_pending")
+    __slots__ = ("_device", "_host", "_shape", "_dtype", "_pending", "_handed")
 
     def __init__(self, shape, dtype=np.float32):
         self._device = None
         self._host = None
+        # The private copy of a held host array last handed to a program (value()): one more copy of each held
+        # array, kept until its bits change, a new value is set, or nobody holds it any more.
+        self._handed = None
         self._shape = tuple(shape)
         self._dtype = np.dtype(dtype)
         self._pending = None
@@ -77,16 +92,20 @@ class ArraySlot:
 
         The host array is handed over as a private copy: JAX may compute from a NumPy argument's memory without
         copying it, and asynchronously, so the user's next ``blob.data[...] = x`` would otherwise race with the
-        pass still reading it (training then silently depends on timing).
+        pass still reading it (training then silently depends on timing). While the held array's bits stay as they
+        were, the same copy is handed again: a held weight is not copied on every pass, and a backward knows its
+        forward's inputs by identity (Net._pullbacks).
         """
         self._resolve()
         if self._host is None and self._device is None:
             self._host = _zeros(self._shape, self._dtype)
         if self._host is not None:
             if sys.getrefcount(self._host) > _UNHELD:
-                return np.array(self._host)
+                if self._handed is None or not _same_bits(self._handed, self._host):
+                    self._handed = np.array(self._host)
+                return self._handed
             # Nobody holds the array handed out any more, so nobody can write to it: it is the value as it is.
-            self._device, self._host = self._host, None
+            self._device, self._host, self._handed = self._host, None, None
         return self._device
 
     def set(self, value) -> None:
@@ -96,6 +115,7 @@ class ArraySlot:
         program made it (a solver whose weights were once written through ``.data`` would otherwise copy
         every weight and diff to the host and back on every iteration)."""
         self._pending = None
+        self._handed = None
         shape = tuple(value.shape)
         if self._host is not None and self._host.shape == shape and sys.getrefcount(self._host) > _UNHELD:
             np.copyto(self._host, np.asarray(value))
@@ -111,6 +131,7 @@ class ArraySlot:
             self._shape = shape
             self._device = None
             self._host = None
+            self._handed = None
             self._pending = None
 
     def on_host(self) -> bool:
