@@ -1012,7 +1012,7 @@ class RoIData(caffejax.Layer):
 
     def forward(self, bottom, top):
         rng = np.random.default_rng(self.count)
-        height, width = ((64, 80), (48, 64))[self.count % 2]
+        height, width = ((64, 80), (48, 64))[self.count % 2 if self.param_str != "one size" else 0]
         boxes = 1 + self.count % 3
         self.count += 1
         corner = rng.uniform(0, [width - 24, height - 24], (boxes, 2))
@@ -1131,6 +1131,46 @@ layer { name: "loss_cls" type: "SoftmaxWithLoss" bottom: "cls_score" bottom: "la
 layer { name: "loss_bbox" type: "SmoothL1Loss" bottom: "bbox_pred" bottom: "bbox_targets"
   bottom: "bbox_inside_weights" bottom: "bbox_outside_weights" top: "loss_bbox" loss_weight: 1 }
 """
+
+
+def test_python_layers_reading_only_fed_blobs_of_new_shapes_run_on_the_host(isolated_registry, tmp_path,
+                                                                           monkeypatch):
+    """py-faster-rcnn's end2end net on images of one size (a camera's): its anchor target layer shapes its tops by
+    the score map, so they never change and it stays compiled, a callback reading the ground-truth boxes. A new
+    number of boxes then compiled the program of every layer before it again (VGG16's, forward and backward).
+    Once the boxes, which only Python layers read, change shape while the other fed blobs keep theirs, the layer
+    runs on the host instead: the layers before it are compiled once, in a solver's steps and Net.forward alike,
+    and train as before."""
+    (tmp_path / "caffejax_test_end2end.py").write_text(END2END_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "caffejax_test_end2end", raising=False)
+    forks.register_all()
+    text = END2END_TRAIN.replace("PROPOSAL", SMALL_ANCHORS).replace(
+        'layer: "RoIData" }', 'layer: "RoIData" param_str: "one size" }')
+    (tmp_path / "train.prototxt").write_text(text)
+    (tmp_path / "solver.prototxt").write_text(f'net: "{tmp_path / "train.prototxt"}" base_lr: 0.001 '
+                                              'lr_policy: "fixed" momentum: 0.9 max_iter: 9 snapshot_after_train: false')
+    solver = caffejax.SGDSolver(str(tmp_path / "solver.prototxt"), allow_python_layers=True)
+    net = solver.net
+    names = list(net._layer_names)
+    anchors = names.index("rpn-data")
+    weights = np.array(net.params["conv1"][0].data)
+    losses = []
+    for _ in range(6):  # 1, 2, 3, 1, 2, 3 boxes
+        solver.step(1)
+        losses.append(float(net.blobs["rpn_cls_loss"].data) + float(net.blobs["loss_cls"].data))
+    assert np.isfinite(losses).all() and not np.array_equal(net.params["conv1"][0].data, weights)
+    assert net.graph.layer("rpn-data").runs_on_host
+    assert [names[i] for i in net.graph.staging_layers] == ["rpn-data", "roi-data"]
+    before_anchors = [key for key in net._compiled if key[1] in ("forward", "forward-pullback")
+                      and key[2] == 0 and key[3] < anchors]
+    assert len(before_anchors) == 1, before_anchors
+    # Whole programs over the layers before the anchor targets (the first step's fused one): that step's alone.
+    assert len([key for key in net._compiled if key[2:4] == (0, len(names) - 1)]) <= 1
+    compiled = set(net._compiled)
+    for _ in range(3):  # Net.forward, 1, 2, 3 boxes: the same stages, the one before the anchor targets compiled once
+        assert np.isfinite(float(net.forward()["rpn_cls_loss"]))
+    assert len([key for key in set(net._compiled) - compiled if key[2] < anchors]) == 1
 
 
 def test_py_faster_rcnns_end2end_training_net_trains(isolated_registry, tmp_path, monkeypatch):

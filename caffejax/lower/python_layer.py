@@ -28,6 +28,9 @@ this rule run, and it runs the layer as pycaffe does:
   the layers after it and before it; a solver's step that finds it out runs that iteration again by passes
   (Net.forward, Net.backward), on the same batch. Such a layer has bottoms, no learnable blobs and no top in
   place; one program over it (an export, several devices) raises the error.
+- Such a layer also runs on the host once it reads a fed blob that only Python layers read, when that blob
+  changes shape and the other fed blobs keep theirs (:meth:`PythonLayers.read_changing_feeds`): the program
+  of the layers before it then neither reads that blob nor is compiled again for each of its shapes.
 
 Each net has its own layer objects, as Caffe makes one per layer per net (:class:`PythonLayers`, which the
 net hands its graph and programs through ``LayerContext.python_layers``): the net's rebuilds and all its
@@ -124,6 +127,9 @@ class _Instance:
     # forward on the same bottoms again (Caffe calls forward once a pass).
     sized_by_data: bool = False
     made: tuple[list[np.ndarray], list[np.ndarray]] | None = None
+    # It reads fed blobs whose shapes change from pass to pass and that no compiled layer reads
+    # (:meth:`PythonLayers.read_changing_feeds`): the net's builds run it on the host since.
+    reads_changing_feeds: bool = False
 
 
 class PythonLayers:
@@ -143,10 +149,18 @@ class PythonLayers:
         return instance.obj if instance is not None else None
 
     def runs_on_host(self, layer_param) -> bool:
-        """Whether the layer's forward has sized its tops by the data (TopsSizedByData): the net's builds run it on
-        the host (Layer.runs_on_host), between programs, as OpenCV's Proposal layer is."""
+        """Whether the layer's forward has sized its tops by the data (TopsSizedByData), or it reads fed blobs of
+        changing shapes (:meth:`read_changing_feeds`): the net's builds run it on the host (Layer.runs_on_host),
+        between programs, as OpenCV's Proposal layer is."""
         instance = self.objects.get(_object_key(layer_param))
-        return instance is not None and instance.sized_by_data
+        return instance is not None and (instance.sized_by_data or instance.reads_changing_feeds)
+
+    def read_changing_feeds(self, layer_param) -> None:
+        """Run the layer on the host from the net's next build on (:meth:`runs_on_host`): it reads fed blobs whose
+        shapes change from pass to pass and which only Python layers read (py-faster-rcnn's ground-truth boxes,
+        a new count each image, read by its anchor target layer), so that the program of the layers before it
+        does not read them, and is not compiled again for each of their shapes."""
+        self.objects[_object_key(layer_param)].reads_changing_feeds = True
 
     def size_by_data(self, layer_param) -> None:
         """Run the layer on the host from the net's next build on (:meth:`runs_on_host`), its tops shaped by its

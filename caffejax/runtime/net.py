@@ -24,7 +24,7 @@ from caffejax.errors import (CaffejaxError, DataSourceUnavailable, GraphError, N
                              ShapeError, TopsSizedByData, UnknownBlobError, UnsupportedError, WeightsError,
                              layer_error)
 from caffejax.fileio import atomic_write
-from caffejax.frontend.build import build_graph, load_net_param
+from caffejax.frontend.build import build_graph, load_net_param, may_size_tops_by_data
 from caffejax.frontend.caffemodel import encode_net, read_weights
 from caffejax.frontend.prototxt import locate_layer_error
 from caffejax.frontend.ir import Graph
@@ -729,14 +729,16 @@ class Net:
                                 layer.loss_weights) for layer in self._graph.layers]))
         return [*parts, *described]
 
-    def _sync_shapes(self) -> None:
-        """Caffe reshapes every layer on each forward: rebuild if a fed blob's shape changed."""
+    def _sync_shapes(self) -> bool:
+        """Caffe reshapes every layer on each forward: rebuild if a fed blob's shape changed. Returns whether the
+        rebuilt net runs on the host a layer it compiled before (:meth:`_learn_layers_reading_changing_feeds`)."""
         wanted = {}
         for layer in self._graph.layers:
             if layer.is_input:
                 for top, value in zip(layer.tops, layer.top_values):
                     if self.blobs[top].shape != self._graph.value_shapes[value] and not self._never_fed(top, value):
                         wanted[top] = self.blobs[top].shape
+        learnt = bool(wanted) and self._learn_layers_reading_changing_feeds(set(wanted))
         for top in self._staged_blobs():  # what a host layer made this pass shapes the layers after it
             if self.blobs[top].shape != self._graph.blob_shape(top):
                 wanted[top] = self.blobs[top].shape
@@ -744,6 +746,37 @@ class Net:
                              for value, blob in self._concrete_blobs().items())
         if wanted or changed_values:
             self.reshape()
+        return learnt
+
+    def _learn_layers_reading_changing_feeds(self, changed: set[str]) -> bool:
+        """Where the fed blobs that changed shape (``changed``, by name) are read only by Python layers, through
+        Splits (py-faster-rcnn's ground-truth boxes, a new count each image, read by its anchor and proposal
+        target layers): run the compiled ones among those layers on the host from now on, so that the program
+        before them does not read those blobs (build's Splits on the host) and is not compiled again for each of
+        their shapes. At a fixed image size py-faster-rcnn's anchor target layer otherwise stays compiled (its
+        tops, shaped by the score map, never change), and each new number of boxes compiled the backbone's
+        forward and backward again. Not when a fed blob a compiled layer reads changed too (a new batch size):
+        that program is compiled again anyway. Returns whether any was newly learnt (the caller rebuilds)."""
+        graph = self._graph
+        readers: dict[str, list] = {}
+        for layer in graph.layers:
+            for value in layer.bottom_values:
+                readers.setdefault(value, []).append(layer)
+
+        def reading(value: str) -> list:  # the layers reading a value, through Splits
+            return [last for layer in readers.get(value, []) for last in (
+                [r for top in layer.top_values for r in reading(top)] if layer.type == "Split" else [layer])]
+
+        def movable(layer) -> bool:
+            return layer.runs_on_host or (calls_back(layer) and may_size_tops_by_data(layer.proto, layer.params,
+                                                                                        layer.is_input))
+        by_blob = {top: reading(graph.fed[top]) for top in changed if top in graph.fed}
+        if not by_blob or not all(found and all(movable(layer) for layer in found) for found in by_blob.values()):
+            return False
+        compiled = [layer for found in by_blob.values() for layer in found if not layer.runs_on_host]
+        for layer in compiled:
+            self._python_layers.read_changing_feeds(layer.proto)
+        return bool(compiled)
 
     def _require_shapes(self, layers, doing: str, then: str = "") -> None:
         """Caffe opens every data layer's source when it builds a net. caffejax builds a net whose source is
@@ -831,7 +864,8 @@ class Net:
     def _forward(self, start: int, end: int, keep_inputs: bool = False, pull: bool = True) -> float:
         if pull:
             self._pull_batches(self._program.layers_between(start, end))
-        self._sync_shapes()
+        if self._sync_shapes() and start != end:  # layers it compiled run on the host now, in stages around them
+            return self._forward_in_stages(start, end, pull=False)
         if self._graph.deferred_errors and self._learn_layers_sizing_by_data():
             return self._forward_sized_by_data(start, end, keep_inputs)
         layers = self._program.layers_between(start, end)

@@ -450,9 +450,11 @@ class Solver:
                 raise DataError(f"iter_size {self.param.iter_size}: the batches of '{top}' differ in shape "
                                 f"({sorted(shapes)}); over several devices one iteration needs equal shapes")
             stacked[top] = np.stack([b[top] for b in batches])
-        net._sync_shapes()
+        moved = net._sync_shapes()  # (layers reading only fed blobs of new shapes, to the host)
         if net.graph.deferred_errors and net._learn_layers_sizing_by_data():
-            net.reshape()  # they run on the host now, in stages around them: so does this iteration
+            net.reshape()
+            moved = True
+        if moved:  # they run on the host now, in stages around them: so does this iteration
             return self._train_iteration_by_passes(rate, batches)
         graph = net.graph
         pulled_values = {top: value for layer in _pulled_layers(graph)
