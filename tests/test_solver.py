@@ -403,6 +403,29 @@ def test_blobs_after_a_step_hold_its_forward(monkeypatch):
                                        atol=1e-6)
 
 
+def test_a_backward_after_a_step_takes_the_steps_dropout_mask():
+    """pycaffe's solver.step(1) then net.backward(), and debug_nans' replay (find_first_nan), run the layers again
+    with the key of the step's pass, as the blobs deferred after the step are: the Dropout's bottom gets diffs
+    where, and only where, the step's mask kept units. (They took the net's last Net.forward's key, or a new one.)"""
+    param = caffe_pb2.SolverParameter(type="SGD", base_lr=0.0, lr_policy="fixed", max_iter=5, random_seed=3)
+    param.net_param.CopyFrom(parse_net_text(DROPOUT_NET))
+    solver = caffejax.SGDSolver(param)
+    net = solver.net
+    net.blobs["x"].data[...] = np.random.default_rng(0).normal(size=(4, 3, 6, 6))
+    net.blobs["label"].data[...] = [0, 1, 2, 1]
+    for _ in range(2):
+        solver.step(1)
+        net.backward()
+        alive = net.blobs["conv"].data > 0  # (ReLU in place: its backward zeroes the rest)
+        dropped = net.blobs["drop"].data[alive] == 0
+        assert 0 < np.mean(dropped) < 1
+        np.testing.assert_array_equal(net.blobs["conv"].diff[alive] == 0, dropped)
+        key = net._key_of_forward(3, 3)  # the Dropout's, as find_first_nan replays it
+        replayed = net._program.run_layers([net.graph.layer("drop")], net.param_arrays(),
+                                           {net.graph.blob_value["conv"]: net.blobs["conv"].data}, key)[0]
+        np.testing.assert_array_equal(replayed[net.graph.blob_value["drop"]], net.blobs["drop"].data)
+
+
 @pytest.mark.parametrize("clip", [None, 0.5])
 def test_the_gradient_norm_is_computed_only_to_clip(clip):
     """Only gradient clipping reads the diffs' L2 norm: without it the update does not sum their squares (a fifth

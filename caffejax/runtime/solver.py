@@ -507,6 +507,9 @@ class Solver:
                       if blob not in blobs and value not in fed and value not in pulled and value not in made_on_host}
         net._defer_blobs(0, len(graph.layers) - 1, unreturned, before, read, key, fold=0)
         net._note_pass(0, len(graph.layers) - 1, read)
+        # The key of that pass, as Net.forward notes its own: a net.backward() after the step, and find_first_nan's
+        # replay, run the layers again with it (Dropout's masks of the step).
+        net._note_pass_key(0, len(graph.layers) - 1, jax.random.fold_in(key, 0))
         net._state.update(state)
         return loss, norm
 
