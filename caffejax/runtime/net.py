@@ -770,10 +770,10 @@ class Net:
         def movable(layer) -> bool:
             return layer.runs_on_host or (calls_back(layer) and may_size_tops_by_data(layer.proto, layer.params,
                                                                                         layer.is_input))
-        by_blob = {top: reading(graph.fed[top]) for top in changed if top in graph.fed}
-        if not by_blob or not all(found and all(movable(layer) for layer in found) for found in by_blob.values()):
+        found = [layer for top in changed if top in graph.fed for layer in reading(graph.fed[top])]
+        if not all(movable(layer) for layer in found):
             return False
-        compiled = [layer for found in by_blob.values() for layer in found if not layer.runs_on_host]
+        compiled = [layer for layer in found if not layer.runs_on_host]
         for layer in compiled:
             self._python_layers.read_changing_feeds(layer.proto)
         return bool(compiled)
