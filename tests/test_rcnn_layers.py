@@ -19,7 +19,9 @@ import pytest
 import caffejax
 from caffejax.errors import CaffejaxError, ShapeError
 from caffejax.export import export_stablehlo
+from caffejax.frontend.prototxt import parse_net_text
 from caffejax.lower import forks
+from caffejax.proto import caffe_pb2
 from conftest import input_layer
 
 FLT_MAX = np.finfo(np.float32).max
@@ -1176,6 +1178,67 @@ def test_python_layers_reading_only_fed_blobs_of_new_shapes_run_on_the_host(isol
     for _ in range(3):  # Net.forward, 1, 2, 3 boxes: the same stages, the one before the anchor targets compiled once
         assert np.isfinite(float(net.forward()["rpn_cls_loss"]))
     assert len([key for key in set(net._compiled) - compiled if key[2] < anchors]) == 1
+
+
+CHANGING_LABELS_MODULE = """
+import numpy as np
+import caffejax
+
+
+class Data(caffejax.Layer):
+    \"\"\"An input of one shape and 1, 2, 3, 1, ... labels.\"\"\"
+    def setup(self, bottom, top):
+        self.count = 0
+        top[0].reshape(2, 3); top[1].reshape(1)
+
+    def reshape(self, bottom, top):
+        pass
+
+    def forward(self, bottom, top):
+        count, self.count = 1 + self.count % 3, self.count + 1
+        top[0].data[...] = np.arange(6).reshape(2, 3) / 6.0
+        top[1].reshape(count); top[1].data[...] = np.arange(count)
+
+    def backward(self, top, propagate_down, bottom):
+        pass
+
+
+class Loss(caffejax.Layer):
+    \"\"\"0.5 * sum(x^2) * the number of labels.\"\"\"
+    def setup(self, bottom, top):
+        top[0].reshape(1)
+
+    def reshape(self, bottom, top):
+        pass
+
+    def forward(self, bottom, top):
+        top[0].data[...] = 0.5 * np.sum(bottom[0].data ** 2) * len(bottom[1].data)
+
+    def backward(self, top, propagate_down, bottom):
+        bottom[0].diff[...] = bottom[0].data * len(bottom[1].data) * top[0].diff[0]
+"""
+
+
+def test_a_python_loss_reading_fed_blobs_of_new_shapes_stays_compiled(isolated_registry, tmp_path, monkeypatch):
+    """A Python loss layer reading labels of a new count each batch is not moved to the host as layers reading only
+    such blobs are (test above): a layer run there has no gradient to start Caffe's backward from. It stays
+    compiled, a program per count, and trains."""
+    (tmp_path / "caffejax_test_labels.py").write_text(CHANGING_LABELS_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "caffejax_test_labels", raising=False)
+    param = caffe_pb2.SolverParameter(base_lr=0.1, lr_policy="fixed", max_iter=6)
+    param.net_param.CopyFrom(parse_net_text("""
+layer { name: "data" type: "Python" top: "x" top: "label" python_param { module: "caffejax_test_labels" layer: "Data" } }
+layer { name: "ip" type: "InnerProduct" bottom: "x" top: "ip"
+  inner_product_param { num_output: 2 weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "loss" type: "Python" bottom: "ip" bottom: "label" top: "loss" loss_weight: 1
+  python_param { module: "caffejax_test_labels" layer: "Loss" } }"""))
+    solver = caffejax.SGDSolver(param, allow_python_layers=True)
+    for count in (1, 2, 3, 1):
+        before = np.array(solver.net.params["ip"][0].data)
+        solver.step(1)
+        assert solver.net.blobs["label"].shape == (count,) and not solver.net.graph.layer("loss").runs_on_host
+        assert not np.array_equal(solver.net.params["ip"][0].data, before)
 
 
 def test_py_faster_rcnns_end2end_training_net_trains(isolated_registry, tmp_path, monkeypatch):

@@ -286,7 +286,8 @@ def check_one_program(layers: Sequence[Layer]) -> None:
         layer, host = found
         raise layer_error(UnsupportedError, layer.name, layer.type,
                           f"reads the top of layer '{host.name}' (type {host.type}), which runs on the host "
-                          "because its top's shape depends on the data. Net.forward, Net.backward, a solver's "
+                          "because its top's shape depends on the data (or, a Python layer, it reads fed blobs "
+                          "whose shape changes). Net.forward, Net.backward, a solver's "
                           "step, compile_inference and caffejax time run such a net in stages around that layer; "
                           "one compiled program over both (over several devices, an export, "
                           "caffejax.grad.value_and_grad) cannot")

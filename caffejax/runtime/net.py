@@ -729,16 +729,17 @@ class Net:
                                 layer.loss_weights) for layer in self._graph.layers]))
         return [*parts, *described]
 
-    def _sync_shapes(self) -> bool:
+    def _sync_shapes(self, learn_host_layers: bool = True) -> bool:
         """Caffe reshapes every layer on each forward: rebuild if a fed blob's shape changed. Returns whether the
-        rebuilt net runs on the host a layer it compiled before (:meth:`_learn_layers_reading_changing_feeds`)."""
+        rebuilt net runs on the host a layer it compiled before (:meth:`_learn_layers_reading_changing_feeds`,
+        unless not ``learn_host_layers``)."""
         wanted = {}
         for layer in self._graph.layers:
             if layer.is_input:
                 for top, value in zip(layer.tops, layer.top_values):
                     if self.blobs[top].shape != self._graph.value_shapes[value] and not self._never_fed(top, value):
                         wanted[top] = self.blobs[top].shape
-        learnt = bool(wanted) and self._learn_layers_reading_changing_feeds(set(wanted))
+        learnt = bool(wanted) and learn_host_layers and self._learn_layers_reading_changing_feeds(set(wanted))
         for top in self._staged_blobs():  # what a host layer made this pass shapes the layers after it
             if self.blobs[top].shape != self._graph.blob_shape(top):
                 wanted[top] = self.blobs[top].shape
@@ -756,20 +757,22 @@ class Net:
         their shapes. At a fixed image size py-faster-rcnn's anchor target layer otherwise stays compiled (its
         tops, shaped by the score map, never change), and each new number of boxes compiled the backbone's
         forward and backward again. Not when a fed blob a compiled layer reads changed too (a new batch size):
-        that program is compiled again anyway. Returns whether any was newly learnt (the caller rebuilds)."""
+        that program is compiled again anyway; nor when a Python loss layer reads one: a layer run on the host
+        carries no loss weight. Returns whether any was newly learnt (the caller rebuilds)."""
         graph = self._graph
         readers: dict[str, list] = {}
         for layer in graph.layers:
             for value in layer.bottom_values:
                 readers.setdefault(value, []).append(layer)
 
-        def reading(value: str) -> list:  # the layers reading a value, through Splits
+        def reading(value: str) -> list:  # the layers reading a value, through Splits (which follow them)
             return [last for layer in readers.get(value, []) for last in (
-                [r for top in layer.top_values for r in reading(top)] if layer.type == "Split" else [layer])]
+                [r for top in layer.top_values for r in reading(top)]
+                if get_rule(layer.type).host_when_read_on_host else [layer])]
 
-        def movable(layer) -> bool:
-            return layer.runs_on_host or (calls_back(layer) and may_size_tops_by_data(layer.proto, layer.params,
-                                                                                        layer.is_input))
+        def movable(layer) -> bool:  # (a loss has no gradient on the host: Caffe's backward starts from it)
+            return layer.runs_on_host or (calls_back(layer) and not any(layer.loss_weights)
+                                          and may_size_tops_by_data(layer.proto, layer.params, layer.is_input))
         found = [layer for top in changed if top in graph.fed for layer in reading(graph.fed[top])]
         if not all(movable(layer) for layer in found):
             return False

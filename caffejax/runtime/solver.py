@@ -450,7 +450,8 @@ class Solver:
                 raise DataError(f"iter_size {self.param.iter_size}: the batches of '{top}' differ in shape "
                                 f"({sorted(shapes)}); over several devices one iteration needs equal shapes")
             stacked[top] = np.stack([b[top] for b in batches])
-        moved = net._sync_shapes()  # (layers reading only fed blobs of new shapes, to the host)
+        # (Over several devices no layer moves to the host for reading fed blobs of new shapes: one program runs.)
+        moved = net._sync_shapes(learn_host_layers=self._parallel is None)
         if net.graph.deferred_errors and net._learn_layers_sizing_by_data():
             net.reshape()
             moved = True
