@@ -642,6 +642,40 @@ def test_a_new_value_fills_a_held_host_copy_and_replaces_one_nobody_holds():
     np.testing.assert_array_equal(slot.host(), 4.0)
 
 
+SPLIT_FORWARD_NET = """force_backward: true
+layer { name: "x" type: "Input" top: "x" input_param { shape { dim: 4 dim: 6 } } }
+layer { name: "ip1" type: "InnerProduct" bottom: "x" top: "ip1"
+  inner_product_param { num_output: 8 weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "drop" type: "Dropout" bottom: "ip1" top: "drop" }
+layer { name: "ip2" type: "InnerProduct" bottom: "drop" top: "ip2"
+  inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "loss" type: "Reduction" bottom: "ip2" top: "loss" reduction_param { operation: SUMSQ } loss_weight: 1 }
+"""
+
+
+def test_a_backward_over_a_forward_run_in_parts_takes_each_parts_key_and_blobs():
+    """pycaffe's forward(end=...), then forward(start=...) on what the blobs hold (written in between), then one
+    backward(): Caffe's backward reads each layer's blobs and Dropout masks as its forward left them. The backward
+    runs in the same parts: each with its forward's key (the Dropout's mask of the first part, not the second
+    part's), and the later part from the blobs (the write in between counts)."""
+    net = caffejax.Net(SPLIT_FORWARD_NET, caffejax.TRAIN)
+    x = np.random.default_rng(0).standard_normal((4, 6)).astype(np.float32)
+    net.forward(x=x, end="drop")
+    net.blobs["drop"].data[...] *= 2  # net surgery between the parts: the second part reads it
+    net.forward(start="ip2")
+    drop, ip2 = np.array(net.blobs["drop"].data), np.array(net.blobs["ip2"].data)
+    (w1, _), (w2, b2) = ([np.array(b.data) for b in net.params[name]] for name in ("ip1", "ip2"))
+    np.testing.assert_allclose(ip2, drop @ w2.T + b2, rtol=1e-5, atol=1e-6)
+    kept = drop != 0
+    assert 0 < kept.mean() < 1
+    net.backward()
+    d_ip2 = 2 * ip2  # SUMSQ
+    d_drop = d_ip2 @ w2
+    np.testing.assert_allclose(net.blobs["drop"].diff, d_drop, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(net.params["ip2"][0].diff, d_ip2.T @ drop, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(net.blobs["x"].diff, (d_drop * kept * 2.0) @ w1, rtol=1e-5, atol=1e-5)
+
+
 def test_a_held_host_array_is_handed_to_programs_as_one_copy_while_its_bits_stay():
     """A held host array is handed to a program as a private copy (the user may write to it while the program
     runs); while its bits stay as they were, the same copy again, so that weights the user holds are not copied on

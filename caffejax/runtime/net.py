@@ -1349,12 +1349,26 @@ class Net:
             layer = self._graph.layers[index]
             if layer.runs_on_host and (layer.need_backward or index in self._staging):
                 if index < top:
-                    self._backward(top, index + 1, [*returned, *self._read_from_before(index + 1, top)])
+                    self._backward_in_passes(top, index + 1, [*returned, *self._read_from_before(index + 1, top)])
                 if layer.need_backward:
                     self._host_backward(layer)
                 top = index - 1
         if top >= end:
-            self._backward(top, end, returned)
+            self._backward_in_passes(top, end, returned)
+
+    def _backward_in_passes(self, start: int, end: int, returned: Iterable[str] = ()) -> None:
+        """Caffe's BackwardFromTo(start, end) over layers the last forwards ran in several passes
+        (``forward(end=X)``, then ``forward(start=...)``, with the blobs written in between): one backward per
+        pass's part, from the top, each handing the next the diffs of what it read from below. Each part then runs
+        with its own forward's key (its Dropout masks), and reads the blobs it started from as that forward did;
+        one backward over all of them recomputed every layer from the inputs with the last pass's key."""
+        cuts = sorted({cut for first, last in self._pass_keys for cut in (first - 1, last) if end <= cut < start},
+                      reverse=True)
+        top = start
+        for cut in cuts:
+            self._backward(top, cut + 1, [*returned, *self._read_from_before(cut + 1, top)])
+            top = cut
+        self._backward(top, end, returned)
 
     def _read_from_before(self, begin: int, end: int) -> list[str]:
         """The blobs layers begin..end read that layers before them make: a split backward's diffs handed on."""
@@ -1434,7 +1448,7 @@ class Net:
             elif self._host_layers:
                 self._backward_around_host(start_ind, end_ind, returned=outputs)
             else:
-                self._backward(start_ind, end_ind, returned=outputs)
+                self._backward_in_passes(start_ind, end_ind, returned=outputs)
         return {name: self.blobs[name].diff for name in outputs}
 
     def _batches(self, arrays: dict[str, np.ndarray]):
