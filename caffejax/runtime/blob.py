@@ -93,8 +93,8 @@ class ArraySlot:
         The host array is handed over as a private copy: JAX may compute from a NumPy argument's memory without
         copying it, and asynchronously, so the user's next ``blob.data[...] = x`` would otherwise race with the
         pass still reading it (training then silently depends on timing). While the held array's bits stay as they
-        were, the same copy is handed again: a held weight is not copied on every pass, and a backward knows its
-        forward's inputs by identity (Net._pullbacks).
+        were, the same copy is handed again: a held weight is not copied again on every pass, and a backward knows
+        its forward's inputs by identity (Net._pullbacks).
         """
         self._resolve()
         if self._host is None and self._device is None:
