@@ -17,7 +17,7 @@ from caffejax.errors import (CaffejaxError, DataSourceUnavailable, GraphError, S
                              UnsupportedError, layer_error)
 from caffejax.frontend.filter_net import filter_net, with_state
 from caffejax.frontend.insert_splits import insert_splits
-from caffejax.frontend.ir import Graph, Layer, ParamSlot, Shape
+from caffejax.frontend.ir import Graph, Layer, ParamSlot, Shape, readers_by_value
 from caffejax.frontend.prototxt import as_bvlc_message, parse_net_text
 from caffejax.frontend.upgrade import upgrade_net_as_needed
 from caffejax.lower.registry import LayerContext, LayerRule, get_rule
@@ -466,10 +466,7 @@ class _Builder:
         program then neither reads their bottoms for them nor hands back their tops: py-faster-rcnn's ground-truth
         boxes, which its anchor and proposal target layers read through a Split, no longer key the program of the
         layers before them."""
-        readers: dict[str, list[Layer]] = {}
-        for layer in self.layers:
-            for value in layer.bottom_values:
-                readers.setdefault(value, []).append(layer)
+        readers = readers_by_value(self.layers)
         for layer, rule in zip(reversed(self.layers), reversed(self.rules)):
             if (rule.host_when_read_on_host and not any(layer.loss_weights)
                     and all(readers.get(v) and all(r.runs_on_host for r in readers[v]) for v in layer.top_values)):

@@ -168,6 +168,15 @@ class Graph:
         return [slot for slot in self.param_slots if slot.is_owner]
 
 
+def readers_by_value(layers: Sequence[Layer]) -> dict[str, list[Layer]]:
+    """Each value id -> the layers among ``layers`` that read it as a bottom, in order."""
+    readers: dict[str, list[Layer]] = {}
+    for layer in layers:
+        for value in layer.bottom_values:
+            readers.setdefault(value, []).append(layer)
+    return readers
+
+
 def reads_after_host(layers: Sequence[Layer]) -> Iterator[tuple[Layer, Layer]]:
     """(reader, host) for each compiled layer among ``layers`` that reads a top of a layer run on the host
     (``Layer.runs_on_host``) among them, in order: the reads that need the net run in stages."""

@@ -45,7 +45,7 @@ import numpy as np
 from jax import lax
 
 from caffejax.errors import CaffejaxError, ShapeError
-from caffejax.frontend.ir import Graph, Layer
+from caffejax.frontend.ir import Graph, Layer, readers_by_value
 from caffejax.lower import vision
 from caffejax.lower.common import accumulator_dtype, batch_norm_global_stats, matmul
 from caffejax.lower.registry import TEST, LayerContext, canonical_axis, get_rule
@@ -126,14 +126,6 @@ def make_plan(graph: Graph, owner_params: Mapping[str, Sequence[Any]]) -> Plan:
 
 # ---- graph queries ----------------------------------------------------------------------------------------
 
-def _consumers(graph: Graph) -> dict[str, list[Layer]]:
-    users: dict[str, list[Layer]] = {}
-    for layer in graph.layers:
-        for value in layer.bottom_values:
-            users.setdefault(value, []).append(layer)
-    return users
-
-
 def _output_values(graph: Graph) -> set[str]:
     return {graph.blob_value[blob] for blob in graph.program_outputs}
 
@@ -206,7 +198,7 @@ def fold_batchnorm(plan: Plan) -> Plan:
     the chain's per-channel affine map); a BatchNorm [-> Scale] chain after anything else becomes one
     per-channel Scale. Only values read by the next link alone (and not net outputs) are folded away."""
     graph = plan.graph
-    users, outputs = _consumers(graph), _output_values(graph)
+    users, outputs = readers_by_value(graph.layers), _output_values(graph)
     producer_of = {v: layer for layer in graph.layers for v in layer.top_values}
     params = dict(plan.params)
     replaced: dict[str, Layer] = {}   # layer name -> its rewrite
@@ -863,7 +855,7 @@ def max_pools_into_split_groups(graph: Graph, kernels: Mapping[str, Kernel]) -> 
     """``kernels`` with each channels-last MAX pooling whose top a convolution split into groups reads
     (:func:`caffejax.lower.vision.runs_group_by_group`, AlexNet's pool1 -> conv2) taking its differentiated
     top from reduce_window: see :func:`caffejax.lower.vision._row_major_scan_fwd` for why, and why only these."""
-    users = _consumers(graph)
+    users = readers_by_value(graph.layers)
     out = dict(kernels)
     for layer in graph.layers:
         kernel = kernels.get(layer.name)
@@ -924,7 +916,7 @@ def batch_norm_chains(graph: Graph, kernels: Mapping[str, Kernel]) -> dict[str, 
     BatchNorm with global statistics follows (and a per-channel Scale after that), where each value in between
     is read by the next link alone and is no net output. A chain is ``visible`` where such a value is also a
     blob's final value (written to a new blob); the in-place chains ResNet writes are not."""
-    users, outputs = _consumers(graph), _output_values(graph)
+    users, outputs = readers_by_value(graph.layers), _output_values(graph)
     final = set(graph.blob_value.values())
     out = dict(kernels)
     for conv in graph.layers:
@@ -1020,7 +1012,7 @@ def defer_rounding(plan: Plan) -> Plan:
     """Products (1x1 GEMM, im2col, Winograd) whose output only widened convolutions and poolings read, through
     one-input element-wise layers, keep it in float32 (kernel ``<name>_unrounded``): the widened kernel rounds
     it. Runs after ``widen``; a no-op in float32 programs."""
-    users, outputs = _consumers(plan.graph), _output_values(plan.graph)
+    users, outputs = readers_by_value(plan.graph.layers), _output_values(plan.graph)
     kernels = dict(plan.kernels)
     for layer in plan.graph.layers:
         kernel = kernels.get(layer.name)

@@ -27,7 +27,7 @@ from caffejax.fileio import atomic_write
 from caffejax.frontend.build import build_graph, load_net_param, may_size_tops_by_data
 from caffejax.frontend.caffemodel import encode_net, read_weights
 from caffejax.frontend.prototxt import locate_layer_error
-from caffejax.frontend.ir import Graph
+from caffejax.frontend.ir import Graph, readers_by_value
 from caffejax.lower.fillers import HostKey, fold_in
 from caffejax.lower.optimize import layout_kernels
 from caffejax.lower.program import NetProgram, host_backward, run_host_layers
@@ -760,10 +760,7 @@ class Net:
         that program is compiled again anyway; nor when a Python loss layer reads one: a layer run on the host
         carries no loss weight. Returns whether any was newly learnt (the caller rebuilds)."""
         graph = self._graph
-        readers: dict[str, list] = {}
-        for layer in graph.layers:
-            for value in layer.bottom_values:
-                readers.setdefault(value, []).append(layer)
+        readers = readers_by_value(graph.layers)
 
         def reading(value: str) -> list:  # the layers reading a value, through Splits (which follow them)
             return [last for layer in readers.get(value, []) for last in (
