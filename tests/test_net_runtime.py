@@ -676,18 +676,28 @@ def test_a_backward_over_a_forward_run_in_parts_takes_each_parts_key_and_blobs()
     np.testing.assert_allclose(net.blobs["x"].diff, (d_drop * kept * 2.0) @ w1, rtol=1e-5, atol=1e-5)
 
 
-def test_a_held_host_array_is_handed_to_programs_as_one_copy_while_its_bits_stay():
+@pytest.mark.parametrize("on_device", [False, True])
+def test_a_held_host_array_is_handed_to_programs_as_one_copy_while_its_bits_stay(monkeypatch, on_device):
     """A held host array is handed to a program as a private copy (the user may write to it while the program
-    runs); while its bits stay as they were, the same copy again, so that weights the user holds are not copied on
-    every pass, and a backward finds its forward's inputs unchanged. Any changed bit makes a new copy: a NaN is
-    the same NaN, -0.0 is not 0.0."""
+    runs), on the device when it is big; while its bits stay as they were, the same copy again, so that weights
+    the user holds are not copied (to the device) on every pass, and a backward finds its forward's inputs
+    unchanged. Any changed bit makes a new copy: a NaN is the same NaN, -0.0 is not 0.0. A new device value
+    copied into the held array (a solver's new weights) is handed as it is."""
+    import caffejax.runtime.blob as blob_module
     from caffejax.runtime.blob import ArraySlot, _same_bits
 
+    if on_device:
+        monkeypatch.setattr(blob_module, "HANDED_ON_DEVICE_MIN_BYTES", 24)  # this slot's size
     slot = ArraySlot((2, 3))
     held = slot.host()
     held[...] = 1.0
     first = slot.value()
-    assert first is not held and slot.value() is first
+    assert isinstance(first, jax.Array if on_device else np.ndarray) and first is not held
+    assert slot.value() is first
+    held[...] = 7.0  # the copy handed is the program's own
+    np.testing.assert_array_equal(first, 1.0)
+    assert slot.value() is not first
+    held[...] = 1.0
     held[0, 0] = np.nan
     nan = slot.value()
     assert nan is not first and np.isnan(nan[0, 0]) and slot.value() is nan
@@ -696,9 +706,15 @@ def test_a_held_host_array_is_handed_to_programs_as_one_copy_while_its_bits_stay
     held[0, 1] = -0.0
     assert slot.value() is not zero and np.signbit(slot.value()[0, 1])
     before = slot.value()
-    slot.set(jax.numpy.full((2, 3), 5.0))  # copied into the held array: a new copy is handed
-    assert slot.value() is not before
-    np.testing.assert_array_equal(slot.value(), 5.0)
+    new = jax.numpy.full((2, 3), 5.0)
+    slot.set(new)  # copied into the held array, and handed itself
+    assert slot.value() is new
+    np.testing.assert_array_equal(held, 5.0)
+    held[1, 2] = 6.0
+    assert slot.value() is not new and slot.value()[1, 2] == 6.0
+    slot.set(np.full((2, 3), 8.0, np.float32))  # a host value: copied in, and handed as a new copy
+    assert isinstance(slot.value(), jax.Array if on_device else np.ndarray) and slot.value() is not before
+    np.testing.assert_array_equal(slot.value(), 8.0)
     a = np.arange(10, dtype=np.float32)
     b = a.copy()
     assert _same_bits(a, b, chunk=4)
