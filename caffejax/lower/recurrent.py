@@ -15,12 +15,16 @@ per time step. Here each is one ``lax.scan`` over T with the same arithmetic:
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from caffejax.lower.common import matmul_bt
 from caffejax.lower.registry import LayerContext, count, layer, rejected
+
+log = logging.getLogger("caffejax")
 
 
 # ---- LSTMUnit ---------------------------------------------------------------------------------------------------
@@ -116,6 +120,17 @@ def _recurrent_param_shapes(layer_param, bottom_shapes, gates: int, num_hidden: 
     return shapes
 
 
+def _recurrent_setup(layer_param, bottom_shapes, layer_type: str):
+    """RecurrentLayer::LayerSetUp: the learnable blobs' shapes. Its ``debug_info`` turns on the unrolled net's
+    own debug_info, a log of every layer of every time step; the one scan here has no such layers, so a net
+    asking for it is told when it is built (as detection_output's save_output_param), and again when new
+    shapes build it again, instead of the setting being dropped silently."""
+    if layer_param.recurrent_param.debug_info:
+        log.warning("layer '%s' (type %s): recurrent_param.debug_info is not supported; the recurrence runs as "
+                    "one scan, without the unrolled net whose layers Caffe would log", layer_param.name, layer_type)
+    return _recurrent_param_shapes(layer_param, bottom_shapes, *_LAYOUT[layer_type])
+
+
 def _recurrent_init(layer_param, shapes, key):
     """weight_filler for the matrices, bias_filler for the vectors (every InnerProduct of the unrolled net)."""
     from caffejax.lower.fillers import fill, split  # lazily: the fillers module belongs to another family
@@ -192,7 +207,7 @@ def _carry(ctx: LayerContext, *last_states) -> None:
             ctx.update_state(i, lax.stop_gradient(s)[None])
 
 
-@layer("LSTM", param_shapes=lambda lp, shapes: _recurrent_param_shapes(lp, shapes, *_LAYOUT["LSTM"]),
+@layer("LSTM", param_shapes=lambda lp, shapes: _recurrent_setup(lp, shapes, "LSTM"),
        init_params=_recurrent_init, bottoms=(2, 5), tops=(1, 3), allow_force_backward=lambda lp, i: i != 1,
        state_shapes=lambda lp, shapes: _carried_state_shapes(lp, shapes, 2))
 def lstm(ctx: LayerContext, bottoms, params):
@@ -219,7 +234,7 @@ def lstm(ctx: LayerContext, bottoms, params):
     return tops
 
 
-@layer("RNN", param_shapes=lambda lp, shapes: _recurrent_param_shapes(lp, shapes, *_LAYOUT["RNN"]),
+@layer("RNN", param_shapes=lambda lp, shapes: _recurrent_setup(lp, shapes, "RNN"),
        init_params=_recurrent_init, bottoms=(2, 4), tops=(1, 2), allow_force_backward=lambda lp, i: i != 1,
        state_shapes=lambda lp, shapes: _carried_state_shapes(lp, shapes, 1))
 def rnn(ctx: LayerContext, bottoms, params):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -152,6 +154,27 @@ def test_recurrent_init_uses_weight_and_bias_fillers():
     shapes = get_rule("RNN").param_shapes(lp, [(4, 1, 5), (4, 1)])
     blobs = get_rule("RNN").init_params(lp, shapes, jax.random.key(0))
     assert [float(np.unique(b)[0]) for b in blobs] == [3, 7, 3, 3, 7]
+
+
+@pytest.mark.parametrize("type_", ["LSTM", "RNN"])
+def test_recurrent_debug_info_is_said_to_be_unsupported_when_the_net_is_built(type_, caplog):
+    """recurrent_param.debug_info asks Caffe's unrolled net to log its layers; there is no unrolled net here, so
+    building a net with it says so (by layer name) rather than dropping the setting silently."""
+    import caffejax
+
+    text = f"""
+    layer {{ name: "x" type: "Input" top: "x" input_param {{ shape {{ dim: 3 dim: 2 dim: 4 }} }} }}
+    layer {{ name: "cont" type: "Input" top: "cont" input_param {{ shape {{ dim: 3 dim: 2 }} }} }}
+    layer {{ name: "rec" type: "{type_}" bottom: "x" bottom: "cont" top: "h"
+             recurrent_param {{ num_output: 5 %s }} }}"""
+    with caplog.at_level(logging.WARNING, logger="caffejax"):
+        caffejax.Net(text % "debug_info: true", caffejax.TEST).forward()
+        said = [r.getMessage() for r in caplog.records if r.name == "caffejax" and r.levelno == logging.WARNING]
+        assert said and all(f"layer 'rec' (type {type_}): recurrent_param.debug_info is not supported" in m
+                            for m in said)
+        caplog.clear()
+        caffejax.Net(text % "", caffejax.TEST).forward()
+        assert not [r for r in caplog.records if "debug_info" in r.getMessage()]
 
 
 # ---- LSTMUnit -----------------------------------------------------------------------------------------------------
