@@ -47,6 +47,12 @@ log = logging.getLogger("caffejax")
 _fold_in = jax.jit(jax.random.fold_in)
 
 
+def fold_key(key: jax.Array, n: int) -> jax.Array:
+    """``jax.random.fold_in(key, n)`` as one compiled call: eagerly it costs about 1 ms on 2 cores (LeNet's
+    Solver.step at batch 16, whose program takes 3.5 ms, spent 1 ms of its 5.7 in it)."""
+    return _fold_in(key, np.uint32(n))
+
+
 class LayerView:
     """pycaffe's Layer: ``type``, ``name``, ``blobs`` (its learnable blobs)."""
 
@@ -690,7 +696,7 @@ class Net:
         seed = mode.random_seed()
         if self._seed_key is None or self._seed_key[0] != seed:
             self._seed_key = (seed, jax.random.key(seed))
-        return _fold_in(self._seed_key[1], np.uint32(self._pass_count))
+        return fold_key(self._seed_key[1], self._pass_count)
 
     def _jitted(self, kind: str, start: int, end: int, build, variant: tuple = ()):
         """The compiled program of ``kind`` over layers start..end, ``build`` traced the first time; ``variant``
@@ -1090,7 +1096,7 @@ class Net:
             lambda params, env, key: program.run_layers(layers, params, env, key, kernels=program.kernels)[0]))
 
         def materialize():
-            computed = all_values(params, env, key if fold is None else jax.random.fold_in(key, fold))
+            computed = all_values(params, env, key if fold is None else fold_key(key, fold))
             for top, value in deferred.items():
                 if self.blobs[top]._data._pending is materialize:
                     self.blobs[top]._data.set(computed[value])

@@ -59,7 +59,7 @@ from caffejax.runtime.debug_info import log_param_norms
 from caffejax.runtime.distributed import DataParallel, Devices
 from caffejax.runtime.memory import DeviceMemoryErrors
 from caffejax.runtime.mode import GlogFormatter, log_float
-from caffejax.runtime.net import Net, _python_top_values, pulls_batches, to_device
+from caffejax.runtime.net import Net, _python_top_values, fold_key, pulls_batches, to_device
 from caffejax.runtime.program_cache import describe_graph, jit_through_cache
 from caffejax.runtime.xla_options import compiler_options
 
@@ -510,7 +510,7 @@ class Solver:
         net._note_pass(0, len(graph.layers) - 1, read)
         # The key of that pass, as Net.forward notes its own: a net.backward() after the step, and find_first_nan's
         # replay, run the layers again with it (Dropout's masks of the step).
-        net._note_pass_key(0, len(graph.layers) - 1, jax.random.fold_in(key, 0))
+        net._note_pass_key(0, len(graph.layers) - 1, fold_key(key, 0))
         net._state.update(state)
         return loss, norm
 
