@@ -430,12 +430,7 @@ def test_a_step_folds_its_keys_in_compiled_calls(monkeypatch):
     """Solver.step's host work folds no key eagerly: an eager jax.random.fold_in costs about 200 us on 2 cores
     (LeNet's Solver.step at batch 16 runs in about 4 ms). That the key it notes is the one its program folds,
     test_a_backward_after_a_step_takes_the_steps_dropout_mask checks."""
-    param = caffe_pb2.SolverParameter(type="SGD", base_lr=0.1, lr_policy="fixed", max_iter=5, random_seed=3)
-    param.net_param.CopyFrom(parse_net_text(DROPOUT_NET))
-    solver = caffejax.SGDSolver(param)
-    net = solver.net
-    net.blobs["x"].data[...] = np.random.default_rng(0).normal(size=(4, 3, 6, 6))
-    net.blobs["label"].data[...] = [0, 1, 2, 1]
+    solver = _dropout_net_solver("SGD")
     solver.step(1)  # compiled: its trace folds keys inside the program
     eager = []
     fold_in = jax.random.fold_in
