@@ -992,6 +992,50 @@ def test_a_forward_folds_a_visible_chain_and_makes_its_blobs_when_read():
         assert_close(net.blobs[name].data, reference.blobs[name].data, FORWARD_RTOL, FORWARD_ATOL, name)
 
 
+def test_a_forward_over_the_same_weights_prepares_them_once(monkeypatch):
+    """Net.forward's kernels read their weights prepared (channels-last filters, BatchNorm folded into them) by a
+    program of their own, made again only when a weight is another array: net surgery through ``.data``, held or
+    not, reaches the next forward. The prepared arrays keep no weight alive."""
+    import gc
+    import weakref
+
+    import caffejax.runtime.net as net_module
+
+    monkeypatch.setattr(net_module, "PREPARED_WEIGHTS_MIN_BYTES", 0)  # this net's filters are small
+    x = np.random.default_rng(9).normal(size=(2, 6, 7, 7)).astype(np.float32)
+    net, reference = _chain_net(), _chain_net(channels_last=False)
+
+    def forward_both():
+        for n in (net, reference):
+            n.forward(data=x, label=np.array([1, 3], np.float32))
+        for name in ("loss", "sum", "fc"):
+            assert_close(net.blobs[name].data, reference.blobs[name].data, FORWARD_RTOL, FORWARD_ATOL, name)
+
+    forward_both()
+    prepared = net._prepared[2]
+    assert {"a", "b", "g", "dw", "d", "p", "f"} <= set(prepared)  # every chain's convolution
+    forward_both()
+    assert net._prepared[2] is prepared
+    for n in (net, reference):  # not held
+        n.params["a"][0].data[...] *= 2
+    forward_both()
+    assert net._prepared[2] is not prepared
+    held = [n.params["g_bn"][0].data for n in (net, reference)]
+    for mean in held:
+        mean += 1.0
+    forward_both()
+    old = weakref.ref(net.param_arrays()["b"][0])
+    net.params["b"][0].data[...] = 0.5
+    reference.params["b"][0].data[...] = 0.5
+    forward_both()
+    gc.collect()
+    assert old() is None
+    monkeypatch.undo()  # filters under PREPARED_WEIGHTS_MIN_BYTES: laid out in the forward itself
+    net, reference = _chain_net(), _chain_net(channels_last=False)
+    forward_both()
+    assert net._prepared[2] == {}
+
+
 def test_gradient_masks_reach_the_layers_inside_a_chain():
     """caffejax.value_and_grad's layer and param masks on a chain's convolution and Scale: the same gradients
     as the NCHW net's, where the chain runs layer by layer."""

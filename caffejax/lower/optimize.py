@@ -73,12 +73,18 @@ class Kernel:
     prepare: Callable[[ParamArrays], ParamArrays] = _same_params
     chain: Chain | None = None
 
+    @property
+    def prepares(self) -> bool:
+        """Whether ``forward`` reads the layer's arrays in a form of its own (``prepare`` is no identity)."""
+        return self.prepare is not _same_params
+
 
 @dataclasses.dataclass(frozen=True)
 class Chain:
-    """A kernel's layer and the layers right after it computed as one: ``forward(ctx, bottoms, params)`` takes
-    the first layer's bottoms and every layer's arrays (Caffe's form, in layer order) and returns the last
-    layer's tops; the values in between are never made. ``layers`` names the layers after the first.
+    """A kernel's layer and the layers right after it computed as one: ``prepare(params)`` turns every layer's
+    arrays (Caffe's form, in layer order) into arrays of the first layer's form, which its kernel's ``forward``
+    takes with the first layer's bottoms to give the last layer's tops; the values in between are never made.
+    ``layers`` names the layers after the first.
 
     A program runs a chain only where all its layers run together and Caffe's backward sends a gradient
     through every link or through none (``NetProgram.run_layers``); elsewhere each layer runs its own kernel.
@@ -88,7 +94,7 @@ class Chain:
 
     name: str
     layers: tuple[str, ...]
-    forward: ForwardFn
+    prepare: Callable[[ParamArrays], ParamArrays]
     visible: bool = False
     differentiated: bool = True
 
@@ -888,7 +894,7 @@ def _conv_batch_norm_chain(head: Kernel, conv: Layer, bn: Layer, scale: Layer | 
     BatchNorm's output."""
     n_conv, eps = len(conv.params), bn.proto.batch_norm_param.eps
 
-    def forward(ctx, bottoms, params):
+    def prepare(params):
         weight = params[0]
         wide = jnp.promote_types(weight.dtype, jnp.float32)
         mean, a = batch_norm_global_stats(params[n_conv: n_conv + 3], eps, wide)
@@ -905,10 +911,10 @@ def _conv_batch_norm_chain(head: Kernel, conv: Layer, bn: Layer, scale: Layer | 
         # res5a_branch1: 21 ms, against under 1 ms for the 2-D sum).
         rows = weight.reshape(weight.shape[0], -1).astype(wide)
         folded = (rows * a[:, None]).astype(weight.dtype).reshape(weight.shape)
-        return head.forward(ctx, bottoms, head.prepare([folded, c]))
+        return head.prepare([folded, c])
 
     return Chain("conv_batch_norm_scale" if scale is not None else "conv_batch_norm",
-                 (bn.name,) + ((scale.name,) if scale is not None else ()), forward, visible, differentiated)
+                 (bn.name,) + ((scale.name,) if scale is not None else ()), prepare, visible, differentiated)
 
 
 def batch_norm_chains(graph: Graph, kernels: Mapping[str, Kernel]) -> dict[str, Kernel]:

@@ -55,7 +55,8 @@ class NetProgram:
                    param_masks: Mapping[tuple[str, int], Any] | None = None,
                    kernels: Mapping[str, Any] | None = None, layouts: Mapping[str, str] | None = None,
                    restore_layout: bool = True, fold_visible: bool = False,
-                   recorded: Mapping[str, jax.Array] | None = None) -> tuple[Values, Updates]:
+                   recorded: Mapping[str, jax.Array] | None = None,
+                   prepared: Mapping[str, Sequence[jax.Array]] | None = None) -> tuple[Values, Updates]:
         """Run ``layers`` over ``env`` (value id -> array, holding at least their bottoms).
 
         ``masks`` applies Caffe's backward masks as stop_gradient. ``perturb`` adds a zero-valued array to
@@ -68,6 +69,8 @@ class NetProgram:
         ``fold_visible`` runs the chains whose inner values blobs hold too (the caller hands none of them back).
         ``recorded`` (value id -> array): a layer all of whose tops are in it gets them as
         ``LayerContext.recorded_tops`` (a Python layer then does not run its forward again).
+        ``prepared``: :meth:`prepare_weights` of the same run (layers, kernels, ``fold_visible``, no masks),
+        made beforehand: its layers' kernels take those arrays instead of preparing theirs.
         Returns the environment with every value computed, and the params layers rewrote.
         """
         env = dict(env)
@@ -76,16 +79,10 @@ class NetProgram:
         if kernels and (perturb or blob_masks):
             raise ValueError("run_layers: kernels change values' layouts; perturb and blob_masks need Caffe's")
         tracked = Layouts(env, layouts) if kernels else None
-        running = {layer.name for layer in layers}
-        absorbed: set[str] = set()  # layers a chain before them computed
+        prepared = prepared or {}
         check_one_program(layers)
-        for layer in layers:
-            index = self.position[id(layer)]
+        for index, layer, kernel, chain in self._computed_layers(layers, kernels, masks, fold_visible):
             rule = self.rules[index]
-            if layer.is_input or layer.runs_on_host or layer.name in absorbed:
-                continue  # a host layer runs after the program (run_host_layers)
-            kernel = kernels.get(layer.name) if kernels else None
-            chain = self._chain(layer, kernel, running, masks, fold_visible)
             layout = tracked.layout_for(kernel, layer.bottom_values) if tracked else None
             bottoms = [tracked.fetch(v, layout) for v in layer.bottom_values] if tracked else \
                 [env[v] for v in layer.bottom_values]
@@ -103,13 +100,13 @@ class NetProgram:
                                state=state, python_layers=self.graph.python_layers, recorded_tops=given)
             if chain:
                 with jax.named_scope("+".join([layer.name] + [link.name for link in chain])):
-                    blobs += [p for link in chain for p in self._layer_blobs(link, params, masks, param_masks)]
-                    tops = list(kernel.chain.forward(ctx, bottoms, blobs))
-                absorbed.update(link.name for link in chain)
+                    if layer.name not in prepared:
+                        blobs += [p for link in chain for p in self._layer_blobs(link, params, masks, param_masks)]
+                    tops = list(kernel.forward(ctx, bottoms, prepared.get(layer.name) or kernel.chain.prepare(blobs)))
             else:
                 with jax.named_scope(layer.name):  # profiles and XLA dumps name the layer each op comes from
                     if kernel is not None:
-                        tops = list(kernel.forward(ctx, bottoms, kernel.prepare(blobs)))
+                        tops = list(kernel.forward(ctx, bottoms, prepared.get(layer.name) or kernel.prepare(blobs)))
                     else:
                         tops = list(rule.forward(ctx, bottoms, blobs))
             top_values = chain[-1].top_values if chain else layer.top_values
@@ -129,6 +126,36 @@ class NetProgram:
         if tracked and restore_layout:
             tracked.restore_caffe_layout()
         return env, updates
+
+    def prepare_weights(self, layers: Sequence[Layer], params: Params, fold_visible: bool = False
+                        ) -> dict[str, list[jax.Array]]:
+        """The arrays the kernels of a run of ``layers`` (without masks) read, in their own form: a kernel's
+        ``prepare`` (channels-last filters), a chain's (BatchNorm folded into the filters). By layer name; the
+        layers whose kernels read the arrays as they are are left out. ``run_layers(prepared=...)`` takes them:
+        made once while the weights stay (Net.forward), not in every forward."""
+        prepared = {}
+        for _, layer, kernel, chain in self._computed_layers(layers, self.kernels, False, fold_visible):
+            if chain:
+                blobs = [p for link in (layer, *chain) for p in self._layer_blobs(link, params, False, None)]
+                prepared[layer.name] = list(kernel.chain.prepare(blobs))
+            elif kernel is not None and kernel.prepares and layer.params:
+                prepared[layer.name] = list(kernel.prepare(self._layer_blobs(layer, params, False, None)))
+        return prepared
+
+    def _computed_layers(self, layers: Sequence[Layer], kernels: Mapping[str, Any] | None, masks: bool,
+                         fold_visible: bool):
+        """(index, layer, kernel or None, chain) of each layer a run of ``layers`` computes, in order: not the
+        fed ones, those run on the host (after the program: run_host_layers), nor those a chain before them
+        computes (:meth:`_chain`)."""
+        running = {layer.name for layer in layers}
+        absorbed: set[str] = set()
+        for layer in layers:
+            if layer.is_input or layer.runs_on_host or layer.name in absorbed:
+                continue
+            kernel = kernels.get(layer.name) if kernels else None
+            chain = self._chain(layer, kernel, running, masks, fold_visible)
+            absorbed.update(link.name for link in chain)
+            yield self.position[id(layer)], layer, kernel, chain
 
     def _layer_blobs(self, layer: Layer, params: Params, masks: bool,
                      param_masks: Mapping[tuple[str, int], Any] | None) -> list[jax.Array]:
