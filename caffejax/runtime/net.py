@@ -49,8 +49,8 @@ _fold_in = jax.jit(jax.random.fold_in)
 
 
 def fold_key(key: jax.Array, n: int) -> jax.Array:
-    """``jax.random.fold_in(key, n)`` as one compiled call: eagerly it costs about 1 ms on 2 cores (LeNet's
-    Solver.step at batch 16, whose program takes 3.5 ms, spent 1 ms of its 5.7 in it)."""
+    """``jax.random.fold_in(key, n)`` as one compiled call: 41 us, where eagerly it costs 213 us (2 AMD EPYC
+    cores; LeNet's Solver.step at batch 16 takes about 4 ms)."""
     return _fold_in(key, np.uint32(n))
 
 
