@@ -710,8 +710,11 @@ def test_a_held_host_array_is_handed_to_programs_as_one_copy_while_its_bits_stay
     slot.set(new)  # copied into the held array, and handed itself
     assert slot.value() is new
     np.testing.assert_array_equal(held, 5.0)
+    jax.jit(lambda x: x + 1, donate_argnums=0)(new)  # a program used up its buffer: a new copy is handed
+    assert new.is_deleted() and slot.value() is not new
+    np.testing.assert_array_equal(slot.value(), 5.0)
     held[1, 2] = 6.0
-    assert slot.value() is not new and slot.value()[1, 2] == 6.0
+    assert slot.value()[1, 2] == 6.0
     slot.set(np.full((2, 3), 8.0, np.float32))  # a host value: copied in, and handed as a new copy
     assert isinstance(slot.value(), jax.Array if on_device else np.ndarray) and slot.value() is not before
     np.testing.assert_array_equal(slot.value(), 8.0)

@@ -112,7 +112,9 @@ class ArraySlot:
             self._host = _zeros(self._shape, self._dtype)
         if self._host is not None:
             if sys.getrefcount(self._host) > _UNHELD:
-                if self._handed is None or not _same_bits(np.asarray(self._handed), self._host):
+                # (A program may have been given the device value it holds, and used up its buffer: donated.)
+                if (self._handed is None or (isinstance(self._handed, jax.Array) and self._handed.is_deleted())
+                        or not _same_bits(np.asarray(self._handed), self._host)):
                     self._handed = np.array(self._host)
                     if self._handed.nbytes >= HANDED_ON_DEVICE_MIN_BYTES:
                         # Of the private copy: JAX's CPU client may alias the NumPy memory it is given.
