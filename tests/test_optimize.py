@@ -992,6 +992,11 @@ def test_a_forward_folds_a_visible_chain_and_makes_its_blobs_when_read():
         assert_close(net.blobs[name].data, reference.blobs[name].data, FORWARD_RTOL, FORWARD_ATOL, name)
 
 
+def _prepared_of(net):
+    """The weights a net's whole forward read prepared (Net._prepared_weights)."""
+    return net._prepared[(0, len(net.layers) - 1, True)][2]
+
+
 def test_a_forward_over_the_same_weights_prepares_them_once(monkeypatch):
     """Net.forward's kernels read their weights prepared (channels-last filters, BatchNorm folded into them) by a
     program of their own, made again only when a weight is another array: net surgery through ``.data``, held or
@@ -1012,14 +1017,14 @@ def test_a_forward_over_the_same_weights_prepares_them_once(monkeypatch):
             assert_close(net.blobs[name].data, reference.blobs[name].data, FORWARD_RTOL, FORWARD_ATOL, name)
 
     forward_both()
-    prepared = net._prepared[2]
+    prepared = _prepared_of(net)
     assert {"a", "b", "g", "dw", "d", "p", "f"} <= set(prepared)  # every chain's convolution
     forward_both()
-    assert net._prepared[2] is prepared
+    assert _prepared_of(net) is prepared
     for n in (net, reference):  # not held
         n.params["a"][0].data[...] *= 2
     forward_both()
-    assert net._prepared[2] is not prepared
+    assert _prepared_of(net) is not prepared
     held = [n.params["g_bn"][0].data for n in (net, reference)]
     for mean in held:
         mean += 1.0
@@ -1030,10 +1035,29 @@ def test_a_forward_over_the_same_weights_prepares_them_once(monkeypatch):
     forward_both()
     gc.collect()
     assert old() is None
+    # A forward in two parts keeps each part's prepared weights; layer by layer (a callback set) none are made.
+    kinds = []
+    jitted = caffejax.Net._jitted
+    monkeypatch.setattr(caffejax.Net, "_jitted", lambda self, kind, *args, **kwargs: (
+        kinds.append(kind) if self is net else None, jitted(self, kind, *args, **kwargs))[1])
+    parts, last = [], len(net.layers) - 1
+    for _ in range(2):
+        for n in (net, reference):
+            n.forward(end="b_bn")
+            n.forward(start="g")
+        parts.append([entry[2] for (start, end, _), entry in net._prepared.items() if (start, end) != (0, last)])
+    assert len(parts[0]) == 2 and all(a is b for a, b in zip(*parts))
+    assert kinds.count("prepare") == 2
+    for name in ("loss", "sum"):
+        assert_close(net.blobs[name].data, reference.blobs[name].data, FORWARD_RTOL, FORWARD_ATOL, name)
+    net._prepared.clear()
+    net.after_forward(lambda i: None)
+    net.forward()
+    assert net._prepared == {}
     monkeypatch.undo()  # filters under PREPARED_WEIGHTS_MIN_BYTES: laid out in the forward itself
     net, reference = _chain_net(), _chain_net(channels_last=False)
     forward_both()
-    assert net._prepared[2] == {}
+    assert _prepared_of(net) == {}
 
 
 def test_gradient_masks_reach_the_layers_inside_a_chain():

@@ -292,8 +292,8 @@ class Net:
         self._pullbacks: dict[tuple[int, int], _Pullback] = {}
         self._pullback_ranges: set[tuple[int, int]] = set()
         self._keep_every_pullback = False
-        # The weights a forward's kernels read, prepared, and what from (_prepared_weights).
-        self._prepared: tuple[Any, list, dict[str, list]] | None = None
+        # The weights a forward's kernels read, prepared, and what from, by range (_prepared_weights).
+        self._prepared: dict[tuple[int, int, bool], tuple[Any, list, dict[str, list]]] = {}
         self._compiled: dict[Any, Any] = {}
         self.compile_count = 0  # how many times a program was traced (each trace is one XLA compile)
         self._pass_count = 0
@@ -914,8 +914,10 @@ class Net:
         host_fed = self._host_feed(layers) if self._host_layers else {}
         if keep_inputs:  # one layer run on its own: its backward reads what it read (not the blobs' later data),
             self._layer_inputs[start] = (env, key)  # with its key (the same Dropout mask)
+        # (Not layer by layer: there each layer's program prepares its own weights, as one program more per layer
+        # would cost a compile and a call and save nothing.)
         arguments = (params, env, key) if pullback_of is not None else (
-            params, env, key, self._prepared_weights(start, end, layers, params, reruns))
+            params, env, key, {} if keep_inputs else self._prepared_weights(start, end, layers, params, reruns))
         try:  # a Python layer's failure inside the program surfaces here, typed, once the program has run
             with self._python_layers:
                 values, updates, loss, *pullback = jax.block_until_ready(fn(*arguments))
@@ -950,8 +952,8 @@ class Net:
         The weights are held weakly: the arrays made from them are all that is kept of them."""
         program = self._program
         leaves = jax.tree.leaves(params)
-        kept = self._prepared
-        if (kept is not None and kept[0] == (program, start, end, fold_visible) and len(kept[1]) == len(leaves)
+        kept = self._prepared.get((start, end, fold_visible))
+        if (kept is not None and kept[0] is program and len(kept[1]) == len(leaves)
                 and all(ref() is leaf for ref, leaf in zip(kept[1], leaves))):
             return kept[2]
         laid_out = sum(count(slot.shape) * self._dtype.itemsize for layer in layers
@@ -961,7 +963,9 @@ class Net:
         if laid_out >= PREPARED_WEIGHTS_MIN_BYTES:
             prepared = self._jitted("prepare", start, end, lambda params: program.prepare_weights(
                 layers, params, fold_visible), variant=(fold_visible,))(params)
-        self._prepared = ((program, start, end, fold_visible), [weakref.ref(leaf) for leaf in leaves], prepared)
+        # One entry per range (a net run in stages runs several), none kept for a program of other shapes.
+        self._prepared = {k: entry for k, entry in self._prepared.items() if entry[0] is program}
+        self._prepared[(start, end, fold_visible)] = (program, [weakref.ref(leaf) for leaf in leaves], prepared)
         return prepared
 
     def _note_pass_key(self, start: int, end: int, key: jax.Array) -> None:
