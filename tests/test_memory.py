@@ -85,9 +85,9 @@ def test_an_inference_program_is_built_with_the_collector_paused(monkeypatch):
     seen = []
     prepare = inference.prepare_params
 
-    def spy(plan, dtype):
+    def spy(*args):
         seen.append(gc.isenabled())
-        return prepare(plan, dtype)
+        return prepare(*args)
 
     monkeypatch.setattr(inference, "prepare_params", spy)
     net = caffejax.Net(str(BUNDLED / "lenet/lenet.prototxt"), str(BUNDLED / "lenet/lenet_iter_10000.caffemodel"),

@@ -684,7 +684,7 @@ def test_a_held_host_array_is_handed_to_programs_as_one_copy_while_its_bits_stay
     unchanged. Any changed bit makes a new copy: a NaN is the same NaN, -0.0 is not 0.0. A new device value
     copied into the held array (a solver's new weights) is handed as it is."""
     import caffejax.runtime.blob as blob_module
-    from caffejax.runtime.blob import ArraySlot, _same_bits
+    from caffejax.runtime.blob import ArraySlot, same_bits
 
     if on_device:
         monkeypatch.setattr(blob_module, "HANDED_ON_DEVICE_MIN_BYTES", 24)  # this slot's size
@@ -720,9 +720,9 @@ def test_a_held_host_array_is_handed_to_programs_as_one_copy_while_its_bits_stay
     np.testing.assert_array_equal(slot.value(), 8.0)
     a = np.arange(10, dtype=np.float32)
     b = a.copy()
-    assert _same_bits(a, b, chunk=4)
+    assert same_bits(a, b, chunk=4)
     b[9] = 0  # in the last chunk
-    assert not _same_bits(a, b, chunk=4) and not _same_bits(a, a[:9], chunk=4)
+    assert not same_bits(a, b, chunk=4) and not same_bits(a, a[:9], chunk=4)
 
 
 def test_programs_of_big_nets_get_their_numpy_arguments_on_the_device_first(monkeypatch):

@@ -522,6 +522,61 @@ def test_one_program_per_input_shape_and_weights_snapshot(zoo):
         net.params["a"][0].data[...] = saved
 
 
+SHARED_WEIGHTS_NET = (
+    'name: "shared" input: "data" input_shape { dim: 1 dim: 3 dim: 6 dim: 6 }\n'
+    + _conv("conv", "data", "conv", 8, 3, "pad: 1")
+    + _layer("pool", "Pooling", ["conv"], ["pool"], "pooling_param { pool: AVE global_pooling: true }")
+    + _layer("fc", "InnerProduct", ["pool"], ["fc"],
+             'inner_product_param { num_output: 5 weight_filler { type: "gaussian" std: 0.2 } }')
+)
+
+
+@pytest.mark.parametrize("in_host_memory", [True, False], ids=["compared", "digest"])
+def test_programs_for_other_input_shapes_share_the_weights_they_prepare_alike(monkeypatch, in_host_memory):
+    """compile_inference's programs for other input shapes read one device copy of each weight they prepare
+    alike, and add their own where they do not: the 3x3 convolution's Winograd filters on 6x6 and 6x7 images,
+    its plain channels-last ones on 16x16 (WINOGRAD_MAX_SIZE). Off the CPU a digest of the bits stands in for
+    the device array (``in_host_memory`` False)."""
+    from caffejax.runtime import inference
+
+    monkeypatch.setattr(inference, "_in_host_memory", lambda array: in_host_memory)
+    caffejax.set_random_seed(5)
+    net = caffejax.Net(SHARED_WEIGHTS_NET, caffejax.TEST)
+    infer, plain = caffejax.compile_inference(net), caffejax.compile_inference(net, passes=())
+    rng = np.random.default_rng(0)
+    shapes = [(2, 3, 6, 6), (1, 3, 6, 6), (1, 3, 16, 16), (1, 3, 6, 7)]
+    programs = []
+    for shape in shapes:
+        x = rng.normal(size=shape).astype(np.float32)
+        _check(infer({"data": x}), plain({"data": x}), f"input {shape}")
+        programs.append(infer._programs[infer._signature({"data": shape})])
+    assert [p.plan.kernels["conv"].name for p in programs] == ["conv_winograd_f2x2_3x3"] * 2 + ["conv_nhwc"] + [
+        "conv_winograd_f2x2_3x3"]
+    conv = [p.params["conv"][0] for p in programs]
+    assert conv[0] is conv[1] is conv[3] and conv[2] is not conv[0] and conv[2].shape != conv[0].shape
+    for layer, index in [("conv", 1), ("fc", 0), ("fc", 1)]:  # the bias and the inner product's arrays
+        assert all(p.params[layer][index] is programs[0].params[layer][index] for p in programs), (layer, index)
+
+
+@pytest.mark.parametrize("in_host_memory", [True, False], ids=["compared", "digest"])
+def test_shared_weights_keep_one_device_array_per_bits(monkeypatch, in_host_memory):
+    from caffejax.runtime import inference
+
+    monkeypatch.setattr(inference, "_in_host_memory", lambda array: in_host_memory)
+    shared = inference.SharedWeights(jnp.float32)
+    a = np.arange(12, dtype=np.float64).reshape(3, 4)
+    first = shared.adopt("l", 0, a)
+    assert first.dtype == jnp.float32 and np.array_equal(np.asarray(first), a)
+    assert shared.adopt("l", 0, a.astype(np.float32)) is first          # the same bits, in the weights' dtype
+    other = shared.adopt("l", 0, a + 1)                                  # other bits: a copy of their own
+    assert other is not first and np.array_equal(np.asarray(other), a + 1)
+    assert shared.adopt("l", 0, a.copy()) is first and shared.adopt("l", 0, a + 1) is other
+    assert shared.adopt("l", 0, a.reshape(4, 3)) is not first            # another shape
+    assert shared.adopt("l", 1, a) is not first                          # another array of the layer
+    negative_zero = shared.adopt("z", 0, np.zeros(3))
+    assert shared.adopt("z", 0, -np.zeros(3)) is not negative_zero       # bits, not values: -0.0 is its own
+
+
 def test_prepared_weights_are_host_memory_the_device_adopts(zoo):
     """On the CPU each prepared weight is a read-only, 64-byte aligned host array that the device array uses
     as it is (no second copy of the weights at the first call), whatever layout or dtype its kernel wanted."""

@@ -1069,13 +1069,18 @@ def optimize(plan: Plan, passes: Sequence[str] = DEFAULT_PASSES) -> Plan:
 
 # ---- running a plan ---------------------------------------------------------------------------------------
 
-def prepare_params(plan: Plan, dtype) -> dict[str, list[jax.Array]]:
-    """Every layer's arrays in its kernel's form and the compute dtype (done once per program)."""
+def prepare_params(plan: Plan, dtype, adopt: Callable[[str, int, np.ndarray], jax.Array] | None = None
+                   ) -> dict[str, list[jax.Array]]:
+    """Every layer's arrays in its kernel's form and the compute dtype (done once per program). ``adopt(layer,
+    index, host array)`` puts each on the device (default: :func:`adopted_by_device`; compile_inference's
+    programs share theirs, ``inference.SharedWeights``)."""
+    if adopt is None:
+        adopt = lambda layer, index, a: adopted_by_device(a, dtype)  # noqa: E731
     out = {}
     for name, arrays in plan.params.items():
         kernel = plan.kernels.get(name)
         prepared = kernel.prepare(arrays) if kernel is not None else arrays
-        out[name] = [_adopted_by_device(a, dtype) for a in map(np.asarray, prepared)]
+        out[name] = [adopt(name, i, a) for i, a in enumerate(map(np.asarray, prepared))]
     return out
 
 
@@ -1100,7 +1105,7 @@ def aligned_copy(a: Any, dtype=None) -> np.ndarray:
     return copy
 
 
-def _adopted_by_device(a: np.ndarray, dtype) -> jax.Array:
+def adopted_by_device(a: np.ndarray, dtype) -> jax.Array:
     """``a`` in ``dtype`` as a device array that, on the CPU, is ``a``'s own memory (or, where ``a`` is not in
     that dtype, contiguous and aligned, one copy's): jax.device_put copies an unaligned host array, at about
     1 GB/s on the 2-core VM. The host array is made read-only: its memory is the program's weight from now on.

@@ -38,7 +38,7 @@ def _zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
                                f"could allocate; is a dim mistyped?") from None
 
 
-def _same_bits(a: np.ndarray, b: np.ndarray, chunk: int = 1 << 18) -> bool:
+def same_bits(a: np.ndarray, b: np.ndarray, chunk: int = 1 << 18) -> bool:
     """Whether two arrays of one shape and dtype hold the same bits (NaNs and -0.0 included), stopping at the
     first chunk that differs: new data written over a held array costs one chunk to tell apart."""
     if a.shape != b.shape or a.dtype != b.dtype:
@@ -114,7 +114,7 @@ class ArraySlot:
             if sys.getrefcount(self._host) > _UNHELD:
                 # (A program may have been given the device value it holds, and used up its buffer: donated.)
                 if (self._handed is None or (isinstance(self._handed, jax.Array) and self._handed.is_deleted())
-                        or not _same_bits(np.asarray(self._handed), self._host)):
+                        or not same_bits(np.asarray(self._handed), self._host)):
                     self._handed = np.array(self._host)
                     if self._handed.nbytes >= HANDED_ON_DEVICE_MIN_BYTES:
                         # Of the private copy: JAX's CPU client may alias the NumPy memory it is given.
