@@ -1049,7 +1049,7 @@ def test_a_forward_folds_a_visible_chain_and_makes_its_blobs_when_read():
 
 def _prepared_of(net):
     """The weights a net's whole forward read prepared (Net._prepared_weights)."""
-    return net._prepared[(0, len(net.layers) - 1, True)][2]
+    return net._prepared[(0, len(net.layers) - 1, True)].arrays
 
 
 def test_a_forward_over_the_same_weights_prepares_them_once(monkeypatch):
@@ -1100,7 +1100,7 @@ def test_a_forward_over_the_same_weights_prepares_them_once(monkeypatch):
         for n in (net, reference):
             n.forward(end="b_bn")
             n.forward(start="g")
-        parts.append([entry[2] for (start, end, _), entry in net._prepared.items() if (start, end) != (0, last)])
+        parts.append([entry.arrays for (start, end, _), entry in net._prepared.items() if (start, end) != (0, last)])
     assert len(parts[0]) == 2 and all(a is b for a, b in zip(*parts))
     assert kinds.count("prepare") == 2
     for name in ("loss", "sum"):
@@ -1113,6 +1113,52 @@ def test_a_forward_over_the_same_weights_prepares_them_once(monkeypatch):
     net, reference = _chain_net(), _chain_net(channels_last=False)
     forward_both()
     assert _prepared_of(net) == {}
+
+
+SHAPES_NET = (
+    'name: "shapes" input: "data" input_shape { dim: 1 dim: 1 dim: 28 dim: 28 }\n'
+    + _conv("gray", "data", "gray", 20, 5)   # one input channel: shifted multiply-adds from 6 images on
+    + _conv("c", "gray", "c", 8, 3, "pad: 1") + _bn_scale("c", "c")
+)
+
+
+def test_a_forward_at_other_input_shapes_takes_the_weights_prepared_alike(monkeypatch):
+    """Net.forward's program for other input shapes reads the weights another one prepared where its
+    preparation computes the same (Net._preparation_digest), without compiling a preparation of its own; where
+    it differs it makes its own: from 6 images on the one-channel convolution runs as shifted multiply-adds
+    (conv_taps), which read its filters as they are."""
+    import caffejax.runtime.net as net_module
+
+    monkeypatch.setattr(net_module, "PREPARED_WEIGHTS_MIN_BYTES", 0)  # this net's filters are small
+    kinds = []
+    jitted = caffejax.Net._jitted
+    caffejax.set_random_seed(7)
+    net = caffejax.Net(SHAPES_NET, caffejax.TEST)
+    _randomize_batchnorm(net)
+    reference = caffejax.Net(SHAPES_NET, caffejax.TEST, channels_last=False)
+    for name, blobs in net.params.items():
+        for mine, theirs in zip(blobs, reference.params[name]):
+            theirs.data[...] = mine.data
+
+    def traced(self, kind, start, end, build, **kwargs):  # each trace of a program is one compile
+        def counted(*args):
+            kinds.append(kind) if self is net else None
+            return build(*args)
+        return jitted(self, kind, start, end, counted, **kwargs)
+
+    monkeypatch.setattr(caffejax.Net, "_jitted", traced)
+    rng = np.random.default_rng(3)
+    prepared = []
+    for batch in (1, 2, 8, 1, 2, 8):
+        x = rng.normal(size=(batch, 1, 28, 28)).astype(np.float32)
+        for n in (net, reference):
+            n.blobs["data"].reshape(*x.shape)
+            n.forward(data=x)
+        assert_close(net.blobs["c"].data, reference.blobs["c"].data, FORWARD_RTOL, FORWARD_ATOL, f"batch {batch}")
+        prepared.append(_prepared_of(net))
+    assert prepared[1] is prepared[0] and prepared[4] is prepared[3]  # batch 2 takes batch 1's
+    assert {"gray", "c"} <= set(prepared[0]) and set(prepared[2]) == {"c"}  # batch 8's conv_taps reads them as is
+    assert kinds.count("prepare") == 2  # batch 1's and batch 8's: batch 2 compiled none
 
 
 def test_gradient_masks_reach_the_layers_inside_a_chain():
