@@ -380,6 +380,11 @@ def test_compile_inference_over_devices_is_the_one_device_program():
     assert len(got.sharding.device_set) == 4 and got.shape == (8, 10)
     np.testing.assert_allclose(np.asarray(got), one, rtol=1e-5, atol=1e-7)
     assert four.plan({"data": (8, 1, 28, 28)}).graph.blob_shape("data") == (2, 1, 28, 28)  # each device's rows
+    np.testing.assert_allclose(np.asarray(four({"data": x[:4]})["prob"]), one[:4], rtol=1e-5, atol=1e-7)
+    programs = list(four._programs.values())  # batches of 8 and 4: one replicated copy of each weight for both
+    assert len(programs) == 2 and all(a is b for name in programs[0].params
+                                      for a, b in zip(programs[0].params[name], programs[1].params[name]))
+    assert len(programs[0].params["conv1"][0].sharding.device_set) == 4
     two = caffejax.compile_inference(net, devices=jax.devices()[2:])
     np.testing.assert_allclose(np.asarray(two({"data": x[:2]})["prob"]), one[:2], rtol=1e-5, atol=1e-7)
     with pytest.raises(DataError, match="do not split evenly over 4 devices"):

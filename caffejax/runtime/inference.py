@@ -47,8 +47,9 @@ class SharedWeights:
     array is host memory, compared with a new one there; on other devices a SHA-256 digest of the host array it
     came from stands in for it."""
 
-    def __init__(self, dtype):
+    def __init__(self, dtype, put: Callable[[np.ndarray], jax.Array] | None = None):
         self.dtype = dtype
+        self._put = put or (lambda host: adopted_by_device(host, dtype))  # (over devices: replicated on each)
         self._kept: dict[tuple[str, int], list[tuple[jax.Array, bytes | None]]] = {}
 
     def adopt(self, layer: str, index: int, host: np.ndarray) -> jax.Array:
@@ -60,14 +61,16 @@ class SharedWeights:
             if array.shape == host.shape and array.dtype == host.dtype and (
                     same_bits(np.asarray(array), host) if digest is None else digest == _digest(host)):
                 return array
-        array = adopted_by_device(host, self.dtype)
+        array = self._put(host)
         kept.append((array, None if _in_host_memory(array) else _digest(host)))
         return array
 
 
 def _in_host_memory(array: jax.Array) -> bool:
-    """Whether the device array's memory is the host's (np.asarray of it is a view, not a transfer)."""
-    return all(device.platform == "cpu" for device in array.devices())
+    """Whether the array is on one CPU device, whose memory is the host's (np.asarray of it is a view, not a
+    transfer nor a gathering of copies)."""
+    devices = array.devices()
+    return len(devices) == 1 and next(iter(devices)).platform == "cpu"
 
 
 def _digest(host: np.ndarray) -> bytes:
@@ -104,7 +107,6 @@ class InferenceFunction:
         # The weights as they are now (later changes to the net's blobs do not reach the programs), in memory
         # the device can take as its own (prepare_params).
         self._weights = {owner: [aligned_copy(a) for a in arrays] for owner, arrays in net.param_arrays().items()}
-        self._shared = SharedWeights(self.dtype)  # the programs' prepared weights, one copy for all input shapes
         self._programs: dict[Shapes, _Program] = {}
         # The caller gives the batch a data layer would read (a Python data layer is not run either).
         self.inputs = list(net.graph.fed)
@@ -118,10 +120,13 @@ class InferenceFunction:
         # its box deltas are relative to), as Net.forward's blobs hold them
         self.outputs = list(dict.fromkeys([*net.outputs, *blobs]))
         self._mesh = None
+        # The programs' prepared weights: one copy (on each device) for all input shapes.
+        self._shared = SharedWeights(self.dtype)
         if devices is not None:
-            from caffejax.runtime.distributed import batch_mesh
+            from caffejax.runtime.distributed import batch_mesh, replicated
 
-            self._mesh = batch_mesh(devices)
+            mesh = self._mesh = batch_mesh(devices)
+            self._shared = SharedWeights(self.dtype, lambda host: replicated(host, mesh))
         self._stages = self._in_stages() if net.graph.staging_layers else None
 
     def _in_stages(self) -> "_Stages":
@@ -201,7 +206,7 @@ class InferenceFunction:
         split along axis 0, weights replicated, per-example outputs concatenated back (batch-independent ones
         averaged). Not kept in the program cache (its executables are tied to the devices)."""
         from caffejax.runtime.distributed import (data_parallel, devices_of_this_process, local_value,
-                                                  per_device_graph, replicated, shard_batch)
+                                                  per_device_graph, shard_batch)
 
         local_devices = len(devices_of_this_process(self._mesh))
         try:
@@ -210,7 +215,7 @@ class InferenceFunction:
             raise ShapeError(f"compile_inference: the net does not accept inputs of shapes {dict(signature)} "
                              f"over {local_devices} devices: {error}") from None
         plan = optimize(make_plan(one_device, self._weights), self.passes)
-        params = replicated(prepare_params(plan, self.dtype), self._mesh)
+        params = prepare_params(plan, self.dtype, self._shared.adopt)
         feeds = list(plan.graph.fed.items())
         sharded = data_parallel(_outputs_as_float32(plan), self._mesh,
                                 {blob: per_example[blob] for blob in plan.graph.program_outputs},
