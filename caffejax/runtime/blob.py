@@ -15,6 +15,7 @@ inspects intermediate blobs still sees Caffe's values.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import sys
 
@@ -48,6 +49,14 @@ def same_bits(a: np.ndarray, b: np.ndarray, chunk: int = 1 << 18) -> bool:
     if bits is not None:
         a, b = a.view(bits), b.view(bits)
     return all(np.array_equal(a[i:i + chunk], b[i:i + chunk]) for i in range(0, a.size, chunk))
+
+
+def bits_digest(a: np.ndarray) -> bytes:
+    """A SHA-256 digest of an array's shape, dtype and bits: equal digests, arrays of :func:`same_bits`."""
+    a = np.ascontiguousarray(a)
+    digest = hashlib.sha256(repr((a.shape, a.dtype.str)).encode())
+    digest.update(a.reshape(-1).view(np.uint8))
+    return digest.digest()
 
 
 # A held host array of at least this size is handed to programs as a device copy, smaller ones as a NumPy copy

@@ -18,7 +18,6 @@ between calls, as Caffe does); feed h_0/c_0 through expose_hidden to carry it yo
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -30,7 +29,7 @@ from caffejax.frontend.ir import Graph, stage_interface
 from caffejax.lower.optimize import (DEFAULT_PASSES, Plan, adopted_by_device, aligned_copy, check_passes, make_plan,
                                      optimize, prepare_params, run_plan)
 from caffejax.lower.program import check_one_program, run_host_layers
-from caffejax.runtime.blob import same_bits
+from caffejax.runtime.blob import bits_digest, same_bits
 from caffejax.runtime.memory import DeviceMemoryErrors, garbage_collection_paused
 from caffejax.runtime.program_cache import compile_program, describe_graph
 from caffejax.runtime.xla_options import bf16_matrix_programs, compiler_options
@@ -43,9 +42,9 @@ class SharedWeights:
     shapes reads an array kept for a layer where it prepares the same bits, and adds its own where they differ (a
     3x3 convolution's Winograd filters on small images, its plain ones on big images). Each program held a copy
     of its own before: FCN-8s's resident memory grew by 484-534 MB (its weights) for each new input size, and
-    now by 7-12 MB from the third on (the second's spare copies stay with the allocator). On the CPU a device
-    array is host memory, compared with a new one there; on other devices a SHA-256 digest of the host array it
-    came from stands in for it."""
+    now by 7-12 MB from the third on (the second's spare copies stay with the allocator). An array on one CPU
+    device is host memory, compared with a new one there; elsewhere (another device, or replicated over several)
+    a digest of the host array it came from stands in for it."""
 
     def __init__(self, dtype, put: Callable[[np.ndarray], jax.Array] | None = None):
         self.dtype = dtype
@@ -59,10 +58,10 @@ class SharedWeights:
         kept = self._kept.setdefault((layer, index), [])
         for array, digest in kept:
             if array.shape == host.shape and array.dtype == host.dtype and (
-                    same_bits(np.asarray(array), host) if digest is None else digest == _digest(host)):
+                    same_bits(np.asarray(array), host) if digest is None else digest == bits_digest(host)):
                 return array
         array = self._put(host)
-        kept.append((array, None if _in_host_memory(array) else _digest(host)))
+        kept.append((array, None if _in_host_memory(array) else bits_digest(host)))
         return array
 
 
@@ -71,10 +70,6 @@ def _in_host_memory(array: jax.Array) -> bool:
     transfer nor a gathering of copies)."""
     devices = array.devices()
     return len(devices) == 1 and next(iter(devices)).platform == "cpu"
-
-
-def _digest(host: np.ndarray) -> bytes:
-    return hashlib.sha256(np.ascontiguousarray(host).reshape(-1).view(np.uint8)).digest()
 
 
 @dataclasses.dataclass

@@ -36,7 +36,7 @@ from caffejax.lower.program import NetProgram, host_backward, run_host_layers
 from caffejax.lower.python_layer import HostDataLayer, PythonLayers, calls_back
 from caffejax.lower.registry import TRAIN, TEST, count, get_rule
 from caffejax.runtime import mode
-from caffejax.runtime.blob import ArraySlot, Blob
+from caffejax.runtime.blob import ArraySlot, Blob, bits_digest
 from caffejax.runtime.debug_info import log_backward, log_forward, log_inputs
 from caffejax.runtime.memory import DeviceMemoryErrors
 from caffejax.runtime.net_init_log import log_net_init
@@ -1021,9 +1021,8 @@ class Net:
                                             return_shape=True)(params)
             hashed = hashlib.sha256(str(closed.jaxpr).encode())
             hashed.update(repr(jax.tree.structure(shapes)).encode())
-            for const in map(np.asarray, closed.consts):
-                hashed.update(repr((const.shape, const.dtype.str)).encode())
-                hashed.update(np.ascontiguousarray(const).reshape(-1).view(np.uint8))
+            for const in closed.consts:
+                hashed.update(bits_digest(np.asarray(const)))
             digest = digests[range_key] = hashed.digest()
         return digest
 
