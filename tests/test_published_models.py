@@ -68,3 +68,39 @@ def test_builds_compiles_and_runs_at_batch_1_and_4(prototxt):
         for name, value in out.items():
             assert value.shape == expected[name] and value.shape[0] == batch, name
             assert np.isfinite(value).all(), f"{name} has non-finite values at batch {batch}"
+
+
+@pytest.mark.parametrize("prototxt", PARAMS)
+def test_compile_inference_keeps_caffes_values_on_each_architecture(prototxt):
+    """compile_inference with every default pass (BatchNorm folded, channels-last, Winograd, ...) and Net.forward
+    (its own kernels, prepared weights) against Caffe's rules unchanged (``passes=()``), on each real
+    architecture at batch 2: the outputs, the blobs the last three layers read (the logits before a Softmax)
+    and a blob half way. BatchNorm and Scale get random statistics and factors, so folding them changes
+    something."""
+    from conftest import FORWARD_ATOL, FORWARD_RTOL, assert_close
+
+    net = caffejax.Net(str(prototxt), caffejax.TEST)
+    rng = np.random.default_rng(1)
+    for layer in net.layers:
+        if layer.type == "BatchNorm":
+            channels = layer.blobs[0].data.shape
+            layer.blobs[0].data[...] = rng.normal(0, 0.1, channels)
+            layer.blobs[1].data[...], layer.blobs[2].data[...] = rng.uniform(0.5, 1.5, channels), 1.0
+        elif layer.type == "Scale":
+            for blob in layer.blobs:
+                blob.data[...] = rng.uniform(0.5, 1.5, blob.data.shape)
+    feeds = {}
+    for name in net.inputs:
+        net.blobs[name].reshape(2, *net.blobs[name].shape[1:])
+        feeds[name] = rng.standard_normal(net.blobs[name].shape).astype(np.float32)
+    net.reshape()
+    layers = net.graph.layers
+    inner = {b for layer in layers[-3:] for b in layer.proto.bottom} | {layers[len(layers) // 2].proto.top[0]}
+    blobs = sorted(inner - set(net.inputs) - set(net.outputs))
+    plain = caffejax.compile_inference(net, passes=(), blobs=blobs)(feeds)
+    optimised = caffejax.compile_inference(net, blobs=blobs)(feeds)
+    forward = net.forward(**feeds, blobs=blobs)
+    assert set(plain) == set(net.outputs) | set(blobs)
+    for name, reference in plain.items():
+        assert_close(optimised[name], reference, FORWARD_RTOL, FORWARD_ATOL, f"compile_inference: {name}")
+        assert_close(forward[name], reference, FORWARD_RTOL, FORWARD_ATOL, f"Net.forward: {name}")
