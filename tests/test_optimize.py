@@ -560,6 +560,9 @@ def test_programs_for_other_input_shapes_share_the_weights_they_prepare_alike(mo
 
 @pytest.mark.parametrize("in_host_memory", [True, False], ids=["compared", "digest"])
 def test_shared_weights_keep_one_device_array_per_bits(monkeypatch, in_host_memory):
+    """SharedWeights hands back the kept array whose bits, in the weights' dtype, a new one has, and keeps every
+    other version beside it: another dtype of the same values shares, other bits, another shape or another
+    array of the layer do not, nor does -0.0 with 0.0."""
     from caffejax.runtime import inference
 
     monkeypatch.setattr(inference, "_in_host_memory", lambda array: in_host_memory)
@@ -1142,7 +1145,8 @@ def test_a_forward_at_other_input_shapes_takes_the_weights_prepared_alike(monkey
 
     def traced(self, kind, start, end, build, **kwargs):  # each trace of a program is one compile
         def counted(*args):
-            kinds.append(kind) if self is net else None
+            if self is net:
+                kinds.append(kind)
             return build(*args)
         return jitted(self, kind, start, end, counted, **kwargs)
 
