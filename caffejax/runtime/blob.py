@@ -41,9 +41,13 @@ def _zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 
 def same_bits(a: np.ndarray, b: np.ndarray, chunk: int = 1 << 18) -> bool:
     """Whether two arrays of one shape and dtype hold the same bits (NaNs and -0.0 included), stopping at the
-    first chunk that differs: new data written over a held array costs one chunk to tell apart."""
+    first chunk that differs: new data written over a held array costs one chunk to tell apart. Two views of the
+    same memory are the same without a read (compile_inference's programs adopt the weights its kernels read as
+    they are: a new program's are the kept ones' memory)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
+    if a.__array_interface__["data"][0] == b.__array_interface__["data"][0] and a.strides == b.strides:
+        return True
     bits = np.dtype(f"u{a.dtype.itemsize}") if a.dtype.itemsize in (1, 2, 4, 8) else None
     a, b = a.reshape(-1), b.reshape(-1)
     if bits is not None:
