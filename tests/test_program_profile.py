@@ -3,12 +3,15 @@ come from."""
 
 from __future__ import annotations
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import caffejax
+from caffejax.runtime import program_profile
 from caffejax.runtime.program_profile import (BACKWARD, BOTH, FORWARD, IDLE, NO_LAYER, Instruction,
                                               ProfileUnavailable, _share, charge, format_rows, op_sources,
                                               parse_hlo, profile_program)
@@ -138,3 +141,39 @@ def test_profile_program_needs_a_run_and_the_profiler(lenet_program, tmp_path):
     with jax.profiler.trace(str(tmp_path)):  # the caller's own trace holds the profiler
         with pytest.raises(ProfileUnavailable, match="profiler cannot start"):
             profile_program(program.run, args, [], runs=1)
+
+
+
+def test_a_program_is_traced_once_its_runs_page_nothing_in(lenet_program, monkeypatch):
+    """A program's first calls in a process can page its big buffers in (a ReLU alone on 16x112x112x96: 100 ms a
+    call over its first six, 5 ms after). The untraced runs go on until one pages in fewer than
+    SETTLED_PAGE_FAULTS, and at least two run."""
+    program, args = lenet_program
+    faults_per_run = iter([5000, 5000, 5000, 3] + [0] * 100)
+    counted = {"calls": 0, "faults": 0, "before_trace": None}
+
+    def run(*a):
+        counted["calls"] += 1
+        counted["faults"] += next(faults_per_run)
+        return program.run(*a)
+
+    class Compiled:  # the program as profile_program sees it: its text, and calls counted
+        as_text = staticmethod(lambda: program.run.as_text())
+        __call__ = staticmethod(run)
+
+    start_trace = jax.profiler.start_trace
+
+    def noting_start(directory):
+        counted["before_trace"] = counted["calls"]
+        return start_trace(directory)
+
+    monkeypatch.setattr(program_profile, "_page_faults", lambda: counted["faults"])
+    monkeypatch.setattr(jax.profiler, "start_trace", noting_start)
+    profile_program(Compiled(), args, ["conv1"], runs=2)
+    assert counted["before_trace"] == 4 and counted["calls"] == 6
+    # At least two untraced runs, even where the first pages in nothing; at most WARMUP_MAX_SECONDS of them.
+    assert program_profile.warm_up(lambda: program.run(*args)) == 2
+    faults_per_run = iter([5000] * 100000)
+    began = time.perf_counter()
+    assert program_profile.warm_up(lambda: run(*args), max_seconds=0.2) > 2
+    assert 0.2 <= time.perf_counter() - began < 5

@@ -627,10 +627,13 @@ def _host_layer_seconds(layer, env, iterations: int, python_layers) -> float:
 
 
 def _mean_seconds(fn, args, iterations: int) -> float:
-    """Mean wall time of ``fn(*args)`` over ``iterations`` calls, after one call that compiles it."""
+    """Mean wall time of ``fn(*args)`` over ``iterations`` calls, after calls that compile it and page its
+    buffers in (program_profile.warm_up)."""
     import jax
 
-    jax.block_until_ready(fn(*args))
+    from caffejax.runtime.program_profile import warm_up
+
+    warm_up(lambda: fn(*args))
     start = clock.perf_counter()
     for _ in range(iterations):
         jax.block_until_ready(fn(*args))

@@ -27,7 +27,8 @@ import glob
 import os
 import re
 import tempfile
-from typing import Any, Iterable, Mapping, Sequence
+import time
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from caffejax.errors import CaffejaxError
 
@@ -305,16 +306,50 @@ def _share(intervals: Mapping[str, tuple[int, int]]) -> tuple[dict[str, float], 
     return shares, idle
 
 
+# A program's first calls in a process can page its big buffers in while malloc's arenas grow: a ReLU alone on
+# 16x112x112x96 (MobileNet v2's relu2_2/expand at batch 16) took about 13,000 page faults and 100 ms a call over
+# its first six calls, then none and 5 ms (2 Sapphire Rapids cores); timed over five runs after one, bench.profile
+# put it at 124 ms. A whole forward pages in less (MobileNet v2's bfloat16 one, 254 faults on its first call and
+# none after). So a program runs untraced until one run pages in fewer than SETTLED_PAGE_FAULTS (at least twice,
+# and no longer than WARMUP_MAX_SECONDS).
+SETTLED_PAGE_FAULTS = 64
+WARMUP_MAX_SECONDS = 10.0
+
+
+def _page_faults() -> int:
+    """This process's minor page faults so far (0 where the platform does not count them)."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def warm_up(run: Callable[[], Any], max_seconds: float = WARMUP_MAX_SECONDS) -> int:
+    """Call ``run()`` (waiting for its results) until a call pages in (nearly) nothing, at least twice and for at
+    most ``max_seconds``; returns the number of calls."""
+    import jax
+
+    began, calls = time.perf_counter(), 0
+    while True:
+        before = _page_faults()
+        jax.block_until_ready(run())
+        calls += 1
+        if calls >= 2 and (_page_faults() - before < SETTLED_PAGE_FAULTS
+                           or time.perf_counter() - began >= max_seconds):
+            return calls
+
+
 def profile_program(compiled, args: Sequence[Any], layer_names: Sequence[str], runs: int = 10) -> ProgramProfile:
-    """Run ``compiled(*args)`` (a ``jax.stages.Compiled``) ``runs`` times under the profiler, after one
-    untraced run, and charge its operations' time to the layers in ``layer_names``."""
+    """Run ``compiled(*args)`` (a ``jax.stages.Compiled``) ``runs`` times under the profiler, once it has warmed
+    up (:func:`warm_up`), and charge its operations' time to the layers in ``layer_names``."""
     import jax
 
     if runs < 1:
         raise ValueError(f"profile_program: runs must be >= 1, got {runs}")
     entry, computations = parse_hlo(compiled.as_text())
     sources = op_sources(entry, computations, layer_names)
-    jax.block_until_ready(compiled(*args))
+    warm_up(lambda: compiled(*args))
     lengths, charged, idle = charge(_trace_events(lambda: compiled(*args), runs), computations[entry], runs)
     if not charged:
         raise ProfileUnavailable(f"the trace names none of the program's {len(sources)} operations "
