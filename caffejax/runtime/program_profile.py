@@ -310,10 +310,12 @@ def _share(intervals: Mapping[str, tuple[int, int]]) -> tuple[dict[str, float], 
 # 16x112x112x96 (MobileNet v2's relu2_2/expand at batch 16) took about 13,000 page faults and 100 ms a call over
 # its first six calls, then none and 5 ms (2 Sapphire Rapids cores); timed over five runs after one, bench.profile
 # put it at 124 ms. A whole forward pages in less (MobileNet v2's bfloat16 one, 254 faults on its first call and
-# none after). So a program runs untraced until one run pages in fewer than SETTLED_PAGE_FAULTS (at least twice,
-# and no longer than WARMUP_MAX_SECONDS).
+# none after). So a program runs untraced until one run pages in fewer than SETTLED_PAGE_FAULTS, at least twice and
+# for at most WARMUP_MAX_SECONDS: given host arrays, a program runs on a worker thread, which may map its big
+# buffers afresh on every call (net.to_device) and never settle (that ReLU given a NumPy array: 18,800 faults and
+# 29 ms every call, against 4.4 ms given a device array).
 SETTLED_PAGE_FAULTS = 64
-WARMUP_MAX_SECONDS = 10.0
+WARMUP_MAX_SECONDS = 1.0
 
 
 def _page_faults() -> int:
