@@ -143,7 +143,6 @@ def test_profile_program_needs_a_run_and_the_profiler(lenet_program, tmp_path):
             profile_program(program.run, args, [], runs=1)
 
 
-
 def test_a_program_is_traced_once_its_runs_page_nothing_in(lenet_program, monkeypatch):
     """A program's first calls in a process can page its big buffers in (a ReLU alone on 16x112x112x96: 100 ms a
     call over its first six, 5 ms after). The untraced runs go on until one pages in fewer than
