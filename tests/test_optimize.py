@@ -471,6 +471,42 @@ def test_defer_rounding_keeps_float32_sums_only_on_the_way_into_widened_kernels(
                                   np.asarray(caffejax.compile_inference(net, passes=passes)({"data": x})["prob"]))
 
 
+def test_defer_rounding_keeps_a_widened_convolutions_float32_result_on_the_way_into_widened_kernels():
+    """A 3-channel first layer, as SqueezeNet's conv1 -> ReLU -> pool1: the widened convolution leaves its result
+    unrounded where only widened kernels read it (through element-wise layers), and the reader rounds. Into a
+    MAX pooling the outputs are the rounding program's bit for bit (ReLU and the maximum keep the order that
+    rounding keeps). Read by a two-input Eltwise, or as an output, it still rounds."""
+    text = ('input: "data" input_shape { dim: 2 dim: 3 dim: 15 dim: 15 }\n'
+            + _conv("c1", "data", "c1", 6, 3, "stride: 2") + _layer("r1", "ReLU", ["c1"], ["c1"])
+            + _layer("p1", "Pooling", ["c1"], ["p1"], "pooling_param { pool: MAX kernel_size: 3 stride: 2 }")
+            + _conv("c2", "p1", "c2", 6, 3, "pad: 1 stride: 2")
+            + _layer("sum", "Eltwise", ["c2", "c2"], ["sum"])
+            + _conv("c3", "data", "c3", 4, 3, "stride: 2"))
+    net = caffejax.Net(text, caffejax.TEST)
+    x = np.random.default_rng(5).normal(size=(2, 3, 15, 15)).astype(np.float32)
+    passes = ("nhwc", "widen")
+    rounded = caffejax.compile_inference(net, passes=passes, dtype=jnp.bfloat16, blobs=["p1"])
+    deferred = caffejax.compile_inference(net, passes=passes + ("defer_rounding",), dtype=jnp.bfloat16, blobs=["p1"])
+    plan = deferred.plan({"data": x.shape})
+    kernels = {name: k.name for name, k in plan.kernels.items()}
+    assert kernels["c1"] == "conv_nhwc_widened_unrounded"
+    assert kernels["c2"] == kernels["c3"] == "conv_nhwc_widened" and kernels["p1"] == "pool_nhwc_widened"
+    got, want = deferred({"data": x}), rounded({"data": x})
+    for blob in ("p1", "sum", "c3"):
+        np.testing.assert_array_equal(np.asarray(got[blob]), np.asarray(want[blob]), err_msg=blob)
+    # its top stays float32 inside the program: the value it holds is the float32 convolution's
+    layer = next(layer for layer in plan.graph.layers if layer.name == "c1")
+    ctx = optimize.LayerContext(layer=layer.proto, phase=caffejax.TEST, key=None, num_tops=1,
+                                in_place=tuple(layer.in_place), dtype=jnp.bfloat16)
+    params = [jnp.asarray(a, jnp.bfloat16) for a in plan.kernels["c1"].prepare(plan.params["c1"])]
+    bottom = jnp.asarray(x.transpose(0, 2, 3, 1), jnp.bfloat16)
+    top = plan.kernels["c1"].forward(ctx, [bottom], params)[0]
+    assert top.dtype == jnp.float32
+    widened = rounded.plan({"data": x.shape}).kernels["c1"].forward(ctx, [bottom], params)[0]
+    assert widened.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(top.astype(jnp.bfloat16), np.float32), np.asarray(widened, np.float32))
+
+
 def test_fold_keeps_values_other_layers_read():
     """A convolution whose output is read besides its BatchNorm keeps its output: the BatchNorm (and its
     Scale) become one Scale instead. A BatchNorm whose output is a net output still folds."""
