@@ -407,6 +407,32 @@ def test_paired_concatenate_leaves_odd_and_wide_arrays_to_jnp():
         np.testing.assert_array_equal(optimize.paired_concatenate(arrays, 0), jnp.concatenate(arrays, 0))
 
 
+def test_a_concat_moves_bfloat16_in_pairs_unless_a_pooling_reads_it(monkeypatch):
+    """A Concat along channels joins bfloat16 as 32-bit pairs where the join is written out for its readers
+    (a convolution, a Split); where a pooling reads it, XLA fuses a plain join into the pooling's windows, so it
+    stays jnp.concatenate. Either way the program's outputs are the plain join's, bit for bit."""
+    text = ('input: "data" input_shape { dim: 2 dim: 4 dim: 6 dim: 6 }\n'
+            + _conv("a", "data", "a", 6, 1) + _conv("b", "data", "b", 4, 3, "pad: 1")
+            + _layer("cat1", "Concat", ["a", "b"], ["cat1"])
+            + _conv("c", "cat1", "c", 4, 1)
+            + _layer("cat2", "Concat", ["c", "b"], ["cat2"])
+            + _layer("pool", "Pooling", ["cat2"], ["pool"], "pooling_param { pool: MAX kernel_size: 2 stride: 2 }"))
+    net = caffejax.Net(text, caffejax.TEST)
+    x = np.random.default_rng(6).normal(size=(2, 4, 6, 6)).astype(np.float32)
+    infer = caffejax.compile_inference(net, passes=("nhwc",), dtype=jnp.bfloat16)
+    plan = infer.plan({"data": x.shape})
+    bottoms = [jnp.ones((2, 6, 6, 6), jnp.bfloat16), jnp.ones((2, 6, 6, 4), jnp.bfloat16)]
+    for name, paired in (("cat1", True), ("cat2", False)):
+        kernel = plan.kernels[name]
+        assert kernel.name == "concat_nhwc"
+        jaxpr = str(jax.make_jaxpr(lambda *b, k=kernel: k.forward(None, list(b), []))(*bottoms))
+        assert ("bitcast_convert_type" in jaxpr) == paired, name
+    got = infer({"data": x})
+    monkeypatch.setattr(optimize, "paired_concatenate", lambda arrays, axis: jnp.concatenate(arrays, axis))
+    want = caffejax.compile_inference(net, passes=("nhwc",), dtype=jnp.bfloat16)({"data": x})
+    np.testing.assert_array_equal(np.asarray(got["pool"]), np.asarray(want["pool"]))
+
+
 def test_widen_computes_in_float32_and_rounds_once(zoo):
     """A widened kernel fed bfloat16 runs its convolution (pooling, LRN) on float32 operands and rounds its top
     to bfloat16 once: the same value as the float32 kernel on the rounded operands, rounded. Fed float32 in a

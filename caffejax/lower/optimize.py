@@ -508,11 +508,16 @@ def _is_per_channel(layer: Layer, graph: Graph, params: ParamArrays) -> bool:
 
 
 def _concat_kernel(layer: Layer, graph: Graph) -> Kernel | None:
+    """Concat along channels (the last axis channels-last). 16-bit values move as 32-bit pairs
+    (:func:`paired_concatenate`) unless a pooling reads the join, which XLA then fuses into its windows."""
     p = layer.proto.concat_param
     shape = _shape(graph, layer.bottom_values[0])
     if len(shape) != 4 or p.HasField("concat_dim") or canonical_axis(layer.name, p.axis, 4) != 1:
         return None
-    return Kernel("concat_nhwc", lambda ctx, bottoms, params: [jnp.concatenate(bottoms, axis=3)], NHWC)
+    readers = readers_by_value(graph.layers).get(layer.top_values[0], [])
+    if any(reader.type == "Pooling" for reader in readers):
+        return Kernel("concat_nhwc", lambda ctx, bottoms, params: [jnp.concatenate(bottoms, axis=3)], NHWC)
+    return Kernel("concat_nhwc", lambda ctx, bottoms, params: [paired_concatenate(bottoms, axis=3)], NHWC)
 
 
 def _lrn_kernel(layer: Layer, graph: Graph) -> Kernel | None:
@@ -734,10 +739,12 @@ def _grouped_matrices(group: int, params: ParamArrays) -> ParamArrays:
 def paired_concatenate(arrays: Sequence[jax.Array], axis: int) -> jax.Array:
     """jnp.concatenate, moving 16-bit values (bfloat16) as 32-bit pairs of neighbours along the last axis where
     every array's last axis has an even size: the same values, and the plain concatenation's derivative.
-    XLA:CPU gathers 16-bit elements slowly (:func:`window_rows`). A Concat layer stays jnp.concatenate: alone,
-    joining two 16x55x55x64 bfloat16 ReLU outputs took 1.7 ms paired against 5.2, but inside whole bfloat16
-    forwards at batch 16, where XLA fuses the join into what reads it (a pooling window), SqueezeNet v1.1 and
-    GoogLeNet ran 5% and 2% faster with plain Concat layers."""
+    XLA:CPU gathers 16-bit elements slowly (:func:`window_rows`). Alone, joining two 16x55x55x64 bfloat16 ReLU
+    outputs took 1.7 ms paired against 5.2. A Concat layer read by a pooling stays jnp.concatenate, which XLA
+    fuses into the pooling's windows: with every Concat paired, whole bfloat16 forwards at batch 16 took 0.944-0.979
+    (SqueezeNet v1.1) and 1.033 (GoogLeNet) of the time; paired only where no pooling reads the join, 0.936-0.941
+    and 0.967-0.977, at batch 1 0.890 and 0.989 (the outputs the same bits; alternating blocks, 2 AMX Xeon
+    cores). An earlier build had measured every Concat paired at 1.05 and 1.02."""
     arrays = tuple(arrays)
     dtype = arrays[0].dtype
     if (dtype.itemsize != 2 or arrays[0].ndim == 0 or any(a.dtype != dtype for a in arrays)
