@@ -507,17 +507,16 @@ def _is_per_channel(layer: Layer, graph: Graph, params: ParamArrays) -> bool:
     return False
 
 
-def _concat_kernel(layer: Layer, graph: Graph) -> Kernel | None:
+def _concat_kernel(layer: Layer, graph: Graph, readers: Sequence[Layer]) -> Kernel | None:
     """Concat along channels (the last axis channels-last). 16-bit values move as 32-bit pairs
-    (:func:`paired_concatenate`) unless a pooling reads the join, which XLA then fuses into its windows."""
+    (:func:`paired_concatenate`) unless a pooling reads the join (``readers``), which XLA then fuses into its
+    windows."""
     p = layer.proto.concat_param
     shape = _shape(graph, layer.bottom_values[0])
     if len(shape) != 4 or p.HasField("concat_dim") or canonical_axis(layer.name, p.axis, 4) != 1:
         return None
-    readers = readers_by_value(graph.layers).get(layer.top_values[0], [])
-    if any(reader.type == "Pooling" for reader in readers):
-        return Kernel("concat_nhwc", lambda ctx, bottoms, params: [jnp.concatenate(bottoms, axis=3)], NHWC)
-    return Kernel("concat_nhwc", lambda ctx, bottoms, params: [paired_concatenate(bottoms, axis=3)], NHWC)
+    join = jnp.concatenate if any(reader.type == "Pooling" for reader in readers) else paired_concatenate
+    return Kernel("concat_nhwc", lambda ctx, bottoms, params: [join(bottoms, axis=3)], NHWC)
 
 
 def _lrn_kernel(layer: Layer, graph: Graph) -> Kernel | None:
@@ -572,12 +571,13 @@ def nhwc(plan: Plan) -> Plan:
     graph = plan.graph
     kernels = dict(plan.kernels)
     layouts: dict[str, str | None] = {}
+    readers = readers_by_value(graph.layers)
     for layer in graph.layers:
         if layer.is_input:
             layouts.update((v, NCHW if len(graph.value_shapes.get(v) or ()) == 4 else None)
                            for v in layer.top_values)
             continue
-        kernel = kernels.get(layer.name) or _nhwc_kernel(layer, plan, layouts)
+        kernel = kernels.get(layer.name) or _nhwc_kernel(layer, plan, layouts, readers)
         if kernel is not None:
             kernels[layer.name] = kernel
         layout = resolve_layout(kernel, [layouts.get(v) for v in layer.bottom_values])
@@ -586,7 +586,8 @@ def nhwc(plan: Plan) -> Plan:
     return dataclasses.replace(plan, kernels=kernels)
 
 
-def _nhwc_kernel(layer: Layer, plan: Plan, layouts: Mapping[str, str | None]) -> Kernel | None:
+def _nhwc_kernel(layer: Layer, plan: Plan, layouts: Mapping[str, str | None],
+                 readers: Mapping[str, Sequence[Layer]]) -> Kernel | None:
     graph = plan.graph
     if layer.type in ELEMENTWISE_TYPES:
         return Kernel("elementwise", get_rule(layer.type).forward, ANY)
@@ -598,7 +599,7 @@ def _nhwc_kernel(layer: Layer, plan: Plan, layouts: Mapping[str, str | None]) ->
     if layer.type == "Pooling":
         return _pooling_kernel(layer, graph)
     if layer.type == "Concat":
-        return _concat_kernel(layer, graph)
+        return _concat_kernel(layer, graph, readers.get(layer.top_values[0], []))
     if layer.type == "LRN":
         return _lrn_kernel(layer, graph)
     if layer.type == "InnerProduct" and layouts.get(layer.bottom_values[0]) == NHWC:
@@ -1035,9 +1036,10 @@ def defer_rounding(plan: Plan) -> Plan:
     widened kernel rounds it. Runs after ``widen``; a no-op in float32 programs."""
     users, outputs = readers_by_value(plan.graph.layers), _output_values(plan.graph)
     kernels = dict(plan.kernels)
+    deferrable = _ROUNDING_PRODUCTS.keys() | _ROUNDING_WIDENED
     for layer in plan.graph.layers:
         kernel = kernels.get(layer.name)
-        if (kernel is None or kernel.name not in _ROUNDING_PRODUCTS.keys() | _ROUNDING_WIDENED
+        if (kernel is None or kernel.name not in deferrable
                 or len(layer.top_values) != 1 or not _only_into_widened(layer.top_values[0], kernels, users, outputs)):
             continue
         if kernel.name in _ROUNDING_WIDENED:
