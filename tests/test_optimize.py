@@ -565,6 +565,21 @@ def test_bf16_mode_agrees_with_fp32(zoo):
     del plan
 
 
+def test_a_bf16_program_takes_float32_inputs_and_rounds_them_itself(zoo):
+    """A bfloat16 program's inputs are float32 (Caffe's blobs): it rounds them itself, fused into their first
+    readers, rather than NumPy converting a host batch first (ml_dtypes' conversion, a tenth of SqueezeNet's
+    bfloat16 forward). A batch already in bfloat16 on the device gives the same bits."""
+    net, x, _ = zoo
+    infer = caffejax.compile_inference(net, dtype=jnp.bfloat16)
+    got = np.asarray(infer({"data": x})["prob"])
+    program = infer._programs[infer._signature({"data": x.shape})]
+    fed = jax.tree.leaves(program.run.in_avals[0][1])
+    assert [a.dtype for a in fed] == [jnp.float32]
+    rounded = np.asarray(infer({"data": jnp.asarray(x, jnp.bfloat16)})["prob"])
+    np.testing.assert_array_equal(got, rounded)
+    assert not np.array_equal(x, np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32))  # the rounding mattered
+
+
 def test_one_program_per_input_shape_and_weights_snapshot(zoo):
     net, x, reference = zoo
     infer = caffejax.compile_inference(net)
