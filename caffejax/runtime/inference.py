@@ -403,10 +403,10 @@ def _finished_on_host(graph: Graph, outputs: Mapping[str, Any], python_layers) -
 
 
 def _in_dtype(plan: Plan, dtype) -> Callable[..., dict[str, jax.Array]]:
-    """The plan's function on inputs and to outputs in float32, computing in ``dtype``: the inputs are rounded to
-    it inside the program, where XLA fuses the rounding into their first readers. NumPy's own float32 ->
-    bfloat16 conversion (ml_dtypes) took 4.5-6.8 ms for SqueezeNet's input at batch 16 (16x3x227x227), a
-    tenth of its bfloat16 forward."""
+    """The plan's function computing in ``dtype``, from inputs in float32 at least (``_feed_dtype``) to outputs in
+    float32: the inputs are rounded to ``dtype`` inside the program, where XLA fuses the rounding into their
+    first readers. NumPy's own float32 -> bfloat16 conversion (ml_dtypes) took 4.5-6.8 ms for SqueezeNet's
+    input at batch 16 (16x3x227x227), a tenth of its bfloat16 forward."""
     def run(params, inputs):
         inputs = {value: x.astype(dtype) for value, x in inputs.items()}
         return {name: y.astype(jnp.float32) for name, y in run_plan(plan, params, inputs).items()}
