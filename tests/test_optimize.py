@@ -210,6 +210,66 @@ def test_inference_hands_back_the_blobs_asked_for(zoo):
         caffejax.compile_inference(net, blobs=["nope"])
 
 
+def _fire(squeeze=6, e1="", e3="pad: 1", e5="pad: 2 bias_term: false", relu3=True, e3_bottom="s", also_reads=None):
+    """A fire module with a third, 5x5 branch: 1x1, 3x3 and 5x5 convolutions of one squeeze layer, each through
+    a ReLU, joined along channels, then a pooling."""
+    return ('name: "fire" input: "data" input_shape { dim: 2 dim: 8 dim: 7 dim: 7 }\n'
+            + _conv("squeeze", "data", "s", squeeze, 1) + _layer("s_relu", "ReLU", ["s"], ["s"])
+            + _conv("e1", "s", "e1", 8, 1, e1) + _layer("e1_relu", "ReLU", ["e1"], ["e1"])
+            + _conv("e3", e3_bottom, "e3", 10, 3, e3) + (_layer("e3_relu", "ReLU", ["e3"], ["e3"]) if relu3 else "")
+            + _conv("e5", "s", "e5", 4, 5, e5) + _layer("e5_relu", "ReLU", ["e5"], ["e5"])
+            + _layer("cat", "Concat", ["e1", "e3", "e5"], ["cat"])
+            + _layer("pool", "Pooling", ["cat"], ["pool"], "pooling_param { pool: MAX kernel_size: 2 stride: 2 }")
+            + (_layer("other", "Pooling", [also_reads], ["other"], "pooling_param { pool: AVE global_pooling: true }")
+               if also_reads else ""))
+
+
+def _fire_run(text, passes, **kwargs):
+    caffejax.set_random_seed(4)
+    net = caffejax.Net(text, caffejax.TEST)
+    x = np.random.default_rng(2).normal(size=(2, 8, 7, 7)).astype(np.float32)
+    infer = caffejax.compile_inference(net, passes=passes, **kwargs)
+    return net, x, infer, infer.plan({"data": x.shape}).graph.layers
+
+
+def test_a_concat_of_centred_convolutions_of_one_input_becomes_one_convolution():
+    """merge_concat_convolutions: the three branches (bias and no bias) become one 5x5 convolution, the 1x1 and
+    3x3 filters set in its middle, and one ReLU writing the join; Caffe's values."""
+    passes = ("merge_concat_convolutions",) + optimize.DEFAULT_PASSES
+    net, x, infer, layers = _fire_run(_fire(), passes)
+    assert [(layer.name, layer.type) for layer in layers[-3:]] == [
+        ("e1+e3+e5", "Convolution"), ("e1_relu", "ReLU"), ("pool", "Pooling")]
+    merged = layers[-3].proto.convolution_param
+    assert (merged.num_output, list(merged.kernel_size), list(merged.pad)) == (22, [5], [2])
+    reference = caffejax.compile_inference(net, passes=())({"data": x})
+    _check(infer({"data": x}), reference, "merged")
+    bf16 = caffejax.compile_inference(net, passes=passes, dtype=jnp.bfloat16)({"data": x})["pool"]
+    assert_close(bf16, reference["pool"], 0.02, 0.02, "merged, bfloat16")
+
+
+@pytest.mark.parametrize("variant", [
+    dict(squeeze=40),                          # more input channels than MERGE_MAX_CHANNELS
+    # stride 2: a 3x2 kernel padded by 1 gives 4x4 outputs, as the others do, off their centre
+    dict(e1="stride: 2", e3="kernel_size: 2 pad: 1 stride: 2", e5="pad: 2 stride: 2"),
+    dict(e3="pad: 2 dilation: 2"),             # another dilation
+    dict(relu3=False),                         # a ReLU on some branches only
+    dict(e3_bottom="data", e3="pad: 1"),       # another input
+    dict(also_reads="e3"),                     # a branch's value read by another layer too
+], ids=["channels", "off_centre", "dilation", "relu", "input", "read_elsewhere"])
+def test_convolutions_a_concat_joins_otherwise_stay_apart(variant):
+    net, x, infer, layers = _fire_run(_fire(**variant), ("merge_concat_convolutions",) + optimize.DEFAULT_PASSES)
+    assert "cat" in [layer.name for layer in layers]
+    _check(infer({"data": x}), caffejax.compile_inference(net, passes=())({"data": x}), str(variant))
+
+
+def test_a_branch_handed_back_keeps_its_blob():
+    """A blob asked for (``blobs=``) is an output: its branch stays apart and hands back Caffe's values."""
+    passes = ("merge_concat_convolutions",) + optimize.DEFAULT_PASSES
+    net, x, infer, layers = _fire_run(_fire(), passes, blobs=["e3"])
+    assert "cat" in [layer.name for layer in layers]
+    assert_close(infer({"data": x})["e3"], net.forward(data=x, blobs=["e3"])["e3"], FORWARD_RTOL, FORWARD_ATOL, "e3")
+
+
 def test_every_rewrite_and_kernel_is_exercised(zoo):
     net, x, _ = zoo
     plan = caffejax.compile_inference(net, passes=tuple(optimize.PASSES)).plan({"data": x.shape})

@@ -126,7 +126,8 @@ def test_bfloat16_forwards_get_single_dots_where_the_cpu_multiplies_bfloat16(mon
             assert xla_options.compiler_options(graph, backward=True, dtype=jnp.bfloat16) == with_backward
         assert default_passes(jnp.float32) == DEFAULT_PASSES
         assert default_passes(jnp.bfloat16) == (
-            DEFAULT_PASSES + ("conv_gemm", "conv_im2col", "winograd_medium", "widen", "defer_rounding")
+            DEFAULT_PASSES + ("merge_concat_convolutions", "conv_gemm", "conv_im2col", "winograd_medium", "widen",
+                              "defer_rounding")
             if matrix else DEFAULT_PASSES)
         monkeypatch.setenv(xla_options.ENVIRONMENT, "1")  # every program as if it were big
         assert xla_options.compiler_options(small, dtype=jnp.bfloat16) == single
