@@ -11,6 +11,7 @@ compared with ``passes=()`` at Caffe's forward tolerance.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -151,6 +152,36 @@ def test_grouped_convolution_is_xla_grouped_convolution(group, channels, outputs
     else:
         got = vision.grouped_convolution(x, w, g, padding, out, group, precision=lax.Precision.HIGHEST)
     assert_close(got, expected, FORWARD_RTOL, FORWARD_ATOL, f"group {group}")
+
+
+@pytest.mark.parametrize("stride, pad, dilation, size", [((2, 2), (1, 1), (1, 1), (9, 8)),
+                                                        ((2, 3), (0, 2), (1, 2), (9, 11)),
+                                                        ((3, 2), (4, 4), (1, 1), (7, 6))])  # windows in the padding
+def test_a_strided_depthwise_convolution_pads_only_its_edges(stride, pad, dilation, size):
+    """Strided and channels-last, a depthwise convolution reads its input unpadded where its windows lie inside
+    it, and pads only strips along the edges (XLA:CPU writes out a padded copy of a whole input that is padded):
+    the same bits as the taps of the padded input, and no pad in the program as big as the whole input padded."""
+    from caffejax.lower import vision
+
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.normal(size=(2,) + size + (6,)).astype(np.float32))
+    w = jnp.asarray(rng.normal(size=(3, 3, 1, 6)).astype(np.float32))
+    g = vision.ConvGeometry(3, (3, 3), stride, pad, dilation)
+    padding = tuple((p, p) for p in pad)
+    out = tuple((n + 2 * p - d * 2 - 1) // s + 1 for n, p, d, s in zip(size, pad, dilation, stride))
+    got = vision.grouped_convolution(x, w, g, padding, out, 6, channels_last=True)
+    taps = vision.convolution_taps(x, 1, g, padding, out)
+    per_tap = w.reshape(9, 6)
+    want = taps[0] * per_tap[0]
+    for t in range(1, 9):
+        want = want + taps[t] * per_tap[t]
+    np.testing.assert_array_equal(got, want)
+    program = jax.jit(lambda x: vision.grouped_convolution(x, w, g, padding, out, 6, channels_last=True))
+    text = program.lower(x).as_text()
+    padded = [line.rsplit("-> tensor<", 1)[1] for line in text.splitlines() if "stablehlo.pad" in line]
+    sizes = [math.prod(int(d) for d in shape.split("x")[:-1]) for shape in padded]
+    whole = 2 * 6 * math.prod(n + 2 * p for n, p in zip(size, pad))  # the whole input padded
+    assert sizes and all(n < whole for n in sizes), padded
 
 
 @pytest.mark.parametrize("group, channels", [(32, 64), (16, 16)])
