@@ -441,19 +441,21 @@ def _depthwise_taps(x, w, g: ConvGeometry, padding, out: Shape, channels_last: b
             y = y + tap.astype(dtype) * per_tap[t]
         return y
 
-    if channels_last and any(s > 1 for s in g.stride):
-        return _strided_by_regions(x, g, padding, out, weighted_sum)
-    return weighted_sum(convolution_taps(x, 1 if channels_last else 2, g, padding, out))
+    if channels_last:
+        return _by_regions(x, g, padding, out, weighted_sum)
+    return weighted_sum(convolution_taps(x, 2, g, padding, out))
 
 
-# A strided depthwise layer reads its input padded. XLA:CPU writes the padded copy out first (with the ReLU and
-# bias before it, which it fuses into the copy) and then takes the strided taps from it, where a stride-1 one
-# it fuses whole. Split by regions, the outputs whose windows lie inside the input read it unpadded and only
-# thin strips along the edges are padded: the same sums, bit for bit. Alone, a product, ReLU and 3x3 stride-2
-# depthwise layer at batch 16 (bfloat16, 2 AMX Xeon cores): MobileNet v2's 112x112x96 17.1 -> 9.5 ms,
-# 56x56x144 3.4 -> 2.5, 28x28x192 1.22 -> 1.00, 14x14x576 0.91 -> 0.80; 112x112x96 at batch 1 0.71 -> 0.60.
-# Stride-1 layers were 1.03-1.10x slower so (56x56x144, 112x112x32, 28x28x192, 14x14x384), and keep the padding.
-def _strided_by_regions(x, g: ConvGeometry, padding, out: Shape, weighted_sum) -> jax.Array:
+# A padded depthwise layer read its input through a padded copy that XLA:CPU wrote out first (with the ReLU and
+# bias before it fused into the copy), then took the taps from it. Split by regions, the outputs whose windows
+# lie inside the input read it unpadded and only thin strips along the edges are padded: the same sums. Alone,
+# a product, ReLU and 3x3 stride-2 depthwise layer at batch 16 (bfloat16, 2 AMX Xeon cores): MobileNet v2's
+# 112x112x96 17.1 -> 9.5 ms, 56x56x144 3.4 -> 2.5, 28x28x192 1.22 -> 1.00, 14x14x576 0.91 -> 0.80; 112x112x96
+# at batch 1 0.71 -> 0.60. Stride-1 layers alone were 1.03-1.10x slower so (56x56x144, 112x112x32, 28x28x192,
+# 14x14x384), but inside MobileNet v2's whole forward, with the strided ones by regions already, taking the
+# stride-1 ones too took 0.901 of the time in bfloat16 and 0.945 in float32 at batch 16, 0.973 and 0.990 at
+# batch 1 (the float32 outputs the same bits, the bfloat16 ones within 6e-5 of them, as close to float32's).
+def _by_regions(x, g: ConvGeometry, padding, out: Shape, weighted_sum) -> jax.Array:
     """``weighted_sum`` of the taps of a channels-last x (N, spatial..., C), computed by regions of the output:
     along each axis, the outputs whose windows need padding before and after, and those between them, which
     recurse into the next axis (in 2-D: the top and bottom rows, then the left and right edges of the rows
