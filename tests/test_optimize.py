@@ -284,10 +284,11 @@ def test_a_concat_of_centred_convolutions_of_one_input_becomes_one_convolution()
     # stride 2: a 3x2 kernel padded by 1 gives 4x4 outputs, as the others do, off their centre
     dict(e1="stride: 2", e3="kernel_size: 2 pad: 1 stride: 2", e5="pad: 2 stride: 2"),
     dict(e3="pad: 2 dilation: 2"),             # another dilation
+    dict(e3="kernel_size: 5 pad: 1 pad: 2", e5="kernel_size: 1 pad: 2 pad: 0 bias_term: false"),  # 3x5, 5x1
     dict(relu3=False),                         # a ReLU on some branches only
     dict(e3_bottom="data", e3="pad: 1"),       # another input
     dict(also_reads="e3"),                     # a branch's value read by another layer too
-], ids=["channels", "off_centre", "dilation", "relu", "input", "read_elsewhere"])
+], ids=["channels", "off_centre", "dilation", "crossed", "relu", "input", "read_elsewhere"])
 def test_convolutions_a_concat_joins_otherwise_stay_apart(variant):
     net, x, infer, layers = _fire_run(_fire(**variant), ("merge_concat_convolutions",) + optimize.DEFAULT_PASSES)
     assert "cat" in [layer.name for layer in layers]

@@ -317,7 +317,8 @@ def _merged_filters(convs: Sequence[ConvShape], params: Sequence[ParamArrays]) -
 def merge_concat_convolutions(plan: Plan) -> Plan:
     """A channel Concat of convolutions of one input (directly or through a Split), each alone or through a
     ReLU (the same slope for all), becomes one convolution and one ReLU: kernels odd and centred (Caffe's
-    "same" padding), one stride and dilation, one group, at most :data:`MERGE_MAX_CHANNELS` input channels."""
+    "same" padding) and each within the largest, one stride and dilation, one group, at most
+    :data:`MERGE_MAX_CHANNELS` input channels."""
     graph = plan.graph
     users, outputs = readers_by_value(graph.layers), _output_values(graph)
     producer_of = {v: layer for layer in graph.layers for v in layer.top_values}
@@ -349,12 +350,17 @@ def merge_concat_convolutions(plan: Plan) -> Plan:
                 or len({None if r is None else r.proto.relu_param.negative_slope for r in relus}) != 1):
             continue
         largest = max(range(len(convs)), key=lambda i: math.prod(convs[i].geometry.kernel))
+        if any(k > biggest for c in convs for k, biggest in zip(c.geometry.kernel, convs[largest].geometry.kernel)):
+            continue  # (a 1x5 and a 5x1 kernel: no one of them holds the others)
         base = branches[largest][0]
         proto = caffe_pb2.LayerParameter()
         proto.CopyFrom(base.proto)
         proto.name = "+".join(conv.name for conv, _ in branches)
         proto.convolution_param.num_output = sum(c.num_output for c in convs)
         proto.convolution_param.bias_term = True
+        del proto.bottom[:], proto.top[:]
+        proto.bottom.extend(branches[0][0].bottoms)
+        proto.top.extend(concat.tops)
         arrays = params[proto.name] = _merged_filters(convs, [params[conv.name] for conv, _ in branches])
         slots = [dataclasses.replace(base.params[0], layer=proto.name, index=i, shape=a.shape, name="", owner=None)
                  for i, a in enumerate(arrays)]

@@ -480,7 +480,7 @@ def _by_regions(x, g: ConvGeometry, padding, out: Shape, weighted_sum) -> jax.Ar
             # (windows wholly in the padding, where pad >= the kernel's extent, read no input at all)
             pads.append((start - i0, i1 - limit) if limit > start else (i1 - i0, 0))
         span = lax.slice(x, starts + [0], limits + [x.shape[-1]])
-        if any(pads[1:]):
+        if any(before or after for before, after in pads[1:]):
             span = _pad(span, 1, pads[1:], 0)
         return weighted_sum(_taps(span, 1, g.kernel, g.stride, g.dilation, tuple(o1 - o0 for o0, o1 in box)))
 
