@@ -274,8 +274,8 @@ MERGE_MAX_CHANNELS = 32
 
 
 def _convolution_branch(graph: Graph, value: str, users, outputs, producer_of) -> tuple[Layer, Layer | None] | None:
-    """(convolution, ReLU or None) where ``value`` is a 2-D Convolution's top, or that of a ReLU of one, each
-    link read by the next alone and no net output; else None."""
+    """(layer, ReLU or None) where ``value`` is a one-top layer's top, or that of a ReLU of one, each link read by
+    the next alone and no net output; else None. The caller checks that the layer is a 2-D Convolution."""
     relu = producer_of.get(value)
     conv = relu
     if relu is not None and relu.type == "ReLU" and len(relu.bottom_values) == 1:
@@ -284,7 +284,7 @@ def _convolution_branch(graph: Graph, value: str, users, outputs, producer_of) -
             return None
     else:
         relu = None
-    if conv is None or len(conv.top_values) != 1 or _conv_shape(conv, graph) is None:
+    if conv is None or len(conv.top_values) != 1:
         return None
     return conv, relu
 
@@ -341,6 +341,8 @@ def merge_concat_convolutions(plan: Plan) -> Plan:
                for b, v in zip(branches, concat.bottom_values)):
             continue
         convs = [_conv_shape(conv, graph) for conv, _ in branches]
+        if None in convs:
+            continue
         relus = [relu for _, relu in branches]
         first = convs[0]
         if (len({source(conv.bottom_values[0]) for conv, _ in branches}) != 1

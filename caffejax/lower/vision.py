@@ -470,7 +470,7 @@ def _by_regions(x, g: ConvGeometry, padding, out: Shape, weighted_sum) -> jax.Ar
     def region(box):
         """The taps of the outputs in ``box`` ((begin, end) per axis) from the input span their windows read,
         padded only where that span leaves the input."""
-        starts, limits, pads = [0], [x.shape[0]], [(0, 0)]
+        starts, limits, pads = [0], [x.shape[0]], []
         for (o0, o1), k, s, d, (lo, _), size in zip(box, g.kernel, g.stride, g.dilation, padding, spatial):
             i0, i1 = o0 * s - lo, (o1 - 1) * s - lo + (k - 1) * d + 1   # the input span [i0, i1) they read
             start = min(max(i0, 0), size)
@@ -480,9 +480,7 @@ def _by_regions(x, g: ConvGeometry, padding, out: Shape, weighted_sum) -> jax.Ar
             # (windows wholly in the padding, where pad >= the kernel's extent, read no input at all)
             pads.append((start - i0, i1 - limit) if limit > start else (i1 - i0, 0))
         span = lax.slice(x, starts + [0], limits + [x.shape[-1]])
-        if any(before or after for before, after in pads[1:]):
-            span = _pad(span, 1, pads[1:], 0)
-        return weighted_sum(_taps(span, 1, g.kernel, g.stride, g.dilation, tuple(o1 - o0 for o0, o1 in box)))
+        return weighted_sum(convolution_taps(span, 1, g, pads, tuple(o1 - o0 for o0, o1 in box)))
 
     def build(axis: int, box: list[tuple[int, int]]) -> jax.Array:
         if axis == len(out):
