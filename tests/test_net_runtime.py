@@ -70,6 +70,30 @@ def test_compiles_once_per_shape(lenet):
     assert lenet.compile_count == before + 2
 
 
+def test_a_forward_works_out_its_pass_once_per_range_and_shapes(monkeypatch):
+    """What a pass hands back and its program's range signature come from the graph alone: the first forward over
+    a range works them out, later ones over the same shapes do not, and a reshape (a new graph) works them out
+    afresh."""
+    net = caffejax.Net(str(LENET), str(LENET_WEIGHTS), caffejax.TEST)
+    calls = []
+    returned_values, range_signature = caffejax.Net._returned_values, caffejax.Net._range_signature
+    monkeypatch.setattr(caffejax.Net, "_returned_values",
+                        lambda self, layers: calls.append("returned") or returned_values(self, layers))
+    monkeypatch.setattr(caffejax.Net, "_range_signature", staticmethod(
+        lambda graph, first, last: calls.append("signature") or range_signature(graph, first, last)))
+    net.blobs["data"].reshape(2, 1, 28, 28)
+    first = net.forward(data=digits(2))["prob"].copy()
+    assert {"returned", "signature"} <= set(calls)
+    done = len(calls)
+    again = net.forward(data=digits(2))["prob"]
+    assert len(calls) == done
+    np.testing.assert_array_equal(again, first)
+    net.blobs["data"].reshape(3, 1, 28, 28)
+    out = net.forward(data=digits(3))["prob"]
+    assert len(calls) > done and out.shape == (3, 10)
+    np.testing.assert_allclose(out[:2], first, rtol=1e-5, atol=1e-7)  # digits(3) begins with digits(2)
+
+
 def test_blob_data_and_forward_kwargs_agree(lenet):
     lenet.blobs["data"].reshape(2, 1, 28, 28)
     x = digits(2, seed=3)
