@@ -310,10 +310,12 @@ def test_every_rewrite_and_kernel_is_exercised(zoo):
     assert "BatchNorm" not in types                       # all four folded away
     assert types.count("Scale") == 1                      # the one after the pooling, BN + Scale as one
     kernels = {name: kernel.name for name, kernel in plan.kernels.items()}
-    assert kernels["a"] == kernels["c"] == "conv_winograd_f2x2_3x3"
+    assert kernels["c"] == "conv_winograd_f2x2_3x3"
     assert kernels["b"] == "conv_1x1_gemm"
-    # defer_rounding: c5 -> ReLU -> global MAX pooling and e -> global AVE pooling keep float32 sums
+    # defer_rounding: c5 -> ReLU -> global MAX pooling and e -> global AVE pooling keep float32 sums; so does a,
+    # read by a plain ReLU alone, which rounds
     assert kernels["c5"] == "conv_winograd_f2x2_3x3_unrounded" and kernels["e"] == "conv_1x1_gemm_unrounded"
+    assert kernels["a"] == "conv_winograd_f2x2_3x3_unrounded" and kernels["a_relu"] == "elementwise_rounding"
     # widen wraps the direct convolutions, poolings and LRN (float32 compute under bfloat16 storage)
     assert kernels["dw"] == kernels["dw2"] == kernels["gd"] == "conv_nhwc_widened"
     assert kernels["fc"] == kernels["fct"] == "inner_product_nhwc"
@@ -624,6 +626,37 @@ def test_defer_rounding_keeps_a_widened_convolutions_float32_result_on_the_way_i
     widened = rounded.plan({"data": x.shape}).kernels["c1"].forward(ctx, [bottom], params)[0]
     assert widened.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(top.astype(jnp.bfloat16), np.float32), np.asarray(widened, np.float32))
+
+
+def test_a_plain_relu_alone_rounds_what_a_product_or_widened_convolution_hands_it(monkeypatch):
+    """A product (p, 1x1) or widened convolution (d, depthwise) whose output only a ReLU without a negative
+    slope reads hands it float32, and the ReLU rounds: the ReLU of the rounded sum is the rounded ReLU of the
+    sum, so the outputs are the program's that rounds first, bit for bit. A leaky ReLU (l), a second reader (s)
+    or an output handed back (u) keep the rounding where it was."""
+    text = ('input: "data" input_shape { dim: 2 dim: 8 dim: 9 dim: 9 }\n'
+            + _conv("d", "data", "d", 8, 3, "pad: 1 group: 8") + _layer("dr", "ReLU", ["d"], ["dr"])
+            + _conv("p", "dr", "p", 16, 1) + _layer("pr", "ReLU", ["p"], ["p"])
+            + _conv("l", "p", "l", 8, 1) + _layer("lr", "ReLU", ["l"], ["l"], "relu_param { negative_slope: 0.1 }")
+            + _conv("s", "p", "s", 8, 1) + _layer("sr", "ReLU", ["s"], ["sr"])
+            + _layer("ss", "Eltwise", ["s", "sr"], ["ss"])
+            + _conv("u", "p", "u", 8, 1) + _layer("ur", "ReLU", ["u"], ["ur"])
+            + _layer("cat", "Concat", ["l", "ss", "ur"], ["cat"]))
+    net = caffejax.Net(text, caffejax.TEST)
+    x = np.random.default_rng(7).normal(size=(2, 8, 9, 9)).astype(np.float32)
+    passes = ("nhwc", "conv_gemm", "widen", "defer_rounding")
+    deferred = caffejax.compile_inference(net, passes=passes, dtype=jnp.bfloat16, blobs=["u"])
+    kernels = {name: k.name for name, k in deferred.plan({"data": x.shape}).kernels.items()}
+    assert kernels["p"] == "conv_1x1_gemm_unrounded" and kernels["pr"] == "elementwise_rounding"
+    assert kernels["d"] == "conv_nhwc_widened_unrounded" and kernels["dr"] == "elementwise_rounding"
+    assert [kernels[name] for name in ("l", "s", "u")] == ["conv_1x1_gemm"] * 3
+    assert kernels["lr"] == kernels["sr"] == kernels["ur"] == "elementwise"
+    got = deferred({"data": x})
+    monkeypatch.setattr(optimize, "_plain_relu_alone", lambda *args: None)  # the rounding where it was
+    rounded = caffejax.compile_inference(net, passes=passes, dtype=jnp.bfloat16, blobs=["u"])
+    assert rounded.plan({"data": x.shape}).kernels["p"].name == "conv_1x1_gemm"
+    want = rounded({"data": x})
+    for blob in ("cat", "u"):
+        np.testing.assert_array_equal(np.asarray(got[blob]), np.asarray(want[blob]), err_msg=blob)
 
 
 def test_fold_keeps_values_other_layers_read():
