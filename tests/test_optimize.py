@@ -659,6 +659,31 @@ def test_a_plain_relu_alone_rounds_what_a_product_or_widened_convolution_hands_i
         np.testing.assert_array_equal(np.asarray(got[blob]), np.asarray(want[blob]), err_msg=blob)
 
 
+def test_a_sum_of_two_read_by_a_plain_relu_alone_is_summed_in_float32_and_rounded_by_the_relu(monkeypatch):
+    """ResNet's join: an Eltwise SUM of two values (no coefficients) that only a plain ReLU reads sums in float32
+    and the ReLU rounds, the same bits as summing in bfloat16 (XLA:CPU sums bfloat16 in float32 and rounds).
+    A sum with coefficients (c) or of three values (t) rounds between its terms, and keeps rounding."""
+    text = ('input: "data" input_shape { dim: 2 dim: 8 dim: 9 dim: 9 }\n'
+            + _conv("a", "data", "a", 8, 3, "pad: 1") + _layer("ar", "ReLU", ["a"], ["a"])
+            + _conv("b", "a", "b", 8, 1)
+            + _layer("join", "Eltwise", ["a", "b"], ["join"]) + _layer("jr", "ReLU", ["join"], ["join"])
+            + _layer("c", "Eltwise", ["join", "b"], ["c"], "eltwise_param { coeff: 1 coeff: 0.5 }")
+            + _layer("cr", "ReLU", ["c"], ["c"])
+            + _layer("t", "Eltwise", ["join", "b", "c"], ["t"]) + _layer("tr", "ReLU", ["t"], ["t"]))
+    net = caffejax.Net(text, caffejax.TEST)
+    x = np.random.default_rng(8).normal(size=(2, 8, 9, 9)).astype(np.float32)
+    passes = ("nhwc", "conv_gemm", "widen", "defer_rounding")
+    deferred = caffejax.compile_inference(net, passes=passes, dtype=jnp.bfloat16)
+    kernels = {name: k.name for name, k in deferred.plan({"data": x.shape}).kernels.items()}
+    assert kernels["join"] == "elementwise_unrounded" and kernels["jr"] == "elementwise_rounding"
+    assert kernels["c"] == kernels["t"] == kernels["cr"] == kernels["tr"] == "elementwise"
+    got = deferred({"data": x})["t"]
+    monkeypatch.setattr(optimize, "_sums_two", lambda *args: False)
+    rounded = caffejax.compile_inference(net, passes=passes, dtype=jnp.bfloat16)
+    assert rounded.plan({"data": x.shape}).kernels["join"].name == "elementwise"
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(rounded({"data": x})["t"]))
+
+
 def test_fold_keeps_values_other_layers_read():
     """A convolution whose output is read besides its BatchNorm keeps its output: the BatchNorm (and its
     Scale) become one Scale instead. A BatchNorm whose output is a net output still folds."""
