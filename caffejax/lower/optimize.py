@@ -1207,7 +1207,7 @@ def _rounding_elementwise(layer: Layer, kernel: Kernel | None) -> Kernel:
 
 # So is the sum of two values (an Eltwise SUM without coefficients: ResNet's joins, each read by a ReLU alone):
 # XLA:CPU computes a bfloat16 sum in float32 and rounds it, so summed in float32 and rounded by the ReLU it is
-# the same bits. ResNet-50's bf16 forward (alternating blocks, 2 AMX Xeon cores): 0.954-0.956 of the time at
+# the same bits. ResNet-50's bf16 forward (alternating blocks, 2 AMX Xeon cores): 0.954-0.974 of the time at
 # batch 16, 0.963 at batch 1. (Three or more values, or coefficients, round between the terms: left alone.)
 def _sums_two(layer: Layer, kernel: Kernel | None) -> bool:
     """Whether a layer is an Eltwise SUM of two values without coefficients, run by Caffe's rule."""
