@@ -246,8 +246,8 @@ class _PreparedWeights:
 
 @dataclasses.dataclass(frozen=True)
 class _PassPlan:
-    """What a forward pass over layers start..end works out from the graph alone (Net._pass_plan), once per range
-    and graph instead of on every pass: at LeNet's batch 1 the Python around Net.forward's program took about as
+    """What a forward pass over layers start..end works out from the graph alone (Net._pass_plan; a solver's step
+    over the whole net notes its writes too), once per range and graph instead of on every pass: at LeNet's batch 1 the Python around Net.forward's program took about as
     long as the program (0.2 ms of 0.4), and it grows with the layers (MTCNN's det4 has 61)."""
 
     layers: list
@@ -257,6 +257,7 @@ class _PassPlan:
     python_tops: list[str]  # the tops of its Python layers (_python_top_values)
     state: list[tuple[str, str]]  # (state in, state out) value ids of its layers
     weighs_loss: bool  # whether any of its values is loss-weighted (else its loss is 0)
+    writes: tuple[dict[str, str], tuple[str, ...], tuple[str, ...]]  # what it leaves in the blobs (Net._writes_of)
 
 
 @dataclasses.dataclass
@@ -424,7 +425,6 @@ class Net:
         # Which value each blob's data came from (blob -> value id): a backward over part of the net recomputes
         # the inputs of its range whose blobs a layer in place has since overwritten (_recomputed_feed).
         self._blob_holds: dict[str, str] = dict(graph.blob_value)
-        self._pass_writes: dict[tuple[int, int], tuple[dict[str, str], tuple[str, ...], tuple[str, ...]]] = {}
         self._pass_plans: dict[tuple[int, int], _PassPlan] = {}
         self._range_keys: dict[tuple[int, int], tuple] = {}
         # The layers owning learnable blobs, and each blob's key where the layer owns it (None where it shares
@@ -1012,7 +1012,7 @@ class Net:
                 layers, sorted(self._returned_values(layers)), self._reruns(layers),
                 self._feed_sources(layers, read_only=True), _python_top_values(layers),
                 [(v, out) for layer in layers for v, out in zip(layer.state_in, layer.state_out)],
-                bool(self._program.loss_weighted_values(layers)))
+                bool(self._program.loss_weighted_values(layers)), self._writes_of(layers))
         return plan
 
     def _prepared_weights(self, start: int, end: int, layers, params, fold_visible: bool) -> dict[str, list]:
@@ -1180,7 +1180,7 @@ class Net:
         """Note what a forward over layers start..end that read ``env`` left (this net's passes, and a solver's
         step over the whole net): which value each blob it wrote now holds, and what it read from blobs that a
         layer of the pass then overwrote in place. Returns the blobs it wrote -> their values."""
-        final, overwritten, made = self._writes_of_pass(start, end)
+        final, overwritten, made = self._pass_plan(start, end).writes
         if self._overwritten_inputs:  # what this pass made or read afresh supersedes what an earlier pass read
             for value in made:
                 self._overwritten_inputs.pop(value, None)
@@ -1188,26 +1188,22 @@ class Net:
         self._blob_holds.update(final)
         return final
 
-    def _writes_of_pass(self, start: int, end: int) -> tuple[dict[str, str], tuple[str, ...], tuple[str, ...]]:
-        """What a forward over layers start..end leaves, fixed per range: each blob it writes -> the value the blob
-        then holds; the values it reads from blobs that a layer of the pass then overwrites in place; and every
-        value its layers make or feed."""
-        writes = self._pass_writes.get((start, end))
-        if writes is None:
-            layers = self._program.layers_between(start, end)
-            final: dict[str, str] = {}
-            for layer in layers:
-                if not layer.is_input:
-                    final.update((top, value) for top, value in zip(layer.tops, layer.top_values) if top in self.blobs)
-            read = {value: blob for layer in layers if layer.is_input
-                    for blob, value in zip(layer.tops, layer.top_values)}
-            produced = {value for layer in layers if not layer.is_input for value in layer.top_values}
-            read.update((value, blob) for layer in layers for blob, value in zip(layer.bottoms, layer.bottom_values)
-                        if value not in produced)
-            overwritten = tuple(value for value, blob in read.items() if final.get(blob, value) != value)
-            made = tuple(value for layer in layers for value in layer.top_values)
-            writes = self._pass_writes[(start, end)] = (final, overwritten, made)
-        return writes
+    def _writes_of(self, layers) -> tuple[dict[str, str], tuple[str, ...], tuple[str, ...]]:
+        """What a forward over ``layers`` leaves (_PassPlan.writes): each blob it writes -> the value the blob then
+        holds; the values it reads from blobs that a layer of the pass then overwrites in place; and every value
+        its layers make or feed."""
+        final: dict[str, str] = {}
+        for layer in layers:
+            if not layer.is_input:
+                final.update((top, value) for top, value in zip(layer.tops, layer.top_values) if top in self.blobs)
+        read = {value: blob for layer in layers if layer.is_input
+                for blob, value in zip(layer.tops, layer.top_values)}
+        produced = {value for layer in layers if not layer.is_input for value in layer.top_values}
+        read.update((value, blob) for layer in layers for blob, value in zip(layer.bottoms, layer.bottom_values)
+                    if value not in produced)
+        overwritten = tuple(value for value, blob in read.items() if final.get(blob, value) != value)
+        made = tuple(value for layer in layers for value in layer.top_values)
+        return final, overwritten, made
 
     @staticmethod
     def _reruns(layers) -> bool:
