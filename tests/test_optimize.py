@@ -968,6 +968,36 @@ def test_channels_last_net_forward_keeps_every_blob(phase):
             assert_close(a.data, b.data, FORWARD_RTOL, FORWARD_ATOL, name)
 
 
+def test_a_net_forward_leaves_pointwise_convolutions_to_xla_and_its_backward_multiplies_them(monkeypatch):
+    """Net's programs without a backward (Net.forward, its blobs' recomputes) run 1x1 convolutions as ``nhwc``'s
+    convolutions, which XLA makes dots of itself (faster there, as in compile_inference), those with one as
+    ``conv_gemm``'s products; in bfloat16 on a CPU with bfloat16 matrix instructions both multiply. The blobs a
+    forward leaves and the gradients a backward makes after it stay Caffe's."""
+    x = np.random.default_rng(1).normal(size=(2, 8, 9, 9)).astype(np.float32)
+    plain, fast = (_zoo_net(TRAIN_ZOO, caffejax.TRAIN, channels_last) for channels_last in (False, True))
+    program = fast._program
+    pointwise = {"b", "e", "f"}
+    assert {name for name in pointwise if program.kernels[name].name == "conv_1x1_gemm"} == pointwise
+    assert {program.forward_kernels[name].name for name in pointwise} == {"conv_nhwc"}
+    assert {name for name, kernel in program.kernels.items()
+            if program.forward_kernels[name].name != kernel.name} == pointwise
+    for net in (plain, fast):
+        net.blobs["data"].data[...] = x
+        net.blobs["label"].data[...] = [1, 3]
+        net.forward()
+    for name in plain.blobs:  # the blobs the forward did not hand back, recomputed when read, too
+        assert_close(fast.blobs[name].data, plain.blobs[name].data, FORWARD_RTOL, FORWARD_ATOL, name)
+    for net in (plain, fast):
+        net.clear_param_diffs()
+        net.backward()
+    _assert_gradients_close({name: [p.diff for p in blobs] for name, blobs in fast.params.items()},
+                            {name: [p.diff for p in blobs] for name, blobs in plain.params.items()})
+
+    monkeypatch.setattr(caffejax.runtime.net, "bf16_matrix_programs", lambda dtype: True)
+    program = _zoo_net(TRAIN_ZOO, caffejax.TRAIN, channels_last=True)._program
+    assert program.forward_kernels == program.kernels
+
+
 def _assert_gradients_close(got, expected):
     """Every param gradient at Caffe's diff tolerance. Some gradients are analytically zero (a bias before a
     TRAIN BatchNorm) and hold only rounding noise: absolute errors are measured against the largest gradient

@@ -487,11 +487,13 @@ def whole_net_programs(net):
     outputs = _program_output_values(graph)
 
     # Only outputs come back, so Convolution -> BatchNorm chains whose inner values are blobs fold, as in
-    # Net.forward's pass and a solver's iteration (not over a Python layer: Net._reruns).
+    # Net.forward's pass and a solver's iteration (not over a Python layer: Net._reruns). The forward runs
+    # Net.forward's kernels (forward_kernels), the forward-backward a training step's.
     fold_visible = net._reruns(graph.layers)
 
     def forward(p, env, k):
-        values = program.run_layers(graph.layers, p, env, k, kernels=program.kernels, fold_visible=fold_visible)[0]
+        values = program.run_layers(graph.layers, p, env, k, kernels=program.forward_kernels,
+                                    fold_visible=fold_visible)[0]
         return [values[v] for v in outputs]
 
     def forward_backward(p, env, k):
@@ -586,7 +588,7 @@ def _stage_programs(net, params, env, key) -> dict:
     programs, begin = {}, 0
 
     def forward(layers, returned, p, env, k):
-        values = program.run_layers(layers, p, env, k, kernels=program.kernels, fold_visible=fold_visible)[0]
+        values = program.run_layers(layers, p, env, k, kernels=program.forward_kernels, fold_visible=fold_visible)[0]
         return [values[v] for v in returned]
 
     def forward_backward(first, last, diff_values, p, env, seeds, k):

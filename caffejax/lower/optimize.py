@@ -990,17 +990,21 @@ def conv_im2col(plan: Plan) -> Plan:
 _PREPARED_ONCE_ONLY = frozenset({"conv_winograd_f2x2_3x3", "inner_product_nhwc"})
 
 
-def layout_kernels(graph: Graph) -> dict[str, Kernel]:
+def layout_kernels(graph: Graph, pointwise_products: bool = True) -> dict[str, Kernel]:
     """The layout kernels (``nhwc``, ``conv_gemm``, ``conv_taps``) for running a net's own program: the
     same values as Caffe's rules up to float rounding, with traced weights, so forward, backward and training
     use them; Convolution -> BatchNorm [-> Scale] chains get their folded form as well (:func:`batch_norm_chains`).
 
     Nothing is folded for good and every blob keeps its meaning; layers drawing random numbers (Dropout) keep
     Caffe's layout, so their masks are the ones the NCHW program draws.
+
+    ``pointwise_products=False`` leaves 1x1 convolutions to ``nhwc``'s kernel (no ``conv_gemm``): for programs
+    without a backward, as for ``compile_inference`` (see :data:`DEFAULT_PASSES`).
     """
     shapes = {layer.name: [jax.ShapeDtypeStruct(slot.shape, jnp.float32) for slot in layer.params]
               for layer in graph.layers}
-    plan = conv_taps(conv_gemm(nhwc(Plan(graph, shapes, {}))))
+    plan = nhwc(Plan(graph, shapes, {}))
+    plan = conv_taps(conv_gemm(plan) if pointwise_products else plan)
     random = {layer.name for layer in graph.layers if layer.type == "Dropout"}
     kernels = {name: kernel for name, kernel in plan.kernels.items()
                if kernel.name not in _PREPARED_ONCE_ONLY and name not in random}
@@ -1275,7 +1279,8 @@ PASSES: dict[str, Callable[[Plan], Plan]] = {
 # itself, and those ran faster. Paired A/B of whole forwards (4-12 alternating rounds), conv_gemm off against
 # on: SqueezeNet v1.1 0.80-0.81 at batch 1 and 0.93 at batch 16, MobileNet v2 0.83-0.87 / 0.91, ResNet-50
 # 0.85 / 0.92, GoogLeNet 0.90 / 0.89. Training programs keep it (layout_kernels): MobileNet v2's step was 9%
-# slower without it, SqueezeNet's the same.
+# slower without it, SqueezeNet's the same. Net's programs without a backward leave it out too
+# (layout_kernels(pointwise_products=False), Net._net_program).
 # conv_im2col, winograd_medium, widen and defer_rounding pay only with bfloat16 values
 # (caffejax.runtime.inference.default_passes).
 DEFAULT_PASSES: tuple[str, ...] = tuple(name for name in PASSES if name not in (

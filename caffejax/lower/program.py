@@ -40,13 +40,17 @@ class NetProgram:
     its layer and the ones after it as one where the run allows (:meth:`_chain`). Forward and
     ``loss_and_grads`` use them; paths that put per-value masks or perturbations on values (Net.backward's
     diffs, caffejax.grad's blob masks) run Caffe's layout throughout, as those have Caffe's shapes.
+    ``forward_kernels`` (default: ``kernels``) are the ones for programs that only run forward (Net.forward
+    without a pullback, and the recomputes of its values): the kernels fastest without a backward.
     """
 
-    def __init__(self, graph: Graph, kernels: Mapping[str, Any] | None = None):
+    def __init__(self, graph: Graph, kernels: Mapping[str, Any] | None = None,
+                 forward_kernels: Mapping[str, Any] | None = None):
         self.graph = graph
         self.rules = [get_rule(layer.type) for layer in graph.layers]
         self.position = {id(layer): i for i, layer in enumerate(graph.layers)}
         self.kernels = dict(kernels or {})
+        self.forward_kernels = self.kernels if forward_kernels is None else dict(forward_kernels)
 
     # -- forward --------------------------------------------------------------------------------------------
     def run_layers(self, layers: Sequence[Layer], params: Params, env: Values, key: jax.Array | None,
@@ -129,12 +133,13 @@ class NetProgram:
 
     def prepare_weights(self, layers: Sequence[Layer], params: Params, fold_visible: bool = False
                         ) -> dict[str, list[jax.Array]]:
-        """The arrays the kernels of a run of ``layers`` (without masks) read, in their own form: a kernel's
-        ``prepare`` (channels-last filters), a chain's (BatchNorm folded into the filters). By layer name; the
-        layers whose kernels read the arrays as they are are left out. ``run_layers(prepared=...)`` takes them:
-        made once while the weights stay (Net.forward), not in every forward."""
+        """The arrays the :attr:`forward_kernels` of a run of ``layers`` (without masks) read, in their own form: a
+        kernel's ``prepare`` (channels-last filters), a chain's (BatchNorm folded into the filters). By layer name;
+        the layers whose kernels read the arrays as they are are left out. ``run_layers(prepared=...,
+        kernels=forward_kernels)`` takes them: made once while the weights stay (Net.forward), not in every
+        forward."""
         prepared = {}
-        for _, layer, kernel, chain in self._computed_layers(layers, self.kernels, False, fold_visible):
+        for _, layer, kernel, chain in self._computed_layers(layers, self.forward_kernels, False, fold_visible):
             if chain:
                 blobs = [p for link in (layer, *chain) for p in self._layer_blobs(link, params, False, None)]
                 prepared[layer.name] = list(kernel.chain.prepare(blobs))

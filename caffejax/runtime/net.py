@@ -42,7 +42,7 @@ from caffejax.runtime.memory import DeviceMemoryErrors
 from caffejax.runtime.net_init_log import log_net_init
 from caffejax.runtime.program_cache import cache_directory, describe_graph, jit_through_cache
 from caffejax.runtime.snapshot import write_model_hdf5
-from caffejax.runtime.xla_options import compiler_options, matmul_flops
+from caffejax.runtime.xla_options import bf16_matrix_programs, compiler_options, matmul_flops
 
 log = logging.getLogger("caffejax")
 
@@ -404,11 +404,24 @@ class Net:
     def _concrete_data(self) -> dict[str, np.ndarray]:
         return {blob: np.array(self.blobs[blob].data) for blob in self._concrete_blobs().values()}
 
+    def _net_program(self, graph: Graph) -> NetProgram:
+        """The graph's program. Channels-last, programs with a backward multiply 1x1 convolutions as products
+        (``conv_gemm``), those without leave them to XLA, which makes dots of them itself, as compile_inference's
+        do; except in bfloat16 on a CPU with bfloat16 matrix instructions, where only the products run on those.
+        Net.forward without them (alternating blocks, 2 AMX Xeon cores): at batch 1 MobileNet v2 0.81 of the time,
+        SqueezeNet v1.1 0.85, ResNet-50 0.91, GoogLeNet 0.94-0.96; at batch 16 MobileNet v2 0.89-0.93, ResNet-50
+        0.93, GoogLeNet 0.95, SqueezeNet v1.1 0.97-1.03; nets without 1x1 layers (LeNet, AlexNet) even."""
+        if not self.channels_last:
+            return NetProgram(graph)
+        kernels = layout_kernels(graph)
+        forward = kernels if bf16_matrix_programs(self._dtype) else layout_kernels(graph, pointwise_products=False)
+        return NetProgram(graph, kernels, forward)
+
     def _set_graph(self, graph: Graph) -> None:
         """Adopt a (re)built graph: blobs are kept by name and reshaped; new ones are created."""
         signature = self._signature(graph)
         if signature not in self._programs:
-            self._programs[signature] = NetProgram(graph, layout_kernels(graph) if self.channels_last else None)
+            self._programs[signature] = self._net_program(graph)
         self._program = self._programs[signature]
         # A rebuild at shapes seen before gives an equal graph of new objects; the net keeps the one its program
         # was made from, whose layers the program knows (find_first_nan walks net.graph through net._program).
@@ -715,7 +728,8 @@ class Net:
         program, returned = self._program, tuple(sorted(wanted))
 
         def recompute(params, env, key, recorded):
-            values = program.run_layers(prefix, params, env, key, kernels=program.kernels, recorded=recorded)[0]
+            values = program.run_layers(prefix, params, env, key, kernels=program.forward_kernels,
+                                        recorded=recorded)[0]
             return {v: values[v] for v in returned}
 
         fn = self._jitted("recompute", chosen[-1], before - 1, self._with_concrete(recompute),
@@ -949,7 +963,7 @@ class Net:
         reruns = plan.reruns
 
         def outputs_only(params, env, key, prepared):
-            values, updates = program.run_layers(layers, params, env, key, kernels=program.kernels,
+            values, updates = program.run_layers(layers, params, env, key, kernels=program.forward_kernels,
                                                  fold_visible=reruns, prepared=prepared)
             return {v: values[v] for v in returned if v in values}, updates, program.loss(values, layers)
 
@@ -1034,7 +1048,7 @@ class Net:
         if kept is not None and kept.program is program and kept.made_from(leaves):
             return kept.arrays
         laid_out = sum(count(slot.shape) * self._dtype.itemsize for layer in layers
-                       if (kernel := program.kernels.get(layer.name)) is not None
+                       if (kernel := program.forward_kernels.get(layer.name)) is not None
                        and (kernel.prepares or kernel.chain is not None) for slot in layer.params)
         prepared = {}
         if laid_out >= PREPARED_WEIGHTS_MIN_BYTES:
@@ -1236,7 +1250,7 @@ class Net:
         program = self._program
         layers = program.layers_between(start, end)
         all_values = self._jitted("forward-all", start, end, self._with_concrete(
-            lambda params, env, key: program.run_layers(layers, params, env, key, kernels=program.kernels)[0]))
+            lambda params, env, key: program.run_layers(layers, params, env, key, kernels=program.forward_kernels)[0]))
 
         def materialize():
             computed = all_values(params, env, key if fold is None else fold_key(key, fold))
