@@ -968,23 +968,31 @@ def test_channels_last_net_forward_keeps_every_blob(phase):
             assert_close(a.data, b.data, FORWARD_RTOL, FORWARD_ATOL, name)
 
 
-def test_a_net_forward_leaves_pointwise_convolutions_to_xla_and_its_backward_multiplies_them(monkeypatch):
+@pytest.mark.parametrize("prepared_apart", [False, True])
+def test_a_net_forward_runs_the_inference_kernels_and_its_backward_the_training_ones(monkeypatch, prepared_apart):
     """Net's programs without a backward (Net.forward, its blobs' recomputes) run 1x1 convolutions as ``nhwc``'s
-    convolutions, which XLA makes dots of itself (faster there, as in compile_inference), those with one as
-    ``conv_gemm``'s products; in bfloat16 on a CPU with bfloat16 matrix instructions both multiply. The blobs a
-    forward leaves and the gradients a backward makes after it stay Caffe's."""
+    convolutions, which XLA makes dots of itself, and small 3x3 ones as Winograd, as compile_inference does (both
+    faster there); those with a backward run ``conv_gemm``'s products and XLA's convolutions. In bfloat16 on a CPU
+    with bfloat16 matrix instructions both multiply. The blobs a forward leaves (BatchNorm folded into Winograd's
+    filters, in the forward or, ``prepared_apart``, in a program of their own) and the gradients a backward makes
+    after it stay Caffe's."""
+    if prepared_apart:
+        monkeypatch.setattr(caffejax.runtime.net, "PREPARED_WEIGHTS_MIN_BYTES", 0)
     x = np.random.default_rng(1).normal(size=(2, 8, 9, 9)).astype(np.float32)
     plain, fast = (_zoo_net(TRAIN_ZOO, caffejax.TRAIN, channels_last) for channels_last in (False, True))
     program = fast._program
-    pointwise = {"b", "e", "f"}
+    pointwise, small_3x3 = {"b", "e", "f"}, {"a", "c", "c5"}
     assert {name for name in pointwise if program.kernels[name].name == "conv_1x1_gemm"} == pointwise
     assert {program.forward_kernels[name].name for name in pointwise} == {"conv_nhwc"}
+    assert {program.kernels[name].name for name in small_3x3} == {"conv_nhwc"}
+    assert {program.forward_kernels[name].name for name in small_3x3} == {"conv_winograd_f2x2_3x3"}
     assert {name for name, kernel in program.kernels.items()
-            if program.forward_kernels[name].name != kernel.name} == pointwise
+            if program.forward_kernels[name].name != kernel.name} == pointwise | small_3x3
     for net in (plain, fast):
         net.blobs["data"].data[...] = x
         net.blobs["label"].data[...] = [1, 3]
         net.forward()
+    assert bool(fast._prepared[(0, len(fast.layers) - 1, True)].arrays) == prepared_apart
     for name in plain.blobs:  # the blobs the forward did not hand back, recomputed when read, too
         assert_close(fast.blobs[name].data, plain.blobs[name].data, FORWARD_RTOL, FORWARD_ATOL, name)
     for net in (plain, fast):
@@ -992,6 +1000,19 @@ def test_a_net_forward_leaves_pointwise_convolutions_to_xla_and_its_backward_mul
         net.backward()
     _assert_gradients_close({name: [p.diff for p in blobs] for name, blobs in fast.params.items()},
                             {name: [p.diff for p in blobs] for name, blobs in plain.params.items()})
+
+    # A Convolution -> BatchNorm -> Scale chain (global statistics) run as Winograd: folded, then transformed.
+    x = np.random.default_rng(2).normal(size=(4, 8, 9, 9)).astype(np.float32)
+    plain, fast = (_zoo_net(ZOO, caffejax.TEST, channels_last) for channels_last in (False, True))
+    for net in (plain, fast):
+        net.blobs["data"].reshape(*x.shape)
+        net.reshape()
+        net.blobs["data"].data[...] = x
+        net.forward()
+    kernel = fast._program.forward_kernels["a"]
+    assert kernel.name == "conv_winograd_f2x2_3x3" and kernel.chain.layers == ("a_bn", "a_scale")
+    for name in plain.blobs:
+        assert_close(fast.blobs[name].data, plain.blobs[name].data, FORWARD_RTOL, FORWARD_ATOL, name)
 
     monkeypatch.setattr(caffejax.runtime.net, "bf16_matrix_programs", lambda dtype: True)
     program = _zoo_net(TRAIN_ZOO, caffejax.TRAIN, channels_last=True)._program

@@ -551,15 +551,21 @@ _WINOGRAD_AT = np.array([[1, 1, 1, 0], [0, 1, -1, -1]], np.float64)
 
 
 def _winograd_filters(params: ParamArrays) -> ParamArrays:
-    """3x3 filters O x C x 3 x 3 as U = G g G^T: 16 matrices C x O, one per point of the 4x4 tile."""
-    w = np.asarray(params[0], np.float32)
+    """3x3 filters O x C x 3 x 3 as U = G g G^T: 16 matrices C x O, one per point of the 4x4 tile. NumPy
+    filters (compile_inference's, prepared once) give a NumPy result the device can adopt; traced ones (a Net's
+    forward, BatchNorm folded into them first: layout_kernels) a traced one."""
+    w = params[0]
     o, c = w.shape[:2]
     # (G g G^T)[a, b] = sum_kl G[a, k] G[b, l] g[k, l]: one float32 product of kron(G, G) (16 x 9, entries
     # 0, +-1/4, +-1/2, 1: exact) with the 9 taps of every filter, 16 x (O*C).
     # The taps go to (C, O) order first: moving 9-tap rows is cheap, transposing the 16 results is not.
-    taps = np.ascontiguousarray(w.reshape(o, c, 9).transpose(1, 0, 2)).reshape(c * o, 9)
-    u = np.matmul(np.kron(_WINOGRAD_G, _WINOGRAD_G).astype(np.float32), taps.T,
-                  out=aligned_empty((16, c * o), np.float32))
+    gg = np.kron(_WINOGRAD_G, _WINOGRAD_G).astype(np.float32)
+    if isinstance(w, np.ndarray):
+        taps = np.ascontiguousarray(w.astype(np.float32).reshape(o, c, 9).transpose(1, 0, 2)).reshape(c * o, 9)
+        u = np.matmul(gg, taps.T, out=aligned_empty((16, c * o), np.float32))
+    else:
+        taps = w.astype(jnp.promote_types(w.dtype, jnp.float32)).reshape(o, c, 9).transpose(1, 0, 2)
+        u = jnp.matmul(gg, taps.reshape(c * o, 9).T, precision=lax.Precision.HIGHEST)
     return [u.reshape(16, c, o)] + list(params[1:])
 
 
@@ -985,12 +991,12 @@ def conv_im2col(plan: Plan) -> Plan:
 
 # ---- layout kernels for Caffe's own programs (Net.forward, training) ----------------------------------------
 
-# Kernels whose ``prepare`` works on NumPy weights only, or would copy a big weight on every traced call (the
-# channels-last InnerProduct permutes its weight's columns; transposing its input back costs far less).
-_PREPARED_ONCE_ONLY = frozenset({"conv_winograd_f2x2_3x3", "inner_product_nhwc"})
+# Kernels whose ``prepare`` would copy a big weight on every traced call (the channels-last InnerProduct
+# permutes its weight's columns; transposing its input back costs far less).
+_PREPARED_ONCE_ONLY = frozenset({"inner_product_nhwc"})
 
 
-def layout_kernels(graph: Graph, pointwise_products: bool = True) -> dict[str, Kernel]:
+def layout_kernels(graph: Graph, differentiated: bool = True) -> dict[str, Kernel]:
     """The layout kernels (``nhwc``, ``conv_gemm``, ``conv_taps``) for running a net's own program: the
     same values as Caffe's rules up to float rounding, with traced weights, so forward, backward and training
     use them; Convolution -> BatchNorm [-> Scale] chains get their folded form as well (:func:`batch_norm_chains`).
@@ -998,13 +1004,14 @@ def layout_kernels(graph: Graph, pointwise_products: bool = True) -> dict[str, K
     Nothing is folded for good and every blob keeps its meaning; layers drawing random numbers (Dropout) keep
     Caffe's layout, so their masks are the ones the NCHW program draws.
 
-    ``pointwise_products=False`` leaves 1x1 convolutions to ``nhwc``'s kernel (no ``conv_gemm``): for programs
-    without a backward, as for ``compile_inference`` (see :data:`DEFAULT_PASSES`).
+    ``differentiated=False``: the kernels for programs without a backward, as ``compile_inference`` picks them
+    (see :data:`DEFAULT_PASSES`): 1x1 convolutions left to ``nhwc``'s kernel (no ``conv_gemm``), small 3x3 ones
+    as Winograd (``winograd``; in training XLA's convolution is the faster).
     """
     shapes = {layer.name: [jax.ShapeDtypeStruct(slot.shape, jnp.float32) for slot in layer.params]
               for layer in graph.layers}
     plan = nhwc(Plan(graph, shapes, {}))
-    plan = conv_taps(conv_gemm(plan) if pointwise_products else plan)
+    plan = conv_taps(conv_gemm(plan)) if differentiated else winograd(conv_taps(plan))
     random = {layer.name for layer in graph.layers if layer.type == "Dropout"}
     kernels = {name: kernel for name, kernel in plan.kernels.items()
                if kernel.name not in _PREPARED_ONCE_ONLY and name not in random}
@@ -1280,7 +1287,7 @@ PASSES: dict[str, Callable[[Plan], Plan]] = {
 # on: SqueezeNet v1.1 0.80-0.81 at batch 1 and 0.93 at batch 16, MobileNet v2 0.83-0.87 / 0.91, ResNet-50
 # 0.85 / 0.92, GoogLeNet 0.90 / 0.89. Training programs keep it (layout_kernels): MobileNet v2's step was 9%
 # slower without it, SqueezeNet's the same. Net's programs without a backward leave it out too
-# (layout_kernels(pointwise_products=False), Net._net_program).
+# (layout_kernels(differentiated=False), Net._net_program).
 # conv_im2col, winograd_medium, widen and defer_rounding pay only with bfloat16 values
 # (caffejax.runtime.inference.default_passes).
 DEFAULT_PASSES: tuple[str, ...] = tuple(name for name in PASSES if name not in (

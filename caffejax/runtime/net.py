@@ -406,15 +406,20 @@ class Net:
 
     def _net_program(self, graph: Graph) -> NetProgram:
         """The graph's program. Channels-last, programs with a backward multiply 1x1 convolutions as products
-        (``conv_gemm``), those without leave them to XLA, which makes dots of them itself, as compile_inference's
-        do; except in bfloat16 on a CPU with bfloat16 matrix instructions, where only the products run on those.
-        Net.forward without them (alternating blocks, 2 AMX Xeon cores): at batch 1 MobileNet v2 0.81 of the time,
-        SqueezeNet v1.1 0.85, ResNet-50 0.91, GoogLeNet 0.94-0.96; at batch 16 MobileNet v2 0.89-0.93, ResNet-50
-        0.93, GoogLeNet 0.95, SqueezeNet v1.1 0.97-1.03; nets without 1x1 layers (LeNet, AlexNet) even."""
+        (``conv_gemm``); those without run compile_inference's kernels (layout_kernels(differentiated=False)):
+        1x1 convolutions left to XLA, which makes dots of them itself, small 3x3 ones as Winograd. Except in
+        bfloat16 on a CPU with bfloat16 matrix instructions, where only the products run on those.
+
+        Net.forward (alternating blocks, 2 AMX Xeon cores), 1x1 layers left to XLA: at batch 1 MobileNet v2 0.81
+        of the time, SqueezeNet v1.1 0.85, ResNet-50 0.91, GoogLeNet 0.94-0.96; at batch 16 MobileNet v2 0.89-0.93,
+        ResNet-50 0.93, GoogLeNet 0.95, SqueezeNet v1.1 0.97-1.03; LeNet and AlexNet (no 1x1 layers) even. With
+        Winograd too, at batch 16: ResNet-50 0.93, GoogLeNet 0.97, SqueezeNet v1.1 0.99 (batch 1 has too few
+        tiles for it); ResNet-50's first forward at batch 16 took 2.7 s against 2.1 s, paid back in 17 forwards.
+        Both against the training kernels at batch 16: ResNet-50 0.88, MobileNet v2 0.89, GoogLeNet 0.94."""
         if not self.channels_last:
             return NetProgram(graph)
         kernels = layout_kernels(graph)
-        forward = kernels if bf16_matrix_programs(self._dtype) else layout_kernels(graph, pointwise_products=False)
+        forward = kernels if bf16_matrix_programs(self._dtype) else layout_kernels(graph, differentiated=False)
         return NetProgram(graph, kernels, forward)
 
     def _set_graph(self, graph: Graph) -> None:
