@@ -371,6 +371,36 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "
 """
 
 
+def test_a_pass_folds_its_key_in_its_program_and_only_a_rerun_makes_it_apart(monkeypatch):
+    """Net.forward and Solver.step fold the pass count into the seed's key inside their programs (XLA drops the
+    fold where no layer draws random numbers), not by a call of their own on every pass (LeNet's Net.forward at
+    batch 1: 46 us of 335). Only running the layers again makes the key apart: a deferred blob's recompute,
+    which draws the forward's Dropout mask."""
+    made = []
+    fold_key = caffejax.runtime.net.fold_key
+    monkeypatch.setattr(caffejax.runtime.net, "fold_key", lambda key, n: made.append(int(n)) or fold_key(key, n))
+    caffejax.set_random_seed(3)
+    net = caffejax.Net(parse_net_text(DROPOUT_NET), caffejax.TRAIN)
+    net.blobs["x"].data[...] = np.random.default_rng(0).normal(size=(4, 3, 6, 6))
+    labels = np.array([0, 1, 2, 1])
+    net.blobs["label"].data[...] = labels
+    loss = net.forward()["loss"]
+    assert made == []
+    ip = net.blobs["ip"].data  # recomputed with the key made now
+    assert made == [net._pass_count]
+    logp = ip - ip.max(axis=1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(axis=1, keepdims=True))
+    np.testing.assert_allclose(loss, -logp[np.arange(4), labels].mean(), rtol=1e-5)
+    assert 0 < np.count_nonzero(net.blobs["drop"].data) < np.count_nonzero(net.blobs["conv"].data)
+
+    solver = _dropout_net_solver("SGD")
+    made.clear()
+    solver.step(2)
+    assert made == []
+    solver.net.blobs["drop"].data
+    assert made == [solver.net._pass_count, 0]  # the step's key, then its pass's
+
+
 def test_blobs_after_a_step_hold_its_forward(monkeypatch):
     """An iteration's program hands back only the net's outputs (written out, every blob made MobileNet v2's
     iteration 2x slower); the other blobs, read after the step, are recomputed from the weights before the update
@@ -513,7 +543,7 @@ def test_a_step_writes_the_new_weights_into_the_buffers_of_the_weights_before_th
     solver = _dropout_net_solver(kind)
     ids = lambda arrays: [id(a) for a in arrays]  # noqa: E731 (holding the arrays would keep them from being given)
     calls = _record_iterations(solver, lambda args, outputs: (
-        ids(args[0][l.layer][l.index] for l in solver._learnables), ids(args[6])))
+        ids(args[0][l.layer][l.index] for l in solver._learnables), ids(args[-1])))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # JAX warns of donated buffers that no output took
         solver.step(4)
@@ -548,7 +578,7 @@ def test_a_failed_iteration_forgets_the_blobs_deferred_from_the_weights_it_gave_
         step = program()
 
         def run(*args):
-            for spare in args[6]:
+            for spare in args[-1]:  # (the last argument: _into_spare)
                 spare.delete()  # as giving them up does
             raise RuntimeError("the program failed")
 

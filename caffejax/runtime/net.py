@@ -176,6 +176,34 @@ def _with_device_arguments(program):
     return run
 
 
+def _folding_key(fn, position: int = 2):
+    """``fn(*args)``, whose ``args[position]`` is a pass's key, as a program taking the pass's seed key and count
+    (Net._next_pass) there in place of it, which it folds itself: where no layer draws random numbers, XLA drops
+    the fold."""
+    def run(*args):
+        seed_key, count = args[position:position + 2]
+        return fn(*args[:position], jax.random.fold_in(seed_key, count), *args[position + 2:])
+    return run
+
+
+class _PassKey:
+    """A pass's key, made when first asked for: ``key()`` folds ``n`` into ``base`` (a seed key and a pass count,
+    Net._next_pass; a solver's step key, itself a _PassKey, and 0). Its program folds the key itself where it draws
+    random numbers
+    (:func:`_folding_key`); this one only a backward or a deferred blob's recompute running the pass's layers again
+    asks for. Folded by a call of its own on every pass, it cost LeNet's Net.forward at batch 1 46 us of 335 (2 AMX
+    Xeon cores), where the program drew no random numbers."""
+
+    def __init__(self, base: jax.Array, n):
+        self._parts, self._key = (base, n), None
+
+    def __call__(self) -> jax.Array:
+        if self._key is None:
+            base, n = self._parts
+            self._key = fold_key(base() if isinstance(base, _PassKey) else base, n)
+        return self._key
+
+
 def _with_program_errors(program, graph: Graph, source):
     """``program(*args)`` inside :class:`DeviceMemoryErrors` for ``graph``, a layer's error from its first
     trace (weights that no longer fit a reshaped bottom) located at the layer's line in ``source``."""
@@ -318,7 +346,7 @@ class Net:
         self._blob_index_map: tuple[Any, dict[str, int]] = (None, {})  # (graph, blob name -> index)
         # pycaffe's net.before_forward(fn) ... after_backward(fn): called with each layer's index around it
         self._layer_callbacks: dict[str, list] = {when: [] for when in _CALLBACK_POINTS}
-        self._layer_inputs: dict[int, tuple[dict[str, Any], Any]] = {}  # (what it read, its key), one by one
+        self._layer_inputs: dict[int, tuple[dict[str, Any], _PassKey]] = {}  # (what it read, its key), one by one
         # Forward passes' pullbacks by range, for the backward passes over the same ranges (_wants_pullback): the
         # ranges whose forward a backward followed, and whether every pass keeps one (a solver's iteration).
         self._pullbacks: dict[tuple[int, int], _Pullback] = {}
@@ -337,7 +365,7 @@ class Net:
         # Each forward pass's key by its range (first, last layer): a backward over part of it, or find_first_nan's
         # replay, takes that pass's key (its Dropout masks), not the last pass's (in a net run in stages, the
         # layers after the proposals).
-        self._pass_keys: dict[tuple[int, int], jax.Array] = {}
+        self._pass_keys: dict[tuple[int, int], _PassKey] = {}
         self._seed_key: tuple[int, jax.Array] | None = None  # (seed, jax.random.key(seed)), made once per seed
         # State layers carry between forwards (RNN/LSTM's h_T -> h_0), by the value id a forward reads it
         # as: what the next forward reads, and what the last forward read (backward recomputes from it).
@@ -772,15 +800,19 @@ class Net:
             return fn
         return lambda params, env, *rest: fn(params, {**env, **concrete}, *rest)
 
-    def _next_key(self) -> jax.Array:
-        """This pass's key: the seed's key with the pass count folded in. The seed's key is made once, and
-        the fold runs as one compiled call: eagerly, ``jax.random.key`` and ``fold_in`` cost 0.1-0.2 ms each
-        (0.3 ms a pass, against LeNet's whole training step of 3 ms)."""
+    def _next_pass(self) -> tuple[jax.Array, np.uint32]:
+        """This pass's seed key and count, whose fold (``jax.random.fold_in``) is the pass's key. The seed's key
+        is made once: eagerly, ``jax.random.key`` costs 0.1-0.2 ms. A program folds them itself (:func:`_folding_key`)."""
         self._pass_count += 1
         seed = mode.random_seed()
         if self._seed_key is None or self._seed_key[0] != seed:
             self._seed_key = (seed, jax.random.key(seed))
-        return fold_key(self._seed_key[1], self._pass_count)
+        return self._seed_key[1], np.uint32(self._pass_count)
+
+    def _next_key(self) -> jax.Array:
+        """This pass's key (:meth:`_next_pass`) on its own, as one compiled call (eagerly, ``fold_in`` costs
+        0.1-0.2 ms)."""
+        return fold_key(*self._next_pass())
 
     def _jitted(self, kind: str, start: int, end: int, build, variant: tuple = ()):
         """The compiled program of ``kind`` over layers start..end, ``build`` traced the first time; ``variant``
@@ -978,11 +1010,10 @@ class Net:
             seeded = tuple(self._backward_seeds([layer for layer in layers if not layer.runs_on_host]))
             returned = sorted({*returned, *seeded})
             fn = self._jitted("forward-pullback", start, end, self._with_concrete(
-                self._forward_with_pullback(layers, returned, seeded, pullback_of)))
+                _folding_key(self._forward_with_pullback(layers, returned, seeded, pullback_of))))
         else:
-            fn = self._jitted("forward", start, end, self._with_concrete(outputs_only))
-        key = self._next_key()
-        self._note_pass_key(start, end, key)
+            fn = self._jitted("forward", start, end, self._with_concrete(_folding_key(outputs_only)))
+        seed_key, count = self._next_pass()
         # What this pass sees, kept for a deferred blob's recompute: device values, and private copies of host
         # arrays (ArraySlot.value), which the program call moves to the device (_jitted).
         params = self.param_arrays()
@@ -990,17 +1021,20 @@ class Net:
         if plan.state:
             env.update(self._read_state(layers))
         host_fed = self._host_feed(layers) if self._host_layers else {}
-        if keep_inputs:  # one layer run on its own: its backward reads what it read (not the blobs' later data),
-            self._layer_inputs[start] = (env, key)  # with its key (the same Dropout mask)
         # (Not layer by layer: there each layer's program prepares its own weights, as one program more per layer
         # would cost a compile and a call and save nothing.)
-        arguments = (params, env, key) if pullback_of is not None else (
-            params, env, key, {} if keep_inputs else self._prepared_weights(start, end, layers, params, reruns))
+        arguments = (params, env, seed_key, count) if pullback_of is not None else (
+            params, env, seed_key, count,
+            {} if keep_inputs else self._prepared_weights(start, end, layers, params, reruns))
         try:  # a Python layer's failure inside the program surfaces here, typed, once the program has run
             with self._python_layers:
                 values, updates, loss, *pullback = jax.block_until_ready(fn(*arguments))
         except TopsSizedByData:
             return self._forward_sized_by_data(start, end, keep_inputs)
+        key = _PassKey(seed_key, count)
+        self._note_pass_key(start, end, key)
+        if keep_inputs:  # one layer run on its own: its backward reads what it read (not the blobs' later data),
+            self._layer_inputs[start] = (env, key)  # with its key (the same Dropout mask)
         if pullback:
             self._pullbacks[(start, end)] = _Pullback(
                 pullback[0], pullback_of, None if self._keep_every_pullback else jax.tree.leaves((params, env)),
@@ -1097,7 +1131,7 @@ class Net:
             digest = digests[range_key] = hashed.digest()
         return digest
 
-    def _note_pass_key(self, start: int, end: int, key: jax.Array) -> None:
+    def _note_pass_key(self, start: int, end: int, key: _PassKey) -> None:
         """Remember the key of a forward pass over layers start..end (it supersedes those of passes it overlaps)."""
         self._last_key = key
         self._pass_keys = {(a, b): k for (a, b), k in self._pass_keys.items() if b < start or a > end}
@@ -1108,8 +1142,8 @@ class Net:
         came from; else the last pass's (or a new one, before any forward)."""
         for (a, b), key in self._pass_keys.items():
             if a <= first and last <= b:
-                return key
-        return self._last_key if self._last_key is not None else self._next_key()
+                return key()
+        return self._last_key() if self._last_key is not None else self._next_key()
 
     @contextlib.contextmanager
     def _keeping_pullbacks(self):
@@ -1244,12 +1278,10 @@ class Net:
         return ({v for v in tops if v not in consumed} | set(self._program.loss_weighted_values(layers)) | state
                 | host_reads)
 
-    def _defer_blobs(self, start: int, end: int, deferred: Mapping[str, str], params, env, key,
-                     fold: int | None = None) -> None:
+    def _defer_blobs(self, start: int, end: int, deferred: Mapping[str, str], params, env, key: _PassKey) -> None:
         """Blobs (name -> value id) a pass over layers start..end computed without returning them: on the first
-        read of any of them, the pass runs again over the same params, inputs and key (with ``fold`` folded in,
-        as a training step's pass has it; the same kernels, so the same Dropout masks), and sets them all.
-        Returning every blob makes a program write each one out."""
+        read of any of them, the pass runs again over the same params, inputs and key (so the same Dropout
+        masks), and sets them all. Returning every blob makes a program write each one out."""
         if not deferred:
             return
         program = self._program
@@ -1258,7 +1290,7 @@ class Net:
             lambda params, env, key: program.run_layers(layers, params, env, key, kernels=program.forward_kernels)[0]))
 
         def materialize():
-            computed = all_values(params, env, key if fold is None else fold_key(key, fold))
+            computed = all_values(params, env, key())
             for top, value in deferred.items():
                 if self.blobs[top]._data._pending is materialize:
                     self.blobs[top]._data.set(computed[value])
@@ -1459,7 +1491,7 @@ class Net:
         kept = self._layer_inputs.get(start) if start == end else None
         params = self.param_arrays()
         if kept is not None:
-            env, key = kept
+            env, key = kept[0], kept[1]()
         else:
             key = self._key_of_forward(end, start)
             env = {**self._last_forward_feed(layers, read_only=True), **self._state_feed(layers, self._state_seen)}

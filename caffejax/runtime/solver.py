@@ -59,7 +59,7 @@ from caffejax.runtime.debug_info import log_param_norms
 from caffejax.runtime.distributed import DataParallel, Devices
 from caffejax.runtime.memory import DeviceMemoryErrors
 from caffejax.runtime.mode import GlogFormatter, log_float
-from caffejax.runtime.net import Net, _python_top_values, fold_key, pulls_batches, to_device
+from caffejax.runtime.net import Net, _folding_key, _PassKey, _python_top_values, pulls_batches, to_device
 from caffejax.runtime.program_cache import describe_graph, jit_through_cache
 from caffejax.runtime.xla_options import compiler_options
 
@@ -376,10 +376,12 @@ class Solver:
             else:
                 # Not the history where a Python layer may size its tops by the data: the step then fails
                 # (TopsSizedByData) after giving it up, and the iteration runs again by passes.
-                fn = jit_through_cache(_into_spare(counted_step(net._program, returned=self._returned_blobs())),
-                                       options=compiler_options(net.graph, backward=True),
+                # It folds the pass count into the seed's key itself (net._folding_key): (params, history, fed,
+                # pulled, seed key, count, scalars, spare).
+                step = _folding_key(counted_step(net._program, returned=self._returned_blobs()), 4)
+                fn = jit_through_cache(_into_spare(step), options=compiler_options(net.graph, backward=True),
                                        describe=self._step_description, keep_unused=True,
-                                       donate_argnums=(6,) if self._tops_may_be_sized_by_data else (1, 6))
+                                       donate_argnums=(7,) if self._tops_may_be_sized_by_data else (1, 7))
             self._programs[cache_key] = fn
         return fn
 
@@ -465,14 +467,16 @@ class Solver:
             fed.update(net._read_state(graph.layers))
         pulled = {pulled_values[top]: array for top, array in stacked.items()}
         fn = self._step_program()
-        before, key = net.param_arrays(), net._next_key()
+        before = net.param_arrays()
         scalars = self.step_scalars(rate)
         if self._parallel is None:
-            before, fed, pulled, scalars = to_device((before, fed, pulled, scalars))
+            seed_key, count = net._next_pass()
+            key = _PassKey(seed_key, count)
+            before, fed, pulled, scalars, count = to_device((before, fed, pulled, scalars, count))
             spare = self._spare_weights(before)
             try:
                 with net._python_layers:
-                    outputs = fn(before, self._history, fed, pulled, key, scalars, spare)
+                    outputs = fn(before, self._history, fed, pulled, seed_key, count, scalars, spare)
                     if self._tops_may_be_sized_by_data:
                         jax.block_until_ready(outputs)  # a Python layer's failure surfaces here, typed
             except TopsSizedByData:
@@ -487,6 +491,7 @@ class Solver:
                 raise
             self._spare = before
         else:
+            key = net._next_key()
             outputs = fn(before, self._history, fed, pulled, key, scalars)
         params, history, loss, updates, blobs, state, norm = outputs
         self._history = history
@@ -506,11 +511,12 @@ class Solver:
         # train_step folds 0 into) are recomputed when read.
         unreturned = {blob: value for blob, value in graph.blob_value.items()
                       if blob not in blobs and value not in fed and value not in pulled and value not in made_on_host}
-        net._defer_blobs(0, len(graph.layers) - 1, unreturned, before, read, key, fold=0)
-        net._note_pass(0, len(graph.layers) - 1, read)
         # The key of that pass, as Net.forward notes its own: a net.backward() after the step, and find_first_nan's
         # replay, run the layers again with it (Dropout's masks of the step).
-        net._note_pass_key(0, len(graph.layers) - 1, fold_key(key, 0))
+        pass_key = _PassKey(key, 0)
+        net._defer_blobs(0, len(graph.layers) - 1, unreturned, before, read, pass_key)
+        net._note_pass(0, len(graph.layers) - 1, read)
+        net._note_pass_key(0, len(graph.layers) - 1, pass_key)
         net._state.update(state)
         return loss, norm
 
