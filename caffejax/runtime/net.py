@@ -188,13 +188,12 @@ def _folding_key(fn, position: int = 2):
 
 class _PassKey:
     """A pass's key, made when first asked for: ``key()`` folds ``n`` into ``base`` (a seed key and a pass count,
-    Net._next_pass; a solver's step key, itself a _PassKey, and 0). Its program folds the key itself where it draws
-    random numbers
-    (:func:`_folding_key`); this one only a backward or a deferred blob's recompute running the pass's layers again
-    asks for. Folded by a call of its own on every pass, it cost LeNet's Net.forward at batch 1 46 us of 335 (2 AMX
-    Xeon cores), where the program drew no random numbers."""
+    Net._next_pass; or a solver's step key, itself a _PassKey, and 0). The pass's program folds the key itself
+    where it draws random numbers (:func:`_folding_key`); this one only a backward or a deferred blob's recompute,
+    running the pass's layers again, asks for. Folded by a call of its own on every pass, it cost LeNet's
+    Net.forward at batch 1 46 us of 335 (2 AMX Xeon cores), where the program drew no random numbers."""
 
-    def __init__(self, base: jax.Array, n):
+    def __init__(self, base: "jax.Array | _PassKey", n):
         self._parts, self._key = (base, n), None
 
     def __call__(self) -> jax.Array:
@@ -275,8 +274,9 @@ class _PreparedWeights:
 @dataclasses.dataclass(frozen=True)
 class _PassPlan:
     """What a forward pass over layers start..end works out from the graph alone (Net._pass_plan; a solver's step
-    over the whole net notes its writes too), once per range and graph instead of on every pass: at LeNet's batch 1 the Python around Net.forward's program took about as
-    long as the program (0.2 ms of 0.4), and it grows with the layers (MTCNN's det4 has 61)."""
+    over the whole net notes its writes too), once per range and graph instead of on every pass: at LeNet's
+    batch 1 the Python around Net.forward's program took about as long as the program (0.2 ms of 0.4), and it
+    grows with the layers (MTCNN's det4 has 61)."""
 
     layers: list
     returned: list[str]  # the values its program hands back, sorted (Net._returned_values)
@@ -801,8 +801,9 @@ class Net:
         return lambda params, env, *rest: fn(params, {**env, **concrete}, *rest)
 
     def _next_pass(self) -> tuple[jax.Array, np.uint32]:
-        """This pass's seed key and count, whose fold (``jax.random.fold_in``) is the pass's key. The seed's key
-        is made once: eagerly, ``jax.random.key`` costs 0.1-0.2 ms. A program folds them itself (:func:`_folding_key`)."""
+        """This pass's seed key and count, whose fold (``jax.random.fold_in``) is the pass's key; a program folds
+        them itself (:func:`_folding_key`). The seed's key is made once: eagerly, ``jax.random.key`` costs
+        0.1-0.2 ms."""
         self._pass_count += 1
         seed = mode.random_seed()
         if self._seed_key is None or self._seed_key[0] != seed:
