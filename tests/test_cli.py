@@ -437,6 +437,31 @@ def test_time_folds_the_chains_net_forward_folds(monkeypatch):
     assert seen and all(seen)
 
 
+def test_time_forward_runs_the_kernels_of_the_forward_backward(monkeypatch):
+    """Net.forward alone runs its forward kernels (1x1 convolutions left to XLA), a training step the kernels of
+    programs with a backward (products). time's whole-net forward runs the latter, the forward-backward's, so
+    that the backward pass it reports (the forward-backward's time less the forward's) leaves the same forward
+    out."""
+    import jax
+
+    from caffejax.cli.nets import whole_net_programs
+
+    n = caffejax.NetSpec()
+    n.data = L.Input(shape=dict(dim=[2, 3, 6, 6]))
+    n.out = L.Convolution(n.data, num_output=4, kernel_size=1, weight_filler=dict(type="gaussian", std=0.5))
+    net = caffejax.Net(str(n.to_proto()), caffejax.TEST)
+    program = net._program
+    assert program.kernels["out"].name == "conv_1x1_gemm" and program.forward_kernels["out"].name == "conv_nhwc"
+    seen = []
+    method = program.run_layers
+    monkeypatch.setattr(program, "run_layers", lambda *a, **k: seen.append(k["kernels"]) or method(*a, **k))
+    forward, _ = whole_net_programs(net)
+    x = np.random.default_rng(0).normal(size=(2, 3, 6, 6)).astype(np.float32)
+    (out,) = forward(net.param_arrays(), {net.graph.fed["data"]: x}, jax.random.key(0))
+    assert seen and all(kernels is program.kernels for kernels in seen)
+    np.testing.assert_allclose(out, np.array(net.forward(data=x)["out"]), rtol=1e-5, atol=1e-6)
+
+
 # ---- train ------------------------------------------------------------------------------------------------------
 
 def small_solver(tmp_path):

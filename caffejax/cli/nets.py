@@ -335,12 +335,13 @@ def time(args) -> int:
 
     Differs from Caffe, which times its layer-by-layer sweeps: the whole-net figures are the two compiled
     programs a net runs (the forward, and the forward-backward, where XLA fuses across layers); the backward
-    pass is the second's time less the first's. A net run in stages around a layer on the host
-    (Graph.staging_layers: Faster R-CNN's proposals) is timed as Net.forward and Net.backward run it, a program
-    per stage and the host layers between; each stage's forward and backward programs are traced. Each layer is
-    timed alone, compiled on its own with the kernel and layouts it has in the whole net, so the layers' times
-    do not add up to the whole net's. A layer fed from outside the programs (Input: 0; a data layer: reading one batch
-    on the host) and a layer whose backward computes no diff (0) are reported as such."""
+    pass is the second's time less the first's, so the forward timed runs the forward-backward's kernels
+    (Net.forward alone runs NetProgram.forward_kernels, faster where they differ). A net run in stages around a
+    layer on the host (Graph.staging_layers: Faster R-CNN's proposals) is timed as Net.forward and Net.backward
+    run it, a program per stage and the host layers between; each stage's forward and backward programs are
+    traced. Each layer is timed alone, compiled on its own with the kernel and layouts it has in the whole net,
+    so the layers' times do not add up to the whole net's. A layer fed from outside the programs (Input: 0; a data
+    layer: reading one batch on the host) and a layer whose backward computes no diff (0) are reported as such."""
     import jax
 
     from caffejax.lower.optimize import value_layouts
@@ -487,13 +488,13 @@ def whole_net_programs(net):
     outputs = _program_output_values(graph)
 
     # Only outputs come back, so Convolution -> BatchNorm chains whose inner values are blobs fold, as in
-    # Net.forward's pass and a solver's iteration (not over a Python layer: Net._reruns). The forward runs
-    # Net.forward's kernels (forward_kernels), the forward-backward a training step's.
+    # Net.forward's pass and a solver's iteration (not over a Python layer: Net._reruns). Both run the kernels
+    # of programs with a backward (program.kernels), so that the backward pass, the forward-backward's time less
+    # the forward's, leaves the same forward out; Net.forward alone runs forward_kernels, faster where they differ.
     fold_visible = net._reruns(graph.layers)
 
     def forward(p, env, k):
-        values = program.run_layers(graph.layers, p, env, k, kernels=program.forward_kernels,
-                                    fold_visible=fold_visible)[0]
+        values = program.run_layers(graph.layers, p, env, k, kernels=program.kernels, fold_visible=fold_visible)[0]
         return [values[v] for v in outputs]
 
     def forward_backward(p, env, k):
