@@ -177,6 +177,11 @@ def readers_by_value(layers: Sequence[Layer]) -> dict[str, list[Layer]]:
     return readers
 
 
+def producer_by_value(layers: Sequence[Layer]) -> dict[str, Layer]:
+    """Each value id -> the layer among ``layers`` that makes it (a top)."""
+    return {value: layer for layer in layers for value in layer.top_values}
+
+
 def reads_after_host(layers: Sequence[Layer]) -> Iterator[tuple[Layer, Layer]]:
     """(reader, host) for each compiled layer among ``layers`` that reads a top of a layer run on the host
     (``Layer.runs_on_host``) among them, in order: the reads that need the net run in stages."""

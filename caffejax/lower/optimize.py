@@ -49,7 +49,7 @@ import numpy as np
 from jax import lax
 
 from caffejax.errors import CaffejaxError, ShapeError
-from caffejax.frontend.ir import Graph, Layer, readers_by_value
+from caffejax.frontend.ir import Graph, Layer, producer_by_value, readers_by_value
 from caffejax.lower import vision
 from caffejax.lower.common import accumulator_dtype, batch_norm_global_stats, matmul
 from caffejax.lower.registry import TEST, LayerContext, canonical_axis, get_rule
@@ -140,7 +140,7 @@ def _output_values(graph: Graph) -> set[str]:
     return {graph.blob_value[blob] for blob in graph.program_outputs}
 
 
-def _only_consumer(graph: Graph, value: str, users, outputs) -> Layer | None:
+def _only_consumer(value: str, users, outputs) -> Layer | None:
     """The one layer reading ``value``, if exactly one does and the value is not a net output."""
     readers = users.get(value, [])
     return readers[0] if len(readers) == 1 and value not in outputs else None
@@ -209,7 +209,7 @@ def fold_batchnorm(plan: Plan) -> Plan:
     per-channel Scale. Only values read by the next link alone (and not net outputs) are folded away."""
     graph = plan.graph
     users, outputs = readers_by_value(graph.layers), _output_values(graph)
-    producer_of = {v: layer for layer in graph.layers for v in layer.top_values}
+    producer_of = producer_by_value(graph.layers)
     params = dict(plan.params)
     replaced: dict[str, Layer] = {}   # layer name -> its rewrite
     removed: set[str] = set()
@@ -218,7 +218,7 @@ def fold_batchnorm(plan: Plan) -> Plan:
             continue
         a, c = _batch_norm_affine(bn, params[bn.name])
         last = bn
-        scale = _only_consumer(graph, bn.top_values[0], users, outputs)
+        scale = _only_consumer(bn.top_values[0], users, outputs)
         if scale is not None and scale.type == "Scale":
             affine = _channel_scale(scale, graph, params[scale.name])
             if affine is not None:
@@ -229,7 +229,7 @@ def fold_batchnorm(plan: Plan) -> Plan:
         producer = producer_of.get(bn.bottom_values[0])
         x = bn.bottom_values[0]
         if (producer is not None and producer.name not in replaced and _folds_into(producer, graph)
-                and _only_consumer(graph, x, users, outputs) is bn):
+                and _only_consumer(x, users, outputs) is bn):
             # The per-channel factors are worked out in float64; the weights take one float32 multiply each.
             weight = np.asarray(params[producer.name][0], np.float32)
             bias = (np.asarray(params[producer.name][1], np.float64) if len(params[producer.name]) > 1
@@ -274,14 +274,14 @@ def fold_batchnorm(plan: Plan) -> Plan:
 MERGE_MAX_CHANNELS = 32
 
 
-def _convolution_branch(graph: Graph, value: str, users, outputs, producer_of) -> tuple[Layer, Layer | None] | None:
+def _convolution_branch(value: str, users, outputs, producer_of) -> tuple[Layer, Layer | None] | None:
     """(layer, ReLU or None) where ``value`` is a one-top layer's top, or that of a ReLU of one, each link read by
     the next alone and no net output; else None. The caller checks that the layer is a 2-D Convolution."""
     relu = producer_of.get(value)
     conv = relu
     if relu is not None and relu.type == "ReLU" and len(relu.bottom_values) == 1:
         conv = producer_of.get(relu.bottom_values[0])
-        if conv is None or _only_consumer(graph, relu.bottom_values[0], users, outputs) is not relu:
+        if conv is None or _only_consumer(relu.bottom_values[0], users, outputs) is not relu:
             return None
     else:
         relu = None
@@ -322,7 +322,7 @@ def merge_concat_convolutions(plan: Plan) -> Plan:
     :data:`MERGE_MAX_CHANNELS` input channels."""
     graph = plan.graph
     users, outputs = readers_by_value(graph.layers), _output_values(graph)
-    producer_of = {v: layer for layer in graph.layers for v in layer.top_values}
+    producer_of = producer_by_value(graph.layers)
 
     def source(value: str) -> str:  # a Split's tops are its bottom's value
         layer = producer_of.get(value)
@@ -337,8 +337,8 @@ def merge_concat_convolutions(plan: Plan) -> Plan:
         if (concat.type != "Concat" or len(concat.bottom_values) < 2 or len(_shape(graph, concat.top_values[0])) != 4
                 or p.HasField("concat_dim") or canonical_axis(concat.name, p.axis, 4) != 1):
             continue
-        branches = [_convolution_branch(graph, v, users, outputs, producer_of) for v in concat.bottom_values]
-        if any(b is None or _only_consumer(graph, v, users, outputs) is not concat
+        branches = [_convolution_branch(v, users, outputs, producer_of) for v in concat.bottom_values]
+        if any(b is None or _only_consumer(v, users, outputs) is not concat
                for b, v in zip(branches, concat.bottom_values)):
             continue
         convs = [_conv_shape(conv, graph) for conv, _ in branches]
@@ -1091,12 +1091,12 @@ def batch_norm_chains(graph: Graph, kernels: Mapping[str, Kernel]) -> dict[str, 
         # A value inside a chain is never made, so none may carry a loss weight.
         if conv.type != "Convolution" or head is None or len(conv.top_values) != 1 or any(conv.loss_weights):
             continue
-        bn = _only_consumer(graph, conv.top_values[0], users, outputs)
+        bn = _only_consumer(conv.top_values[0], users, outputs)
         if (bn is None or bn.type != "BatchNorm" or not _uses_global_stats(bn, graph.phase)
                 or len(bn.top_values) != 1):
             continue
         inner = [conv.top_values[0]]
-        scale = _only_consumer(graph, bn.top_values[0], users, outputs)
+        scale = _only_consumer(bn.top_values[0], users, outputs)
         if (scale is not None and scale.type == "Scale" and _channel_scale_shape(scale, graph)
                 and not any(bn.loss_weights)):
             inner.append(bn.top_values[0])
@@ -1166,6 +1166,12 @@ _ROUNDING_WIDENED = frozenset({"conv_nhwc_widened"})
 _DEFERRED_INTO = frozenset({"conv_nhwc_widened", "conv_nhwc_widened_unrounded", "pool_nhwc_widened"})
 
 
+def _runs_caffes_rule(kernel: Kernel | None) -> bool:
+    """Whether an element-wise layer with ``kernel`` computes Caffe's rule as it is (no kernel, or ``nhwc``'s
+    layout-free one), not one of this pass's rewrites."""
+    return kernel is None or kernel.name == "elementwise"
+
+
 def _only_into_widened(value: str, kernels: Mapping[str, Kernel], users, outputs) -> bool:
     """Whether ``value`` reaches nothing but widened kernels, through one-input element-wise layers only."""
     readers = users.get(value, [])
@@ -1175,7 +1181,7 @@ def _only_into_widened(value: str, kernels: Mapping[str, Kernel], users, outputs
         kernel = kernels.get(layer.name)
         if kernel is not None and kernel.name in _DEFERRED_INTO:
             continue
-        if (layer.type in ELEMENTWISE_TYPES and (kernel is None or kernel.name == "elementwise")
+        if (layer.type in ELEMENTWISE_TYPES and _runs_caffes_rule(kernel)
                 and layer.type != "Silence" and len(layer.bottom_values) == 1
                 and all(_only_into_widened(v, kernels, users, outputs) for v in layer.top_values)):
             continue
@@ -1189,14 +1195,14 @@ def _only_into_widened(value: str, kernels: Mapping[str, Kernel], users, outputs
 # of the rounded sum is the rounded ReLU of the sum, bit for bit (NaN too): the ReLU rounds once instead
 # (kernel ``elementwise_rounding``). Alone, MobileNet v2's depthwise layer fusion at batch 16 (2 AMX Xeon cores,
 # traced): 28x28x384 2.98 -> 1.87 ms, 56x56x144 4.37 -> 2.40 ms.
-def _plain_relu_alone(graph: Graph, value: str, kernels: Mapping[str, Kernel], users, outputs) -> Layer | None:
+def _plain_relu_alone(value: str, kernels: Mapping[str, Kernel], users, outputs) -> Layer | None:
     """The ReLU without a negative slope that alone reads ``value`` (not an output), where it runs Caffe's rule."""
-    relu = _only_consumer(graph, value, users, outputs)
+    relu = _only_consumer(value, users, outputs)
     if relu is None:
         return None
     kernel = kernels.get(relu.name)
     plain = (relu.type == "ReLU" and relu.proto.relu_param.negative_slope == 0
-             and (kernel is None or kernel.name == "elementwise"))
+             and _runs_caffes_rule(kernel))
     return relu if plain else None
 
 
@@ -1224,7 +1230,7 @@ def _sums_two(layer: Layer, kernel: Kernel | None) -> bool:
     p = layer.proto.eltwise_param
     return (layer.type == "Eltwise" and len(layer.bottom_values) == 2 and len(layer.top_values) == 1
             and p.operation == caffe_pb2.EltwiseParameter.SUM and all(c == 1 for c in p.coeff)
-            and (kernel is None or kernel.name == "elementwise"))
+            and _runs_caffes_rule(kernel))
 
 
 def _summing_in_float32(layer: Layer, kernel: Kernel | None) -> Kernel:
@@ -1248,7 +1254,7 @@ def defer_rounding(plan: Plan) -> Plan:
     for layer in plan.graph.layers:
         kernel = kernels.get(layer.name)
         if _sums_two(layer, kernel):
-            relu = _plain_relu_alone(plan.graph, layer.top_values[0], kernels, users, outputs)
+            relu = _plain_relu_alone(layer.top_values[0], kernels, users, outputs)
             if relu is not None:
                 kernels[layer.name] = _summing_in_float32(layer, kernel)
                 kernels[relu.name] = _rounding_elementwise(relu, kernels.get(relu.name))
@@ -1256,7 +1262,7 @@ def defer_rounding(plan: Plan) -> Plan:
         if kernel is None or kernel.name not in deferrable or len(layer.top_values) != 1:
             continue
         if not _only_into_widened(layer.top_values[0], kernels, users, outputs):
-            relu = _plain_relu_alone(plan.graph, layer.top_values[0], kernels, users, outputs)
+            relu = _plain_relu_alone(layer.top_values[0], kernels, users, outputs)
             if relu is None:
                 continue
             kernels[relu.name] = _rounding_elementwise(relu, kernels.get(relu.name))

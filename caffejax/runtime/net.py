@@ -698,7 +698,11 @@ class Net:
         ``read_only``, only what the compiled layers among them read (not the fed tops none of them reads, nor
         what only layers run on the host read: _host_feed): a program over them (a pass's) then does not change
         with those values' shapes (_range_signature)."""
-        return {value: self.blobs[blob]._data.value() for value, blob in self._feed_sources(layers, read_only)}
+        return self._blob_values(self._feed_sources(layers, read_only))
+
+    def _blob_values(self, sources) -> dict[str, Any]:
+        """Value id -> its blob's data, for (value id, blob name) pairs (:meth:`_feed_sources`)."""
+        return {value: self.blobs[blob]._data.value() for value, blob in sources}
 
     def _feed_sources(self, layers, read_only: bool = False) -> list[tuple[str, str]]:
         """:meth:`_feed`'s values and the blobs it reads them from: (value id, blob name) pairs."""
@@ -1018,7 +1022,7 @@ class Net:
         # What this pass sees, kept for a deferred blob's recompute: device values, and private copies of host
         # arrays (ArraySlot.value), which the program call moves to the device (_jitted).
         params = self.param_arrays()
-        env = {value: self.blobs[blob]._data.value() for value, blob in plan.feed}
+        env = self._blob_values(plan.feed)
         if plan.state:
             env.update(self._read_state(layers))
         host_fed = self._host_feed(layers) if self._host_layers else {}
