@@ -826,6 +826,47 @@ def test_prepared_weights_are_host_memory_the_device_adopts(zoo):
                 assert host.ctypes.data % 64 == 0 and not host.flags.writeable, name
 
 
+SNAPSHOT_NET = """
+name: "snapshot"
+layer { name: "data" type: "Input" top: "data" top: "target"
+  input_param { shape { dim: 4 dim: 6 } shape { dim: 4 dim: 2 } } }
+layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip"
+  inner_product_param { num_output: 2 weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "loss" type: "EuclideanLoss" bottom: "ip" bottom: "target" top: "loss" }
+"""
+
+
+def test_compile_inference_keeps_the_nets_device_weights_as_they_are_while_a_solver_steps_on():
+    """compile_inference keeps each weight the net holds as an array on the CPU device as a view of that array
+    (no copy of the net's weights), and its weights stay those of the moment it was made: a solver's later steps,
+    which write their new weights into the buffers of weights nothing else holds, leave its loss as it was."""
+    from caffejax.frontend.prototxt import parse_net_text
+    from caffejax.proto import caffe_pb2
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("host memory is adopted only by the CPU device")
+    caffejax.set_random_seed(2)
+    param = caffe_pb2.SolverParameter(type="SGD", base_lr=0.1, momentum=0.9, lr_policy="fixed", max_iter=100)
+    param.net_param.CopyFrom(parse_net_text(SNAPSHOT_NET))
+    solver = caffejax.SGDSolver(param)
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(4, 6)).astype(np.float32), rng.normal(size=(4, 2)).astype(np.float32)
+    solver.net.blobs["data"].data[...], solver.net.blobs["target"].data[...] = x, y
+    solver.step(2)  # the weights are now the step's device arrays, the buffers before them its spares
+    infer = caffejax.compile_inference(solver.net)
+    weights = solver.net.param_arrays()["ip"]
+    for array, kept in zip(weights, infer._weights["ip"]):
+        assert isinstance(array, jax.Array) and np.shares_memory(np.asarray(array), kept)
+    w, b = (np.array(a, copy=True) for a in weights)
+    del weights, array, kept
+    expected = ((x @ w.T + b - y) ** 2).sum() / (2 * len(x))
+    first = float(infer({"data": x, "target": y})["loss"])
+    assert math.isclose(first, expected, rel_tol=1e-5)
+    solver.step(4)
+    assert not np.allclose(solver.net.params["ip"][0].data, w)  # the net's weights moved on
+    assert float(infer({"data": x, "target": y})["loss"]) == first
+
+
 def test_aligned_copies_keep_values_and_dtype():
     a = np.arange(24, dtype=np.float64).reshape(2, 3, 4).transpose(2, 0, 1)
     for dtype in (None, np.float32, jnp.bfloat16):
