@@ -318,7 +318,7 @@ def test_every_rewrite_and_kernel_is_exercised(zoo):
     assert kernels["a"] == "conv_winograd_f2x2_3x3_unrounded" and kernels["a_relu"] == "elementwise_rounding"
     # widen wraps the direct convolutions, poolings and LRN (float32 compute under bfloat16 storage)
     assert kernels["dw"] == kernels["dw2"] == kernels["gd"] == "conv_nhwc_widened"
-    assert kernels["fc"] == kernels["fct"] == "inner_product_nhwc"
+    assert "fc" not in kernels and "fct" not in kernels  # Caffe's rule on their input moved back to NCHW
     assert kernels["maxp"] == kernels["avep"] == kernels["gpool"] == "pool_nhwc_widened"
     assert kernels["lrn"] == "lrn_nhwc_widened" and kernels["cat"] == "concat_nhwc"
     assert kernels["p_bn"] == "per_channel_nhwc"
@@ -867,6 +867,25 @@ def test_compile_inference_keeps_the_nets_device_weights_as_they_are_while_a_sol
     assert float(infer({"data": x, "target": y})["loss"]) == first
 
 
+def test_an_inner_product_on_a_channels_last_value_reads_the_weights_as_the_net_holds_them(zoo):
+    """An InnerProduct reading a channels-last value runs Caffe's rule on that value moved back to NCHW (a
+    transpose of the activations): its program reads the weights kept by compile_inference as they are (on the
+    CPU, their very memory), not a copy with the columns permuted to channels-last order, which held AlexNet's
+    fc6 (151 MB) twice for a forward even (alternating blocks at batch 1 and 16, fp32 and bf16)."""
+    net, x, reference = zoo
+    infer = caffejax.compile_inference(net)
+    _check(infer({"data": x}), reference, "optimised")
+    program = infer._programs[infer._signature({"data": x.shape})]
+    layouts = optimize.value_layouts(program.plan.graph, program.plan.kernels)
+    for name in ("fc", "fct"):
+        layer = next(layer for layer in program.plan.graph.layers if layer.name == name)
+        assert layouts.get(layer.bottom_values[0]) == optimize.NHWC and name not in program.plan.kernels
+    weight = program.params["fct"][0]  # (fc has a BatchNorm folded into it)
+    np.testing.assert_array_equal(np.asarray(weight), net.params["fct"][0].data)
+    if jax.default_backend() == "cpu":
+        assert np.asarray(weight).ctypes.data == infer._weights["fct"][0].ctypes.data
+
+
 def test_aligned_copies_keep_values_and_dtype():
     a = np.arange(24, dtype=np.float64).reshape(2, 3, 4).transpose(2, 0, 1)
     for dtype in (None, np.float32, jnp.bfloat16):
@@ -944,7 +963,7 @@ def test_layout_kernels_cover_the_zoo():
     kinds = {kernel.name for kernel in optimize.layout_kernels(graph).values()}
     assert {"conv_nhwc", "conv_1x1_gemm", "pool_nhwc", "concat_nhwc", "lrn_nhwc", "per_channel_nhwc",
             "elementwise"} <= kinds
-    assert not kinds & {"conv_winograd_f2x2_3x3", "inner_product_nhwc"}
+    assert "conv_winograd_f2x2_3x3" not in kinds
     assert "cdrop" not in optimize.layout_kernels(graph)
 
 

@@ -674,31 +674,6 @@ def _lrn_kernel(layer: Layer, graph: Graph) -> Kernel | None:
     return Kernel("lrn_nhwc", lambda ctx, bottoms, params: [vision.lrn_across_channels(bottoms[0], p, 3)], NHWC)
 
 
-def _inner_product_kernel(layer: Layer, graph: Graph) -> Kernel | None:
-    """InnerProduct (axis 1) reading a 4-D NHWC bottom: its weight columns permuted once from Caffe's
-    (c, h, w) order to (h, w, c), so the flattened channels-last input multiplies them directly."""
-    shape = _shape(graph, layer.bottom_values[0])
-    p = layer.proto.inner_product_param
-    if len(shape) != 4 or canonical_axis(layer.name, p.axis, 4) != 1:
-        return None
-    _, c, h, w = shape
-    rule = get_rule("InnerProduct").forward
-
-    def prepare(params: ParamArrays) -> ParamArrays:
-        weight = np.asarray(params[0])
-        if p.transpose:  # K x N
-            weight = weight.reshape(c, h, w, -1).transpose(1, 2, 0, 3).reshape(c * h * w, -1)
-        else:            # N x K
-            weight = weight.reshape(-1, c, h, w).transpose(0, 2, 3, 1).reshape(-1, c * h * w)
-        return [weight] + list(params[1:])
-
-    def forward(ctx, bottoms, params):
-        (x,) = bottoms
-        return rule(ctx, [x.reshape(x.shape[0], math.prod(x.shape[1:]))], params)
-
-    return Kernel("inner_product_nhwc", forward, NHWC, prepare)
-
-
 # Layers that act element by element (or pass values through): they run in whatever layout they are fed.
 ELEMENTWISE_TYPES = frozenset({"ReLU", "Sigmoid", "TanH", "AbsVal", "BNLL", "ELU", "Exp", "Log", "Power", "Clip",
                                "Swish", "Threshold", "Dropout", "Eltwise", "Split", "Silence"})
@@ -718,24 +693,15 @@ def nhwc(plan: Plan) -> Plan:
     """Channels-last kernels for every layer that has one; element-wise layers follow their bottoms."""
     graph = plan.graph
     kernels = dict(plan.kernels)
-    layouts: dict[str, str | None] = {}
     readers = readers_by_value(graph.layers)
     for layer in graph.layers:
-        if layer.is_input:
-            layouts.update((v, NCHW if len(graph.value_shapes.get(v) or ()) == 4 else None)
-                           for v in layer.top_values)
-            continue
-        kernel = kernels.get(layer.name) or _nhwc_kernel(layer, plan, layouts, readers)
+        kernel = None if layer.is_input else kernels.get(layer.name) or _nhwc_kernel(layer, plan, readers)
         if kernel is not None:
             kernels[layer.name] = kernel
-        layout = resolve_layout(kernel, [layouts.get(v) for v in layer.bottom_values])
-        for v in layer.top_values:
-            layouts[v] = layout if len(graph.value_shapes.get(v) or ()) == 4 else None
     return dataclasses.replace(plan, kernels=kernels)
 
 
-def _nhwc_kernel(layer: Layer, plan: Plan, layouts: Mapping[str, str | None],
-                 readers: Mapping[str, Sequence[Layer]]) -> Kernel | None:
+def _nhwc_kernel(layer: Layer, plan: Plan, readers: Mapping[str, Sequence[Layer]]) -> Kernel | None:
     graph = plan.graph
     if layer.type in ELEMENTWISE_TYPES:
         return Kernel("elementwise", get_rule(layer.type).forward, ANY)
@@ -750,8 +716,6 @@ def _nhwc_kernel(layer: Layer, plan: Plan, layouts: Mapping[str, str | None],
         return _concat_kernel(layer, graph, readers.get(layer.top_values[0], []))
     if layer.type == "LRN":
         return _lrn_kernel(layer, graph)
-    if layer.type == "InnerProduct" and layouts.get(layer.bottom_values[0]) == NHWC:
-        return _inner_product_kernel(layer, graph)
     if _is_per_channel(layer, graph, plan.params.get(layer.name, [])):
         return _per_channel_kernel(get_rule(layer.type).forward)
     return None
@@ -991,11 +955,6 @@ def conv_im2col(plan: Plan) -> Plan:
 
 # ---- layout kernels for Caffe's own programs (Net.forward, training) ----------------------------------------
 
-# Kernels whose ``prepare`` would copy a big weight on every traced call (the channels-last InnerProduct
-# permutes its weight's columns; transposing its input back costs far less).
-_PREPARED_ONCE_ONLY = frozenset({"inner_product_nhwc"})
-
-
 def layout_kernels(graph: Graph, differentiated: bool = True) -> dict[str, Kernel]:
     """The layout kernels (``nhwc``, ``conv_gemm``, ``conv_taps``) for running a net's own program: the
     same values as Caffe's rules up to float rounding, with traced weights, so forward, backward and training
@@ -1013,8 +972,7 @@ def layout_kernels(graph: Graph, differentiated: bool = True) -> dict[str, Kerne
     plan = nhwc(Plan(graph, shapes, {}))
     plan = conv_taps(conv_gemm(plan)) if differentiated else winograd(conv_taps(plan))
     random = {layer.name for layer in graph.layers if layer.type == "Dropout"}
-    kernels = {name: kernel for name, kernel in plan.kernels.items()
-               if kernel.name not in _PREPARED_ONCE_ONLY and name not in random}
+    kernels = {name: kernel for name, kernel in plan.kernels.items() if name not in random}
     return batch_norm_chains(graph, max_pools_into_split_groups(graph, kernels))
 
 
