@@ -886,6 +886,39 @@ def test_an_inner_product_on_a_channels_last_value_reads_the_weights_as_the_net_
         assert np.asarray(weight).ctypes.data == infer._weights["fct"][0].ctypes.data
 
 
+def test_a_program_keeps_the_weights_its_passes_made_only_in_their_prepared_form(zoo, monkeypatch):
+    """A BatchNorm folded into a convolution makes new filters, which the convolution's kernel (Winograd) makes
+    its own filters from: the program keeps those alone, its plan the folded ones' shapes (ResNet-50 held 90 MB
+    more for each input shape), and ``plan()`` works the folded ones out again for inspection."""
+    import gc
+    import weakref
+
+    from caffejax.runtime import inference
+
+    net, x, reference = zoo
+    folded = {}
+    prepare = inference.prepare_params
+
+    def recording(plan, dtype, adopt=None):
+        folded.update((name, weakref.ref(plan.params[name][0])) for name in ("a", "b"))
+        return prepare(plan, dtype, adopt)
+
+    monkeypatch.setattr(inference, "prepare_params", recording)
+    infer = caffejax.compile_inference(net)
+    _check(infer({"data": x}), reference, "optimised")
+    program = infer._programs[infer._signature({"data": x.shape})]
+    assert program.plan.kernels["a"].name == "conv_winograd_f2x2_3x3" and "BatchNorm" not in {
+        layer.type for layer in program.plan.graph.layers}
+    gc.collect()
+    assert folded["a"]() is None and folded["b"]() is None
+    assert all(isinstance(a, jax.ShapeDtypeStruct) for arrays in program.plan.params.values() for a in arrays)
+    shown = infer.plan({"data": x.shape})
+    assert {name: [a.shape for a in arrays] for name, arrays in shown.params.items()} == {
+        name: [a.shape for a in arrays] for name, arrays in program.plan.params.items()}
+    scale = net.params["a_scale"][0].data / np.sqrt(net.params["a_bn"][1].data / net.params["a_bn"][2].data + 1e-5)
+    assert_close(shown.params["a"][0], net.params["a"][0].data * scale[:, None, None, None], 1e-5, 1e-6, "folded")
+
+
 def test_aligned_copies_keep_values_and_dtype():
     a = np.arange(24, dtype=np.float64).reshape(2, 3, 4).transpose(2, 0, 1)
     for dtype in (None, np.float32, jnp.bfloat16):

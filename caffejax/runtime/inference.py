@@ -147,11 +147,15 @@ class InferenceFunction:
         return len(self._programs) + (len(self._stages.programs) if self._stages is not None else 0)
 
     def plan(self, shapes: Mapping[str, Sequence[int]]) -> Plan:
-        """The optimised plan for these input shapes (what the program runs; for inspection)."""
+        """The optimised plan for these input shapes (what the program runs; for inspection), its arrays as the
+        passes leave them (folded, merged), before its kernels prepare them: the program keeps only the prepared
+        ones (:meth:`_optimized`), so they are worked out again here."""
         if self._stages is not None:
             raise UnsupportedError("compile_inference: the net runs in stages around a layer run on the host "
                                    "(Graph.staging_layers); there is no one plan to show")
-        return self._program(self._signature(shapes)).plan
+        signature = self._signature(shapes)
+        self._program(signature)
+        return optimize(make_plan(self._source_graph(signature), self._weights), self.passes)
 
     def __call__(self, inputs: Mapping[str, Any]) -> dict[str, jax.Array]:
         if inputs.keys() != self._input_names:
@@ -195,11 +199,24 @@ class InferenceFunction:
                 program = self._programs[signature] = self._build_program(signature)
         return program
 
+    def _optimized(self, graph: Graph) -> tuple[Plan, dict[str, list[jax.Array]]]:
+        """``graph``'s optimised plan and its arrays prepared for its kernels, on the device. The plan keeps its
+        arrays' shapes only: those the passes made (a BatchNorm folded into a convolution's filters) would be held
+        beside their prepared form for the program's life (ResNet-50: 90 MB for each input shape)."""
+        plan = optimize(make_plan(graph, self._weights), self.passes)
+        params = prepare_params(plan, self.dtype, self._shared.adopt)
+        shapes = {name: [jax.ShapeDtypeStruct(np.shape(a), np.result_type(a)) for a in arrays]
+                  for name, arrays in plan.params.items()}
+        return dataclasses.replace(plan, params=shapes), params
+
+    def _source_graph(self, signature: Shapes) -> Graph:
+        """The graph a program for these input shapes is optimised from (over devices: one device's rows)."""
+        return self._graph(dict(signature)) if self._mesh is None else self._per_device_graph(signature)[0]
+
     def _build_program(self, signature: Shapes) -> _Program:
         if self._mesh is not None:
             return self._sharded_program(signature)
-        plan = optimize(make_plan(self._graph(dict(signature)), self._weights), self.passes)
-        params = prepare_params(plan, self.dtype, self._shared.adopt)
+        plan, params = self._optimized(self._source_graph(signature))
         feeds = list(plan.graph.fed.items())
         fed = {value: jax.ShapeDtypeStruct(plan.graph.value_shapes[value], self._feed_dtype) for _, value in feeds}
         run = compile_program(_in_dtype(plan, self.dtype), (params, fed),
@@ -213,17 +230,10 @@ class InferenceFunction:
         """The plan one device runs on its rows of the batch, in one jitted shard_map over the mesh: inputs
         split along axis 0, weights replicated, per-example outputs concatenated back (batch-independent ones
         averaged). Not kept in the program cache (its executables are tied to the devices)."""
-        from caffejax.runtime.distributed import (data_parallel, devices_of_this_process, local_value,
-                                                  per_device_graph, shard_batch)
+        from caffejax.runtime.distributed import data_parallel, local_value, shard_batch
 
-        local_devices = len(devices_of_this_process(self._mesh))
-        try:
-            one_device, per_example = per_device_graph(self._net, dict(signature), local_devices)
-        except ShapeError as error:
-            raise ShapeError(f"compile_inference: the net does not accept inputs of shapes {dict(signature)} "
-                             f"over {local_devices} devices: {error}") from None
-        plan = optimize(make_plan(one_device, self._weights), self.passes)
-        params = prepare_params(plan, self.dtype, self._shared.adopt)
+        one_device, per_example = self._per_device_graph(signature)
+        plan, params = self._optimized(one_device)
         feeds = list(plan.graph.fed.items())
         sharded = data_parallel(_in_dtype(plan, self.dtype), self._mesh,
                                 {blob: per_example[blob] for blob in plan.graph.program_outputs},
@@ -235,6 +245,17 @@ class InferenceFunction:
             return outputs if jax.process_count() == 1 else {b: local_value(y) for b, y in outputs.items()}
 
         return _Program(plan, params, run, feeds)
+
+    def _per_device_graph(self, signature: Shapes) -> tuple[Graph, dict[str, bool]]:
+        """distributed.per_device_graph at these input shapes, over this process's devices of the mesh."""
+        from caffejax.runtime.distributed import devices_of_this_process, per_device_graph
+
+        local_devices = len(devices_of_this_process(self._mesh))
+        try:
+            return per_device_graph(self._net, dict(signature), local_devices)
+        except ShapeError as error:
+            raise ShapeError(f"compile_inference: the net does not accept inputs of shapes {dict(signature)} "
+                             f"over {local_devices} devices: {error}") from None
 
     def _graph(self, shapes: Mapping[str, tuple[int, ...]]) -> Graph:
         """The net's graph with its inputs at ``shapes`` (Caffe's Reshape of every layer). Where shapes after a
@@ -345,8 +366,7 @@ class _Stages:
         returned = [v for v in dict.fromkeys([*reads, *(v for layer in layers if not layer.is_input
                                                         for v in layer.top_values)]) if v in needed]
         stage = dataclasses.replace(graph, layers=layers, outputs=returned, blob_value={v: v for v in returned})
-        plan = optimize(make_plan(stage, owner._weights), owner.passes)
-        params = prepare_params(plan, owner.dtype, owner._shared.adopt)
+        plan, params = owner._optimized(stage)
         fed = {v: jax.ShapeDtypeStruct(graph.value_shapes[v], owner._feed_dtype) for v in reads}
         description = _describe(plan, owner.passes)
         run = compile_program(_in_dtype(plan, owner.dtype), (params, fed),
