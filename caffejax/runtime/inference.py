@@ -85,7 +85,7 @@ def _kept_weight(a) -> np.ndarray:
 
 @dataclasses.dataclass
 class _Program:
-    plan: Plan
+    plan: Plan  # its arrays' shapes only (InferenceFunction._optimized)
     params: dict[str, list[jax.Array]]
     run: Callable[..., dict[str, jax.Array]]
     feeds: list[tuple[str, str]]  # (input blob, value id) pairs of the graph's fed layers
@@ -274,7 +274,7 @@ class InferenceFunction:
 
 @dataclasses.dataclass
 class _StageProgram:
-    plan: Plan
+    plan: Plan  # its arrays' shapes only (InferenceFunction._optimized)
     params: dict[str, list[jax.Array]]
     run: Callable[..., dict[str, jax.Array]]
     reads: list[str]  # the values it takes from the inputs, earlier stages and host layers
