@@ -561,7 +561,7 @@ def _winograd_filters(params: ParamArrays) -> ParamArrays:
     # The taps go to (C, O) order first: moving 9-tap rows is cheap, transposing the 16 results is not.
     gg = np.kron(_WINOGRAD_G, _WINOGRAD_G).astype(np.float32)
     if isinstance(w, np.ndarray):
-        taps = np.ascontiguousarray(w.astype(np.float32).reshape(o, c, 9).transpose(1, 0, 2)).reshape(c * o, 9)
+        taps = np.ascontiguousarray(np.asarray(w, np.float32).reshape(o, c, 9).transpose(1, 0, 2)).reshape(c * o, 9)
         u = np.matmul(gg, taps.T, out=aligned_empty((16, c * o), np.float32))
     else:
         taps = w.astype(jnp.promote_types(w.dtype, jnp.float32)).reshape(o, c, 9).transpose(1, 0, 2)
