@@ -51,6 +51,13 @@ def matmul_bt(a: jax.Array, b: jax.Array) -> jax.Array:
                            preferred_element_type=accumulator_dtype(a.dtype))
 
 
+def transposed_copy(a: jax.Array) -> jax.Array:
+    """The transpose of 2-D ``a`` written out, for a product that should read it so. Barriers keep ``a`` and its
+    copy apart: without them XLA folds a transpose that feeds a dot back into the dot, and fuses one into
+    ``a``'s producer as a slow transposed write."""
+    return lax.optimization_barrier(lax.optimization_barrier(a).T)
+
+
 def _fill(filler_param: Any, shape: Shape, key: jax.Array) -> jax.Array:
     from caffejax.lower.fillers import fill  # lazily: the fillers module belongs to another family
     return fill(filler_param, shape, key)
@@ -718,7 +725,13 @@ def _inner_product_init(layer_param, shapes, key):
 # 0.90-0.95 (LeNet) of the time, GoogLeNet's and ResNet-50's 0.99; training steps 0.95. With more rows than
 # FEW_ROWS, or fewer outputs than rows (a 2 x 9216 weight), or a small weight, the plain product was as fast or
 # faster; a ``transpose: true`` weight (K x N) would be read across its rows (fc6: 27 -> 46 ms). The backward is
-# the plain product's: its input gradient dy W packs W either way (as W^T dy^T it took 1.4x as long).
+# the plain product's but for the input gradient dy W of a big weight (FEW_ROWS_INPUT_GRADIENT_MIN_WEIGHT): as a
+# product YNNPACK packs W for it on every call, and XLA's own kernel takes it from dy^T written out
+# (common.transposed_copy; XLA leaves a product contracting dy^T's leading axis to its own kernel). Alone, on 2
+# AMX Xeon cores, 16 rows: fc6 28.5 -> 16.6 ms, fc7 8.5 -> 5.9, 1000 x 4096 1.19 -> 0.87, 1000 x 2048 0.64 ->
+# 0.56; 2 and 8 rows of fc6 0.73 and 0.76 of the time; even at 1000 x 1024, slower at LeNet's 500 x 800 (0.127 ->
+# 0.149 ms) and for many rows (300 x 4096 x 4096 1.27x). AlexNet at batch 16: the bench's training step 357 ->
+# 342 ms (alternating, one process); Solver.step 385 and 382 -> 368 and 363 ms (alternating processes).
 # Not for 16-bit values: XLA sinks the transpose into the next product, which then reads its rows down the
 # columns; YNNPACK declines such a bfloat16 product and XLA's own has no bfloat16 x bfloat16 -> float32 kernel
 # (LeNet's ip2 after ip1 failed to run). bf16 forwards at batch 16 had gained 2-3% (AlexNet, GoogLeNet).
@@ -731,6 +744,7 @@ def _inner_product_init(layer_param, shapes, key):
 FEW_ROWS = 32
 MANY_ROWS = 256
 FEW_ROWS_MIN_WEIGHT = 1 << 18
+FEW_ROWS_INPUT_GRADIENT_MIN_WEIGHT = 1 << 20
 
 
 def _few_rows_apply(rows: jax.Array, weight: jax.Array, transpose: bool, bias_term: bool) -> bool:
@@ -761,7 +775,13 @@ def _few_rows_product_fwd(rows, weight, bias):
 
 
 def _few_rows_product_bwd(residuals, dy):
-    return jax.vjp(_rows_times_weight_plus_bias, *residuals)[1](dy)
+    rows, weight, _ = residuals
+    d_rows, d_weight, d_bias = jax.vjp(_rows_times_weight_plus_bias, *residuals)[1](dy)
+    if rows.shape[0] <= FEW_ROWS and weight.size >= FEW_ROWS_INPUT_GRADIENT_MIN_WEIGHT:
+        # dy W, as (dy^T)^T W: the plain product's (d_rows above) is left unused, and XLA drops it.
+        d_rows = lax.dot_general(transposed_copy(dy), weight, (((0,), (0,)), ((), ())),
+                                 precision=lax.Precision.HIGHEST, preferred_element_type=dy.dtype).astype(rows.dtype)
+    return d_rows, d_weight, d_bias
 
 
 _few_rows_product.defvjp(_few_rows_product_fwd, _few_rows_product_bwd)

@@ -51,7 +51,7 @@ from jax import lax
 from caffejax.errors import CaffejaxError, ShapeError
 from caffejax.frontend.ir import Graph, Layer, producer_by_value, readers_by_value
 from caffejax.lower import vision
-from caffejax.lower.common import accumulator_dtype, batch_norm_global_stats, matmul
+from caffejax.lower.common import accumulator_dtype, batch_norm_global_stats, matmul, transposed_copy
 from caffejax.lower.registry import TEST, LayerContext, canonical_axis, get_rule
 from caffejax.proto import caffe_pb2
 
@@ -498,9 +498,8 @@ def _matrix(params: ParamArrays) -> ParamArrays:
 # plain form is already fast (2704 pixels 512 -> 1000, SqueezeNet's conv10: 15.3 against 17.6 ms; 784
 # pixels 512 -> 2048 and 1024 -> 2048 even). From 3136 pixels it won throughout ResNet's widening shapes
 # (256 -> 1024 15.5 -> 13.1 ms, 512 -> 1024 25.0 -> 21.5 ms). ResNet-50's training step at batch 16, four
-# paired runs: 0.977-0.986 of the time (median; minimum 0.93-0.97). XLA folds a transpose that feeds a dot
-# back into the dot, and fuses one into dy's producer as a slow transposed write (59 ms), so barriers keep dy
-# and its copy apart.
+# paired runs: 0.977-0.986 of the time (median; minimum 0.93-0.97). The copy is common.transposed_copy (without
+# its barriers XLA fused the transpose into dy's producer as a slow transposed write: 59 ms).
 WIDENING_MIN_CHANNELS = 64
 WIDENING_MIN_PIXELS = 3136
 
@@ -512,7 +511,7 @@ def _pixels_times_filters(pixels: jax.Array, w: jax.Array) -> jax.Array:
 
 def _widening_product_bwd(residuals, dy):
     pixels, w = residuals
-    dy_by_filter = lax.optimization_barrier(lax.optimization_barrier(dy).T)
+    dy_by_filter = transposed_copy(dy)
     return matmul(dy, w).astype(pixels.dtype), matmul(dy_by_filter, pixels).astype(w.dtype)
 
 

@@ -512,6 +512,53 @@ def test_few_rows_times_a_big_weight_keep_the_weight_on_the_left():
     assert _dot_outputs(forward, x16, w16, b16) == ["f32[16,500]"]
 
 
+def test_few_rows_take_the_input_gradient_of_a_big_weight_from_dy_written_out():
+    """8 rows times a 1024 x 1024 weight (FEW_ROWS_INPUT_GRADIENT_MIN_WEIGHT): the rows' gradient dy W is Caffe's
+    (and the weight's and bias's are, forward-over-reverse too); on the CPU the training options leave it to
+    XLA's own product of dy^T written out (common.transposed_copy) instead of YNNPACK's, which packs W on
+    every call. LeNet's 500 x 800 weight and more than FEW_ROWS rows keep the plain product."""
+    from caffejax.lower import common
+    from caffejax.runtime.xla_options import YNN_DOT_AND_REDUCE, YNN_OPTION
+
+    rng = np.random.default_rng(11)
+    x, w, b = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in [(8, 1024), (1024, 1024), (1024,)])
+    assert w.size == common.FEW_ROWS_INPUT_GRADIENT_MIN_WEIGHT
+    forward = _inner_product_forward(1024)
+    dy = jnp.asarray(rng.standard_normal((8, 1024)), jnp.float32)
+    d_x, d_w, d_b = jax.vjp(forward, x, w, b)[1](dy)
+    x64, w64, dy64 = (np.asarray(a, np.float64) for a in (x, w, dy))
+    np.testing.assert_allclose(d_x, dy64 @ w64, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(d_w, dy64.T @ x64, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(d_b, dy64.sum(0), rtol=1e-5, atol=1e-4)
+
+    def loss(w):
+        return jnp.sum(jnp.tanh(forward(x, w / 30, b)) ** 2)
+
+    def plain_loss(w):
+        return jnp.sum(jnp.tanh(common.matmul_bt(x, w / 30) + b) ** 2)
+
+    tangent = jnp.asarray(rng.standard_normal(w.shape), jnp.float32)
+    _, hvp = jax.jvp(jax.grad(loss), (w,), (tangent,))
+    _, plain_hvp = jax.jvp(jax.grad(plain_loss), (w,), (tangent,))
+    np.testing.assert_allclose(hvp, plain_hvp, rtol=1e-3, atol=1e-3 * float(jnp.max(jnp.abs(plain_hvp))))
+
+    def barriers(x, w, b):
+        return str(jax.make_jaxpr(lambda x, w, b: jax.vjp(forward, x, w, b)[1](jnp.ones((len(x), len(w)))))(
+            x, w, b)).count("optimization_barrier")
+
+    lenet_ip1 = jnp.asarray(rng.standard_normal((500, 1024)), jnp.float32)
+    many = jnp.asarray(rng.standard_normal((common.FEW_ROWS + 1, 1024)), jnp.float32)
+    on_cpu = jax.default_backend() == "cpu"
+    assert barriers(x, w, b) == (2 if on_cpu else 0)
+    assert barriers(x, lenet_ip1, b[:500]) == 0 and barriers(many, w, b) == 0
+    if on_cpu:  # the input gradient: XLA's product contracting dy^T's leading axis, not a YNNPACK fusion
+        hlo = jax.jit(lambda x, w, b: jax.vjp(forward, x, w, b)[1](dy)[0],
+                      compiler_options={YNN_OPTION: YNN_DOT_AND_REDUCE}).lower(x, w, b).compile().as_text()
+        products = [line for line in hlo.splitlines()
+                    if " = f32[8,1024]" in line and ("dot(" in line or "fusion(" in line)]
+        assert products and all(" dot(" in line and "lhs_contracting_dims={0}" in line for line in products)
+
+
 def test_bfloat16_inner_products_in_a_row_run():
     """A big InnerProduct over 16 rows feeding a small one, in a bfloat16 program: XLA has no bfloat16 x
     bfloat16 -> float32 product of its own to fall back on if the first hands the second its rows transposed."""
