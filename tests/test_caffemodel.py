@@ -17,7 +17,7 @@ import pytest
 
 from caffejax.errors import WeightsError
 from caffejax.frontend.caffemodel import (_encode_len_field, _encode_varint, _plain_blob_array, encode_blob,
-                                          encode_net, read_weights, write_hdf5)
+                                          encode_net, read_binary_net, read_blobproto, read_weights, write_hdf5)
 from caffejax.frontend.upgrade import upgrade_net_as_needed
 from caffejax.proto import caffe_pb2
 from conftest import BUNDLED, FIXTURES
@@ -221,6 +221,24 @@ def test_missing_file_and_directory(tmp_path):
         read_weights(tmp_path / "absent.caffemodel")
     with pytest.raises(WeightsError, match="no such weights file"):
         read_weights(tmp_path)
+
+
+@pytest.mark.parametrize("reader, kind", [(read_binary_net, "binary NetParameter"), (read_blobproto, "BlobProto")])
+def test_whole_proto_readers_name_the_file_they_cannot_read_or_parse(tmp_path, reader, kind):
+    """read_binary_net and read_blobproto (a mean file): a WeightsError naming the file, for one missing and for
+    bytes that are not such a message; a valid one reads back."""
+    with pytest.raises(WeightsError, match=r"absent\.bin: cannot read"):
+        reader(str(tmp_path / "absent.bin"))
+    garbage = tmp_path / "garbage.bin"
+    garbage.write_bytes(b"\xff\xff\xff\xff not a proto")
+    with pytest.raises(WeightsError, match=rf"garbage\.bin: not a valid {kind}"):
+        reader(str(garbage))
+    proto = caffe_pb2.BlobProto(shape=caffe_pb2.BlobShape(dim=[2]), data=[1.0, 2.0])
+    if reader is read_binary_net:
+        proto = caffe_pb2.NetParameter(name="n", layer=[caffe_pb2.LayerParameter(name="l", blobs=[proto])])
+    valid = tmp_path / "valid.bin"
+    valid.write_bytes(proto.SerializeToString())
+    assert reader(str(valid)) == proto
 
 
 def test_truncated_file(tmp_path):

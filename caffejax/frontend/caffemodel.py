@@ -115,32 +115,27 @@ def read_weights(path: str) -> Weights:
 
 def read_binary_net(path: str) -> caffe_pb2.NetParameter:
     """A whole binary NetParameter, blobs included (for files that are small or must be edited as protos)."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise WeightsError(f"{path}: cannot read: {e.strerror}") from None
-    net = caffe_pb2.NetParameter()
-    try:
-        net.ParseFromString(data)
-    except message.DecodeError as e:
-        raise WeightsError(f"{path}: not a valid binary NetParameter: {e}") from None
-    return net
+    return _read_binary_proto(path, caffe_pb2.NetParameter(), "binary NetParameter")
 
 
 def read_blobproto(path: str) -> caffe_pb2.BlobProto:
     """A ``.binaryproto`` (e.g. a mean file)."""
+    return _read_binary_proto(path, caffe_pb2.BlobProto(), "BlobProto")
+
+
+def _read_binary_proto(path: str, proto, kind: str):
+    """``proto`` parsed from the file at ``path``; a WeightsError naming the file where it cannot be read or is not
+    a valid ``kind``."""
     try:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as e:
         raise WeightsError(f"{path}: cannot read: {e.strerror}") from None
-    blob = caffe_pb2.BlobProto()
     try:
-        blob.ParseFromString(data)
+        proto.ParseFromString(data)
     except message.DecodeError as e:
-        raise WeightsError(f"{path}: not a valid BlobProto: {e}") from None
-    return blob
+        raise WeightsError(f"{path}: not a valid {kind}: {e}") from None
+    return proto
 
 
 # ---- the wire-format walk ----------------------------------------------------------------------------------
