@@ -155,7 +155,7 @@ class InferenceFunction:
                                    "(Graph.staging_layers); there is no one plan to show")
         signature = self._signature(shapes)
         self._program(signature)
-        return optimize(make_plan(self._source_graph(signature), self._weights), self.passes)
+        return self._optimized_plan(self._source_graph(signature))
 
     def __call__(self, inputs: Mapping[str, Any]) -> dict[str, jax.Array]:
         if inputs.keys() != self._input_names:
@@ -199,11 +199,15 @@ class InferenceFunction:
                 program = self._programs[signature] = self._build_program(signature)
         return program
 
+    def _optimized_plan(self, graph: Graph) -> Plan:
+        """``graph``'s plan from the kept weights, through this function's passes."""
+        return optimize(make_plan(graph, self._weights), self.passes)
+
     def _optimized(self, graph: Graph) -> tuple[Plan, dict[str, list[jax.Array]]]:
         """``graph``'s optimised plan and its arrays prepared for its kernels, on the device. The plan keeps its
         arrays' shapes only: those the passes made (a BatchNorm folded into a convolution's filters) would be held
         beside their prepared form for the program's life (ResNet-50: 90 MB for each input shape)."""
-        plan = optimize(make_plan(graph, self._weights), self.passes)
+        plan = self._optimized_plan(graph)
         params = prepare_params(plan, self.dtype, self._shared.adopt)
         shapes = {name: [jax.ShapeDtypeStruct(np.shape(a), np.result_type(a)) for a in arrays]
                   for name, arrays in plan.params.items()}
