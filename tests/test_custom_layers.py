@@ -1044,6 +1044,25 @@ def test_python_layer_failures_name_the_layer(layers_module):
         net.forward(x=np.ones(2, np.float32))
 
 
+@pytest.mark.parametrize("text, params, is_input, expected", [
+    ('type: "Python" bottom: "x" top: "y"', [], False, True),
+    ('type: "Python" bottom: "x" bottom: "z" top: "z" top: "y"', [], False, True),  # in place goes by index
+    ('type: "Python" bottom: "x" top: "x"', [], False, False),  # in place
+    ('type: "Python" bottom: "x" bottom: "z" top: "y" top: "z" top: "x"', [], False, False),  # top 1 in place
+    ('type: "Python" bottom: "x" top: "y"', [(2,)], False, False),  # learnable blobs
+    ('type: "Python" top: "y"', [], False, False),  # no bottoms
+    ('type: "Python" bottom: "x" top: "y"', [], True, False),  # an input layer
+    ('type: "ReLU" bottom: "x" top: "y"', [], False, False),
+])
+def test_which_layers_may_size_their_tops_by_the_data(text, params, is_input, expected):
+    """build.may_size_tops_by_data: a Python layer with bottoms, no learnable blobs and no top in place."""
+    from caffejax.frontend.build import may_size_tops_by_data
+    from google.protobuf import text_format
+
+    lp = text_format.Parse(text, caffe_pb2.LayerParameter())
+    assert may_size_tops_by_data(lp, params, is_input) is expected
+
+
 SIZED_BY_DATA = _input(6) + _python_layer("keep", "KeepsPositives", ["x"], "kept") + \
     'layer { name: "double" type: "Power" bottom: "kept" top: "doubled" power_param { scale: 2 } }\n'
 
