@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from caffejax.errors import DataError
+from caffejax.errors import DataError, WeightsError
+from caffejax.frontend.caffemodel import blobproto_to_array, read_blobproto
 from caffejax.lower.registry import canonical_axis, count, layer, legacy_4d
 from caffejax.proto import caffe_pb2
 
@@ -177,25 +178,18 @@ def softmax_with_loss(ctx, bottoms, params):
 
 
 def _read_infogain_matrix(ctx) -> np.ndarray:
-    """infogain_loss_param.source: a binary BlobProto (Blob::FromProto: legacy 4-D dims if any is set, else
-    shape; double_data if present, else data), read relative to the working directory as Caffe does."""
+    """infogain_loss_param.source: a binary BlobProto, read relative to the working directory as Caffe does, as
+    Blob::FromProto takes it (caffemodel.blobproto_to_array: legacy 4-D dims if any is set, else shape;
+    double_data if present, else data)."""
     source = ctx.layer.infogain_loss_param.source
     try:
-        with open(source, "rb") as f:
-            blob = caffe_pb2.BlobProto.FromString(f.read())
-    except OSError as e:
-        raise ctx.error(f"cannot read the infogain matrix source '{source}': {e}", DataError) from None
-    except Exception as e:  # protobuf's DecodeError
-        raise ctx.error(f"infogain matrix source '{source}' is not a binary BlobProto: {e}", DataError) from None
-    if any(blob.HasField(f) for f in ("num", "channels", "height", "width")):
-        shape = (blob.num, blob.channels, blob.height, blob.width)
-    else:
-        shape = tuple(blob.shape.dim)
-    values = np.asarray(blob.double_data if len(blob.double_data) else blob.data)
-    if values.size != count(shape):
-        raise ctx.error(f"infogain matrix source '{source}': shape {shape} holds {count(shape)} values but the "
-                        f"blob has {values.size}", DataError)
-    return values.reshape(shape)
+        blob = read_blobproto(source)
+    except WeightsError as e:  # its message names the file
+        raise ctx.error(f"infogain_loss_param.source: {e}", DataError) from None
+    try:
+        return blobproto_to_array(blob)
+    except WeightsError as e:
+        raise ctx.error(f"infogain_loss_param.source {source}: {e}", DataError) from None
 
 
 @loss_layer("InfogainLoss", bottoms=(2, 3), tops=(1, 2), label_bottoms=(1, 2))

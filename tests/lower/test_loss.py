@@ -252,6 +252,16 @@ def test_infogain_errors(tmp_path):
         _run('type: "InfogainLoss"', [LOGITS, LABELS])
     with pytest.raises(DataError, match="cannot read"):
         _run(f'type: "InfogainLoss" infogain_loss_param {{ source: "{tmp_path}/missing" }}', [LOGITS, LABELS])
+    # The source is read as every BlobProto file is (caffemodel.read_blobproto, blobproto_to_array).
+    short = caffe_pb2.BlobProto(num=1, channels=1, height=4, width=4)
+    short.data.extend([1.0, 2.0, 3.0])
+    (tmp_path / "short.binaryproto").write_bytes(short.SerializeToString())
+    (tmp_path / "text.binaryproto").write_text("not a BlobProto\n")
+    for name, message in [("short", r"short.binaryproto: BlobProto holds 3 values but its shape \(1, 1, 4, 4\) "
+                                    "needs 16"), ("text", "text.binaryproto: not a valid BlobProto")]:
+        with pytest.raises(DataError, match=f"infogain_loss_param.source.*{message}"):
+            _run(f'type: "InfogainLoss" infogain_loss_param {{ source: "{tmp_path}/{name}.binaryproto" }}',
+                 [LOGITS, LABELS])
     with pytest.raises(ShapeError, match="4x4"):
         _run('type: "InfogainLoss"', [LOGITS, LABELS, np.eye(3, dtype=np.float32)])
     with pytest.raises(ShapeError, match="normalize"):
