@@ -78,6 +78,23 @@ def test_steps_and_caffe_snapshot_match_caffe(case):
 
 # ---- our snapshots -------------------------------------------------------------------------------------------
 
+def test_binary_solver_states_that_do_not_read_raise_solver_errors(tmp_path):
+    from caffejax.errors import SolverError
+    from caffejax.runtime.snapshot import read_state
+
+    (tmp_path / "garbage.solverstate").write_bytes(b"\x0f\xff\xff not a SolverState")
+    with pytest.raises(SolverError, match=r"garbage\.solverstate: not a valid binary SolverState"):
+        read_state(str(tmp_path / "garbage.solverstate"))
+    with pytest.raises(SolverError, match=r"missing\.solverstate: no such solver state file"):
+        read_state(str(tmp_path / "missing.solverstate"))
+    state = caffe_pb2.SolverState(iter=3, current_step=1, learned_net="m.caffemodel")
+    state.history.add(data=[1.0, 2.0]).shape.dim.extend([2])
+    (tmp_path / "good.solverstate").write_bytes(state.SerializeToString())
+    data = read_state(str(tmp_path / "good.solverstate"))
+    assert (data.iter, data.current_step, data.learned_net) == (3, 1, "m.caffemodel")
+    np.testing.assert_array_equal(data.history[0], [1.0, 2.0])
+
+
 def test_snapshot_restore_continues_identically(tmp_path):
     figures = _figures("adam_poly")
     param = caffe_pb2.SolverParameter(

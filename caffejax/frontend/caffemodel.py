@@ -19,7 +19,7 @@ from typing import Iterator
 import numpy as np
 from google.protobuf import message
 
-from caffejax.errors import ParseError, WeightsError
+from caffejax.errors import CaffejaxError, ParseError, WeightsError
 from caffejax.proto import caffe_pb2
 
 # Field numbers from caffe.proto.
@@ -115,26 +115,26 @@ def read_weights(path: str) -> Weights:
 
 def read_binary_net(path: str) -> caffe_pb2.NetParameter:
     """A whole binary NetParameter, blobs included (for files that are small or must be edited as protos)."""
-    return _read_binary_proto(path, caffe_pb2.NetParameter(), "binary NetParameter")
+    return read_binary_proto(path, caffe_pb2.NetParameter(), "binary NetParameter")
 
 
 def read_blobproto(path: str) -> caffe_pb2.BlobProto:
     """A ``.binaryproto`` (e.g. a mean file)."""
-    return _read_binary_proto(path, caffe_pb2.BlobProto(), "BlobProto")
+    return read_binary_proto(path, caffe_pb2.BlobProto(), "BlobProto")
 
 
-def _read_binary_proto(path: str, proto, kind: str):
-    """``proto`` parsed from the file at ``path``; a WeightsError naming the file where it cannot be read or is not
+def read_binary_proto(path: str, proto, kind: str, error: type[CaffejaxError] = WeightsError):
+    """``proto`` parsed from the file at ``path``; an ``error`` naming the file where it cannot be read or is not
     a valid ``kind``."""
     try:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as e:
-        raise WeightsError(f"{path}: cannot read: {e.strerror}") from None
+        raise error(f"{path}: cannot read: {e.strerror}") from None
     try:
         proto.ParseFromString(data)
     except message.DecodeError as e:
-        raise WeightsError(f"{path}: not a valid {kind}: {e}") from None
+        raise error(f"{path}: not a valid {kind}: {e}") from None
     return proto
 
 

@@ -17,11 +17,11 @@ import io
 import os
 
 import numpy as np
-from google.protobuf import message
 
 from caffejax.errors import SolverError, WeightsError
 from caffejax.fileio import atomic_write
-from caffejax.frontend.caffemodel import _h5py, blobproto_to_array, encode_blob, hdf5_blob, write_hdf5
+from caffejax.frontend.caffemodel import (_h5py, blobproto_to_array, encode_blob, hdf5_blob, read_binary_proto,
+                                         write_hdf5)
 from caffejax.proto import caffe_pb2
 
 BINARY_MODEL, BINARY_STATE = ".caffemodel", ".solverstate"
@@ -131,13 +131,7 @@ def read_state(path: str) -> SolverStateData:
 
 
 def _read_state_binary(path: str) -> SolverStateData:
-    with open(path, "rb") as f:
-        raw = f.read()
-    proto = caffe_pb2.SolverState()
-    try:
-        proto.ParseFromString(raw)
-    except message.DecodeError as e:
-        raise SolverError(f"{path}: not a valid binary SolverState: {e}") from None
+    proto = read_binary_proto(path, caffe_pb2.SolverState(), "binary SolverState", SolverError)
     try:
         history = [blobproto_to_array(blob) for blob in proto.history]
     except Exception as e:  # a WeightsError naming the blob's size/shape disagreement
