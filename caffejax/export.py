@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from caffejax.errors import CaffejaxError, ShapeError, UnsupportedError
-from caffejax.fileio import atomic_write
+from caffejax.fileio import atomic_write, read_bytes
 from caffejax.lower.python_layer import calls_back
 
 __all__ = ["export_stablehlo", "load_stablehlo", "StableHLOModel", "to_flax", "save_flax_state", "load_flax_state"]
@@ -128,11 +128,7 @@ class StableHLOModel:
 
 def load_stablehlo(path: str) -> StableHLOModel:
     """Load a file written by :func:`export_stablehlo`. Needs only JAX (``jax.export.deserialize``)."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise CaffejaxError(f"{path}: cannot read: {e.strerror}") from None
+    data = read_bytes(path)
     try:
         exported = jax.export.deserialize(bytearray(data))
     except ImportError as e:
@@ -233,11 +229,9 @@ def load_flax_state(model, path: str) -> None:
     nnx = _nnx()
     from flax import serialization
 
+    data = read_bytes(path)
     try:
-        with open(path, "rb") as f:
-            pure = serialization.msgpack_restore(f.read())
-    except OSError as e:
-        raise CaffejaxError(f"{path}: cannot read: {e.strerror}") from None
+        pure = serialization.msgpack_restore(data)
     except Exception as e:
         raise CaffejaxError(f"{path}: not a Flax msgpack state ({type(e).__name__}: {e})") from None
     state = nnx.state(model)

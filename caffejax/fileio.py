@@ -1,4 +1,5 @@
-"""Writing files so that a crash never leaves a half-written one in place of a good one."""
+"""Reading files with a typed error, and writing them so that a crash never leaves a half-written one in place of a
+good one."""
 
 from __future__ import annotations
 
@@ -8,10 +9,22 @@ import socket
 import tempfile
 from typing import Iterable
 
+from caffejax.errors import CaffejaxError
+
 # A temporary file is named PATH.caffejax.HOST.PID.RANDOM.tmp: the writer's host and process, so that a later write
 # into the same directory can tell the leftovers of a killed process (SIGKILL mid-snapshot) from files still being
 # written, and remove only those.
 _MARKER = ".caffejax."
+
+
+def read_bytes(path: str, error: type[CaffejaxError] = CaffejaxError, limit: int = -1) -> bytes:
+    """The bytes of the file at ``path`` (its first ``limit``, or all); an ``error`` naming the file where it cannot
+    be read (missing, a folder, no permission)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(limit)
+    except OSError as e:
+        raise error(f"{path}: cannot read: {e.strerror}") from None
 
 
 def atomic_write(path: str, chunks: Iterable[bytes] | bytes) -> None:

@@ -253,3 +253,25 @@ def test_a_write_into_a_missing_folder_names_the_file_asked_for(tmp_path):
     net = caffejax.Net('layer { name: "x" type: "Input" top: "x" input_param { shape { dim: 1 } } }', caffejax.TEST)
     with pytest.raises(FileNotFoundError, match="no_such_folder/w.caffemodel'$"):
         net.save(str(target))
+
+
+def test_files_that_cannot_be_read_raise_the_readers_typed_error(tmp_path, capsys):
+    """fileio.read_bytes, the one reader behind caffemodels, BlobProtos, solver states, StableHLO and Flax exports
+    and the upgrade tool's kind check: a missing file or a folder is the caller's error type naming the file."""
+    from caffejax.errors import CaffejaxError, SolverError, WeightsError
+    from caffejax.export import load_flax_state, load_stablehlo
+
+    (tmp_path / "head.bin").write_bytes(b"0123456789")
+    assert fileio.read_bytes(str(tmp_path / "head.bin")) == b"0123456789"
+    assert fileio.read_bytes(str(tmp_path / "head.bin"), limit=4) == b"0123"
+    with pytest.raises(WeightsError, match=r"missing\.bin: cannot read: No such file"):
+        fileio.read_bytes(str(tmp_path / "missing.bin"), WeightsError)
+    with pytest.raises(CaffejaxError, match=r": cannot read: Is a directory"):
+        fileio.read_bytes(str(tmp_path))
+    gone = str(tmp_path / "gone")
+    for reader, error in [(load_stablehlo, CaffejaxError), (lambda path: load_flax_state(None, path), CaffejaxError),
+                          (snapshots._read_state_binary, SolverError)]:
+        with pytest.raises(error, match=r"gone: cannot read: No such file"):
+            reader(gone)
+    assert cli_main(["upgrade", gone, str(tmp_path / "out")]) != 0
+    assert f"{gone}: cannot read: No such file" in capsys.readouterr().err

@@ -14,6 +14,7 @@ from typing import Callable
 import numpy as np
 
 from caffejax.errors import CaffejaxError, ParseError
+from caffejax.fileio import atomic_write, read_bytes
 from caffejax.runtime.mode import log_float
 
 log = logging.getLogger("caffejax")
@@ -721,7 +722,6 @@ def _read_net_file(path: str):
 def upgrade(args) -> int:
     """Caffe's three upgrade tools in one: the input's kind (binary caffemodel, net or solver prototxt)
     decides which."""
-    from caffejax.fileio import atomic_write
     from caffejax.frontend.caffemodel import read_binary_net
     from caffejax.frontend.prototxt import parse_net_text, parse_solver_text, read_text, to_text
     from caffejax.frontend.upgrade import (net_needs_upgrade, solver_needs_type_upgrade, upgrade_net_as_needed,
@@ -760,11 +760,7 @@ def upgrade(args) -> int:
 
 def _is_binary(path: str) -> bool:
     """A binary protobuf rather than text: not UTF-8, or holding control bytes text never has."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(4096)
-    except OSError as e:
-        raise CaffejaxError(f"{path}: cannot read: {e.strerror}") from None
+    head = read_bytes(path, limit=4096)
     if b"\x00" in head:
         return True
     try:

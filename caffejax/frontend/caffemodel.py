@@ -20,6 +20,7 @@ import numpy as np
 from google.protobuf import message
 
 from caffejax.errors import CaffejaxError, ParseError, WeightsError
+from caffejax.fileio import read_bytes
 from caffejax.proto import caffe_pb2
 
 # Field numbers from caffe.proto.
@@ -126,11 +127,7 @@ def read_blobproto(path: str) -> caffe_pb2.BlobProto:
 def read_binary_proto(path: str, proto, kind: str, error: type[CaffejaxError] = WeightsError):
     """``proto`` parsed from the file at ``path``; an ``error`` naming the file where it cannot be read or is not
     a valid ``kind``."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise error(f"{path}: cannot read: {e.strerror}") from None
+    data = read_bytes(path, error)
     try:
         proto.ParseFromString(data)
     except message.DecodeError as e:
