@@ -7,13 +7,16 @@ whole compiled program traced.
     python -m bench.profile mobilenet_v2 --batch 16 --train  # the training step: forward and backward
     python -m bench.profile lenet --batch 16 --whole         # the whole program, its operations by layer
     python -m bench.profile mobilenet_v2 --batch 16 --train --whole
+    python -m bench.profile mobilenet_v2 --batch 16 --compare-bf16  # where bfloat16 pays and where it does not
 
 Each layer runs its chosen kernel (or Caffe's rule) on random inputs of its real shapes and layouts, so
 the sum is an upper bound of the whole program (XLA fuses across layers there). Prints the slowest layers,
 the time per kernel kind, and each convolution's GFLOP/s. ``--whole`` instead traces the program the bench
 times (``compile_inference``'s, or the training step's without donated weights) and charges each XLA
 operation to the layers it computes (:mod:`caffejax.runtime.program_profile`): fused layers show up
-together, XLA's own re-layouts apart.
+together, XLA's own re-layouts apart. ``--compare-bf16`` traces the float32 and the bfloat16 programs and sets
+each layer's share of the one against the other's, the layers that hold the bfloat16 speed-up furthest below
+the issue's target first.
 """
 
 from __future__ import annotations
@@ -122,6 +125,35 @@ def profile_whole(net_name: str, batch: int, passes, train: bool, runs: int = 10
     return profile_program(program.run, args, [layer.name for layer in program.plan.graph.layers], runs)
 
 
+def layer_shares(traced) -> dict[str, float]:
+    """Seconds per run by layer, from a traced program (:func:`profile_whole`): an operation's time split evenly
+    over the layers it computes; operations of no layer and the executor's idle time under their own labels."""
+    shares: dict[str, float] = {}
+    for row in traced.rows():
+        for layer in row.layers or (row.label,):
+            shares[layer] = shares.get(layer, 0.0) + row.seconds / max(1, len(row.layers))
+    return shares
+
+
+def compare_bf16(net_name: str, batch: int, passes, top: int) -> list[str]:
+    """Lines setting each layer's share of the float32 program against the bfloat16 one's (:func:`layer_shares`),
+    sorted by how far the layer holds the speed-up below the target: bf16 ms - fp32 ms / target."""
+    from bench.run import TARGET_BF16_SPEEDUP
+
+    fp32 = profile_whole(net_name, batch, passes, False)
+    bf16 = profile_whole(net_name, batch, passes, False, dtype=jnp.bfloat16)
+    fp32_ms, bf16_ms = ({k: v * 1e3 for k, v in layer_shares(t).items()} for t in (fp32, bf16))
+    held_back = {k: bf16_ms.get(k, 0.0) - fp32_ms.get(k, 0.0) / TARGET_BF16_SPEEDUP for k in {*fp32_ms, *bf16_ms}}
+    lines = [f"{net_name} batch {batch}: float32 {fp32.seconds * 1e3:.1f} ms, bfloat16 {bf16.seconds * 1e3:.1f} ms "
+             f"a run ({fp32.seconds / bf16.seconds:.2f}x); the {top} layers furthest below "
+             f"{TARGET_BF16_SPEEDUP}x (bf16 ms - fp32 ms / {TARGET_BF16_SPEEDUP}):",
+             f"  {'fp32 ms':>9s} {'bf16 ms':>9s} {'fp32/bf16':>9s} {'held back':>9s}  layer"]
+    for layer in sorted(held_back, key=lambda k: -held_back[k])[:top]:
+        a, b = fp32_ms.get(layer, 0.0), bf16_ms.get(layer, 0.0)
+        lines.append(f"  {a:9.3f} {b:9.3f} {a / b if b else float('inf'):9.2f} {held_back[layer]:9.3f}  {layer}")
+    return lines
+
+
 def _needed(flags) -> tuple[int, ...]:
     return tuple(i for i, need in enumerate(flags) if need)
 
@@ -187,9 +219,17 @@ def main(argv=None) -> int:
                         help="the training step's layers: forward and forward + backward (ms = both)")
     parser.add_argument("--whole", action="store_true",
                         help="trace the whole program and charge its XLA operations to the layers they compute")
+    parser.add_argument("--compare-bf16", action="store_true",
+                        help="trace the float32 and bfloat16 programs and set each layer's time in one against "
+                             "the other")
     parser.add_argument("--top", type=int, default=15)
     args = parser.parse_args(argv)
+    if args.compare_bf16 and (args.train or args.bf16):
+        parser.error("--compare-bf16 traces both inference programs: without --train and --bf16")
     passes = None if args.passes is None else (() if args.passes == "none" else tuple(args.passes.split(",")))
+    if args.compare_bf16:
+        print("\n".join(compare_bf16(args.net, args.batch, passes, args.top)))
+        return 0
     if args.whole:
         from caffejax.runtime.program_profile import format_rows
 

@@ -127,6 +127,23 @@ def test_profile_command_runs_both_ways(mode, capsys):
                                      for line in slowest), out
 
 
+def test_profile_compares_the_bfloat16_program_layer_by_layer(capsys):
+    """``--compare-bf16``: both inference programs traced, each layer's share of one set against the other's,
+    the layers furthest below the bf16 target first; every layer of LeNet that runs is shared out."""
+    from bench import profile
+
+    assert profile.main(["lenet", "--batch", "1", "--compare-bf16", "--top", "20"]) == 0
+    out = capsys.readouterr().out
+    assert "float32" in out and "bfloat16" in out and "held back" in out
+    rows = out.strip().splitlines()[2:]
+    layers = {line.split(None, 4)[4] for line in rows}
+    assert {"conv1", "conv2", "ip1", "ip2"} <= layers, out
+    held = [float(line.split()[3]) for line in rows]
+    assert held == sorted(held, reverse=True)
+    with pytest.raises(SystemExit):
+        profile.main(["lenet", "--compare-bf16", "--train"])
+
+
 def test_profile_training_times_the_forward_with_the_backward():
     """A layer's "forward + backward" program returns its tops: a convolution's backward reads only its bottom
     and filters, and without them XLA dropped the forward, so a backward alone was reported as both."""
