@@ -1217,6 +1217,20 @@ def test_big_one_channel_convolution_runs_as_taps_and_keeps_outputs():
     assert optimize.layout_kernels(net.graph)["conv1"].name == "conv_taps"
 
 
+
+def test_big_one_channel_convolution_is_written_out_apart_from_the_pooling_reading_it():
+    """LeNet's conv1 taps at batch 16 are computed in a conditional (common.unfused), so that pool1's loop reads
+    them instead of computing each one again in every window: no computation of the program both multiplies
+    (the taps) and selects (the max pooling)."""
+    net = caffejax.Net(str(BUNDLED / "lenet/lenet.prototxt"), caffejax.TEST)
+    x = np.random.default_rng(2).random((16, 1, 28, 28), dtype=np.float32)
+    infer = caffejax.compile_inference(net)
+    infer({"data": x})
+    hlo = infer._programs[infer._signature({"data": x.shape})].run.as_text()
+    entry = hlo[hlo.index("\nENTRY"):]
+    assert entry.count(" conditional(") == 1
+    assert not any(" multiply(" in part and " select(" in part for part in hlo.split("\n\n"))
+
 # ---- Convolution -> BatchNorm (global statistics) [-> Scale] chains in Net's own programs ---------------------
 
 def _frozen(text):

@@ -58,6 +58,21 @@ def transposed_copy(a: jax.Array) -> jax.Array:
     return lax.optimization_barrier(lax.optimization_barrier(a).T)
 
 
+def unfused(fn, *operands: jax.Array) -> jax.Array:
+    """``fn(*operands)`` written out by XLA as a computation of its own, which none of its readers fuses in.
+
+    XLA fuses an element-wise producer into each reader's loop, and a reader that reads each value several
+    times (a pooling window) then computes it again for every read. XLA:CPU removes optimization barriers before
+    it fuses, so a barrier does not stop that; a conditional does, as its branches are computations of their
+    own. Its test reads the first operand's first value at run time (XLA cannot fold it) and both branches are
+    ``fn``, so the values are ``fn``'s either way. The first operand is a float array (an empty one has nothing
+    to test: ``fn`` then runs as it is)."""
+    first = operands[0]
+    if first.size == 0:
+        return fn(*operands)
+    return lax.cond(jnp.isnan(first.reshape(-1)[0]), fn, fn, *operands)
+
+
 def _fill(filler_param: Any, shape: Shape, key: jax.Array) -> jax.Array:
     from caffejax.lower.fillers import fill  # lazily: the fillers module belongs to another family
     return fill(filler_param, shape, key)

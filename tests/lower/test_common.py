@@ -624,3 +624,32 @@ def test_rules_are_jit_and_eval_shape_safe():
         rule = get_rule(ctx.type)
         args = [jnp.ones(s) for s in bottoms], [jnp.ones(s) for s in params]
         jax.jit(lambda bs, ps: rule.forward(ctx, bs, ps))(*args)
+
+
+def test_unfused_writes_its_value_out_as_a_computation_no_reader_fuses_in():
+    """common.unfused(fn, x): fn's values and gradients, computed inside a conditional XLA keeps (an optimization
+    barrier XLA:CPU removes before fusing), so that a pooling reading it does not compute it per window; an
+    empty operand runs fn as it is."""
+    from caffejax.lower import common
+
+    def taps(x):  # an element-wise producer, and a reader that reads each of its values four times
+        return x * 3.0 + jnp.sin(x)
+
+    def pooled(x, apart):
+        y = common.unfused(taps, x) if apart else taps(x)
+        return jnp.maximum(jnp.maximum(y[:, ::2, ::2], y[:, 1::2, ::2]), jnp.maximum(y[:, ::2, 1::2], y[:, 1::2, 1::2]))
+
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((4, 24, 24)), jnp.float32)
+    x64 = np.asarray(x, np.float64)
+    y64 = (x64 * 3.0 + np.sin(x64)).reshape(4, 12, 2, 12, 2)
+    np.testing.assert_allclose(pooled(x, True), y64.max(axis=(2, 4)), rtol=1e-6)
+    np.testing.assert_allclose(jax.grad(lambda x: pooled(x, True).sum())(x),  # (the sine in and out of a loop
+                               jax.grad(lambda x: pooled(x, False).sum())(x), rtol=1e-6)  # may differ in a bit)
+    fused, apart = (jax.jit(pooled, static_argnums=1).lower(x, flag).compile().as_text() for flag in (False, True))
+    assert "conditional(" not in fused and apart.count("conditional(") == 1
+
+    def pooling_computes_the_sine(hlo):  # a computation that takes the maximum and the sine both
+        return any("maximum(" in part and "sine(" in part for part in hlo.split("\n\n"))
+
+    assert pooling_computes_the_sine(fused) and not pooling_computes_the_sine(apart)
+    assert np.asarray(common.unfused(taps, jnp.zeros((0, 3)))).shape == (0, 3)

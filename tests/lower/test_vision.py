@@ -838,8 +838,9 @@ def test_few_channel_convolution_is_xlas(channels, kernel, stride, pad, dilation
 
 
 def test_few_channel_convolution_differentiated_runs_xlas_forward():
-    """Alone the forward is the multiply-adds; under differentiation it is XLA's convolution, whose output
-    XLA computes once instead of recomputing the taps inside the backward's fusions."""
+    """Alone the forward is the multiply-adds, written out apart from their readers (in a conditional:
+    common.unfused); under differentiation it is XLA's convolution, whose output XLA computes once instead of
+    recomputing the taps inside the backward's fusions."""
     from caffejax.lower import vision
 
     g = vision.ConvGeometry(channel_axis=1, kernel=(5, 5), stride=(1, 1), pad=(0, 0), dilation=(1, 1))
@@ -848,6 +849,8 @@ def test_few_channel_convolution_differentiated_runs_xlas_forward():
     def ours(x, w):
         return vision.few_channel_convolution(x, w, g, ((0, 0), (0, 0)), (8, 8), ())
 
-    assert "convolution" not in jax.jit(ours).lower(x, w).as_text()
+    alone = jax.jit(ours).lower(x, w).as_text()
+    assert "convolution" not in alone and alone.count("stablehlo.case") == 1
     forward_of_vjp = jax.jit(lambda x, w: jax.vjp(ours, x, w)[0]).lower(x, w).as_text()
     assert forward_of_vjp.count("stablehlo.convolution") == 1 and "stablehlo.multiply" not in forward_of_vjp
+    assert "stablehlo.case" not in forward_of_vjp
