@@ -405,22 +405,28 @@ def few_channel_convolution(x, w, g: ConvGeometry, padding, out: Shape, options)
     across the 20 output channels and XLA:CPU vectorised it worse. LeNet's forward (compile_inference, paired
     A/B, 2 AMD EPYC cores): batch 16 1.10 -> 1.01 ms (minimum 0.75 -> 0.70), batch 64 3.74 -> 3.26 ms.
 
-    The gradients are XLA's convolution's: the derivative of the sum would be k*k*C separate reductions. A
-    differentiated program computes the forward with XLA's convolution too (:func:`_channels_last_convolution`):
-    XLA fuses the element-wise taps into every reader of the output, the backward's among them, and recomputes
-    them there (LeNet's training step at batch 16: 3.4-4.1 ms with the taps, 3.1-3.5 ms without); its NCHW
-    form instead of the channels-last one left that step as it was (paired A/B, batch 16 and 64).
+    The sum is written out apart from its readers (:func:`~caffejax.lower.common.unfused`): XLA fuses
+    element-wise taps into every reader of the output and computes them again there. Fused into LeNet's pool1,
+    each 2x2 window's loop computed its four sums, 0.23-0.25 ms against 0.10-0.14 for the sum and 0.06 for the
+    pooling apart (traced, batch 16, 2 AMX Xeon cores); LeNet's forward (alternating blocks, the same outputs
+    bit for bit): compile_inference at batch 16 0.99-1.03 -> 0.95-0.99 ms, at batch 64 2.73 -> 2.49 ms,
+    bfloat16 at batch 16 0.95 -> 0.90 ms; Net.forward 1.14 -> 1.10 and 2.89 -> 2.67 ms.
 
-    Forward only, the sum is written out apart from its readers (:func:`~caffejax.lower.common.unfused`): fused
-    into LeNet's pool1, it was computed in each 2x2 window's loop, 0.23-0.25 ms against 0.10-0.14 for the sum
-    and 0.06 for the pooling apart (traced, batch 16, 2 AMX Xeon cores). LeNet's forward (alternating blocks,
-    the same outputs bit for bit): compile_inference at batch 16 0.99-1.03 -> 0.95-0.99 ms, at batch 64 2.73 ->
-    2.49 ms, bfloat16 at batch 16 0.95 -> 0.90 ms; Net.forward 1.14 -> 1.10 and 2.89 -> 2.67 ms."""
+    The gradients are XLA's convolution's: the derivative of the sum would be k*k*C separate reductions. A
+    differentiated program computes the forward as the taps too, written out once for the backward's readers:
+    LeNet's training step (the bench's, alternating blocks) at batch 16 2.59-2.87 -> 2.41-2.53 ms, at batch 64
+    8.55 -> 7.96 ms against XLA's convolution there; Solver.step at batch 16 3.07 -> 2.89 ms. (Fused, the
+    backward's fusions computed the taps again: 3.4-4.1 ms against 3.1-3.5 ms with XLA's convolution, 2 AMD EPYC
+    cores.)"""
+    return _few_channel_taps_apart(x, w, g, padding, out, options)
+
+
+def _few_channel_taps_apart(x, w, g: ConvGeometry, padding, out: Shape, options) -> jax.Array:
     return unfused(lambda x, w: _few_channel_taps(x, w, g, padding, out, options), x, w)
 
 
 def _few_channel_convolution_fwd(x, w, g, padding, out, options):
-    return _channels_last_convolution(x, w, g, padding, options), (x, w)
+    return _few_channel_taps_apart(x, w, g, padding, out, options), (x, w)
 
 
 def _few_channel_convolution_bwd(g, padding, out, options, residuals, dy):
