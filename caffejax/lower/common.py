@@ -66,7 +66,8 @@ def unfused(fn, *operands: jax.Array) -> jax.Array:
     it fuses, so a barrier does not stop that; a conditional does, as its branches are computations of their
     own. Its test reads the first operand's first value at run time (XLA cannot fold it) and both branches are
     ``fn``, so the values are ``fn``'s either way. The first operand is a float array (an empty one has nothing
-    to test: ``fn`` then runs as it is)."""
+    to test: ``fn`` then runs as it is), best one that ``jax.vmap`` does not batch (filters rather than inputs):
+    with a batched test JAX runs both branches and selects."""
     first = operands[0]
     if first.size == 0:
         return fn(*operands)

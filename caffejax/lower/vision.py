@@ -422,7 +422,9 @@ def few_channel_convolution(x, w, g: ConvGeometry, padding, out: Shape, options)
 
 
 def _few_channel_taps_apart(x, w, g: ConvGeometry, padding, out: Shape, options) -> jax.Array:
-    return unfused(lambda x, w: _few_channel_taps(x, w, g, padding, out, options), x, w)
+    # The conditional tests the filters (the first operand), not x: vmapped over examples (per-example gradients,
+    # caffejax.grad) a test of x would be batched, and JAX would then run both branches and select.
+    return unfused(lambda w, x: _few_channel_taps(x, w, g, padding, out, options), w, x)
 
 
 def _few_channel_convolution_fwd(x, w, g, padding, out, options):

@@ -839,8 +839,8 @@ def test_few_channel_convolution_is_xlas(channels, kernel, stride, pad, dilation
 
 def test_few_channel_convolution_writes_its_taps_out_once_and_takes_xlas_gradients():
     """Alone and differentiated, the forward is the multiply-adds written out apart from their readers (in a
-    conditional: common.unfused), so that the backward's fusions read them instead of computing them again;
-    the gradients come from XLA's convolution."""
+    conditional on the filters: common.unfused), so that the backward's fusions read them instead of computing
+    them again; the gradients come from XLA's convolution."""
     from caffejax.lower import vision
 
     g = vision.ConvGeometry(channel_axis=1, kernel=(5, 5), stride=(1, 1), pad=(0, 0), dilation=(1, 1))
@@ -855,3 +855,6 @@ def test_few_channel_convolution_writes_its_taps_out_once_and_takes_xlas_gradien
     assert "convolution" not in forward_of_vjp and forward_of_vjp.count("stablehlo.case") == 1
     gradients = jax.jit(lambda x, w: jax.vjp(ours, x, w)[1](jnp.ones((2, 4, 8, 8)))).lower(x, w).as_text()
     assert gradients.count("stablehlo.convolution") == 2  # dx and dw (the forward, unread, is dropped)
+    # Vmapped over examples (per-example gradients) the test stays unbatched: one branch runs, not both.
+    per_example = jax.jit(jax.vmap(ours, in_axes=(0, None))).lower(jnp.ones((3, 2, 1, 12, 12)), w)
+    assert per_example.as_text().count("stablehlo.case") == 1 and "stablehlo.select" not in per_example.as_text()
