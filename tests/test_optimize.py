@@ -1228,8 +1228,9 @@ def test_big_one_channel_convolution_is_written_out_apart_from_the_pooling_readi
     infer({"data": x})
     hlo = infer._programs[infer._signature({"data": x.shape})].run.as_text()
     entry = hlo[hlo.index("\nENTRY"):]
-    assert entry.count(" conditional(") == 1
-    assert not any(" multiply(" in part and " select(" in part for part in hlo.split("\n\n"))
+    if jax.default_backend() == "cpu":  # (common.unfused is the CPU's)
+        assert entry.count(" conditional(") == 1
+        assert not any(" multiply(" in part and " select(" in part for part in hlo.split("\n\n"))
 
 # ---- Convolution -> BatchNorm (global statistics) [-> Scale] chains in Net's own programs ---------------------
 

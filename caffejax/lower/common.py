@@ -67,9 +67,10 @@ def unfused(fn, *operands: jax.Array) -> jax.Array:
     own. Its test reads the first operand's first value at run time (XLA cannot fold it) and both branches are
     ``fn``, so the values are ``fn``'s either way. The first operand is a float array (an empty one has nothing
     to test: ``fn`` then runs as it is), best one that ``jax.vmap`` does not batch (filters rather than inputs):
-    with a batched test JAX runs both branches and selects."""
+    with a batched test JAX runs both branches and selects. Off the CPU ``fn`` runs as it is: there a conditional
+    reads its test back to the host, and nothing was measured."""
     first = operands[0]
-    if first.size == 0:
+    if first.size == 0 or jax.default_backend() != "cpu":
         return fn(*operands)
     return lax.cond(jnp.isnan(first.reshape(-1)[0]), fn, fn, *operands)
 

@@ -626,10 +626,10 @@ def test_rules_are_jit_and_eval_shape_safe():
         jax.jit(lambda bs, ps: rule.forward(ctx, bs, ps))(*args)
 
 
-def test_unfused_writes_its_value_out_as_a_computation_no_reader_fuses_in():
+def test_unfused_writes_its_value_out_as_a_computation_no_reader_fuses_in(monkeypatch):
     """common.unfused(fn, x): fn's values and gradients, computed inside a conditional XLA keeps (an optimization
     barrier XLA:CPU removes before fusing), so that a pooling reading it does not compute it per window; an
-    empty operand runs fn as it is."""
+    empty operand, or a backend other than the CPU, runs fn as it is."""
     from caffejax.lower import common
 
     def taps(x):  # an element-wise producer, and a reader that reads each of its values four times
@@ -646,10 +646,14 @@ def test_unfused_writes_its_value_out_as_a_computation_no_reader_fuses_in():
     np.testing.assert_allclose(jax.grad(lambda x: pooled(x, True).sum())(x),  # (the sine in and out of a loop
                                jax.grad(lambda x: pooled(x, False).sum())(x), rtol=1e-6)  # may differ in a bit)
     fused, apart = (jax.jit(pooled, static_argnums=1).lower(x, flag).compile().as_text() for flag in (False, True))
-    assert "conditional(" not in fused and apart.count("conditional(") == 1
+    on_cpu = jax.default_backend() == "cpu"  # (elsewhere fn runs as it is)
+    assert "conditional(" not in fused and apart.count("conditional(") == (1 if on_cpu else 0)
 
     def pooling_computes_the_sine(hlo):  # a computation that takes the maximum and the sine both
         return any("maximum(" in part and "sine(" in part for part in hlo.split("\n\n"))
 
-    assert pooling_computes_the_sine(fused) and not pooling_computes_the_sine(apart)
+    if on_cpu:
+        assert pooling_computes_the_sine(fused) and not pooling_computes_the_sine(apart)
     assert np.asarray(common.unfused(taps, jnp.zeros((0, 3)))).shape == (0, 3)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # where a conditional reads its test back
+    assert "cond" not in str(jax.make_jaxpr(lambda x: common.unfused(taps, x))(x))

@@ -849,12 +849,13 @@ def test_few_channel_convolution_writes_its_taps_out_once_and_takes_xlas_gradien
     def ours(x, w):
         return vision.few_channel_convolution(x, w, g, ((0, 0), (0, 0)), (8, 8), ())
 
+    cases = 1 if jax.default_backend() == "cpu" else 0  # (common.unfused is the CPU's)
     alone = jax.jit(ours).lower(x, w).as_text()
-    assert "convolution" not in alone and alone.count("stablehlo.case") == 1
+    assert "convolution" not in alone and alone.count("stablehlo.case") == cases
     forward_of_vjp = jax.jit(lambda x, w: jax.vjp(ours, x, w)[0]).lower(x, w).as_text()
-    assert "convolution" not in forward_of_vjp and forward_of_vjp.count("stablehlo.case") == 1
+    assert "convolution" not in forward_of_vjp and forward_of_vjp.count("stablehlo.case") == cases
     gradients = jax.jit(lambda x, w: jax.vjp(ours, x, w)[1](jnp.ones((2, 4, 8, 8)))).lower(x, w).as_text()
     assert gradients.count("stablehlo.convolution") == 2  # dx and dw (the forward, unread, is dropped)
     # Vmapped over examples (per-example gradients) the test stays unbatched: one branch runs, not both.
     per_example = jax.jit(jax.vmap(ours, in_axes=(0, None))).lower(jnp.ones((3, 2, 1, 12, 12)), w)
-    assert per_example.as_text().count("stablehlo.case") == 1 and "stablehlo.select" not in per_example.as_text()
+    assert per_example.as_text().count("stablehlo.case") == cases and "stablehlo.select" not in per_example.as_text()
