@@ -387,8 +387,8 @@ def _few_channel_taps(x, w, g: ConvGeometry, padding, out: Shape, options) -> ja
 
 
 def _channels_last_convolution(x, w, g: ConvGeometry, padding, options) -> jax.Array:
-    """XLA's channels-last convolution of a 2-D NCHW x with Caffe's O x C x kh x kw filters, NCHW out. In a
-    training step the transposes meet those around the next layer's channels-last kernel and cancel."""
+    """XLA's channels-last convolution of a 2-D NCHW x with Caffe's O x C x kh x kw filters, NCHW out: the
+    function whose derivative gives :func:`few_channel_convolution`'s gradients (its forward is the taps)."""
     y = _conv_nhwc(x.transpose(0, 2, 3, 1), w.transpose(2, 3, 1, 0), g, padding, options)
     return y.transpose(0, 3, 1, 2)
 
