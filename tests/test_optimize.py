@@ -1217,7 +1217,6 @@ def test_big_one_channel_convolution_runs_as_taps_and_keeps_outputs():
     assert optimize.layout_kernels(net.graph)["conv1"].name == "conv_taps"
 
 
-
 def test_big_one_channel_convolution_is_written_out_apart_from_the_pooling_reading_it():
     """LeNet's conv1 taps at batch 16 are computed in a conditional (common.unfused), so that pool1's loop reads
     them instead of computing each one again in every window: no computation of the program both multiplies
@@ -1231,6 +1230,7 @@ def test_big_one_channel_convolution_is_written_out_apart_from_the_pooling_readi
     if jax.default_backend() == "cpu":  # (common.unfused is the CPU's)
         assert entry.count(" conditional(") == 1
         assert not any(" multiply(" in part and " select(" in part for part in hlo.split("\n\n"))
+
 
 # ---- Convolution -> BatchNorm (global statistics) [-> Scale] chains in Net's own programs ---------------------
 
