@@ -954,14 +954,28 @@ def _row_major_scan_fwd(x, g, first_axis, differentiated_top_by_window):
 
 def _row_major_scan_bwd(g, first_axis, differentiated_top_by_window, winner, cotangents):
     """Each output's gradient to its winner, added in Caffe's order (outputs row-major, from zero): the
-    gradient of the padded input (:func:`_residues_to_winners`, or :func:`_spread_to_winners` for windows
-    that do not overlap), its padding cropped off.
+    gradient of the padded input by residues of the stride (:func:`_residues_to_winners`), its padding cropped
+    off.
 
     JAX's own transpose of the window views (k*k padded arrays, summed) ran as one loop testing every offset's
-    interior padding per element: about 10% of AlexNet's and GoogLeNet's training steps at batch 16."""
+    interior padding per element: about 10% of AlexNet's and GoogLeNet's training steps at batch 16.
+
+    Where windows do not overlap, every cell of a window reads its output's diff, and XLA:CPU fuses what makes
+    the diffs (LeNet's pool1: conv2's input gradient, a sum of 25 views) into each of those s*s reads. There the
+    residues are written out apart (:func:`caffejax.lower.common.unfused`), reading the diffs once: against
+    the diffs spread out by the stride (:func:`_spread_to_winners`, k*k masked views, which XLA made in four
+    passes), LeNet's training step took 0.94 of the time at batch 16 (2.49 -> 2.34 ms; outputs bit for bit
+    the same), 0.88 at batch 64 and the same at batch 1, a VGG-like one (3x3 convolutions, 2x2/2 pools,
+    112x112, batch 16) 0.98 (2 Sapphire Rapids cores). Overlapping windows' residues stay in the program:
+    written out apart, SqueezeNet v1.1's step at batch 16 took 1.03 of the time. Off the CPU, where
+    ``unfused`` is a plain call and nothing was measured, non-overlapping windows keep the spread form."""
     dtop = cotangents[0]
-    overlap = any(k > s for k, s in zip(g.kernel, g.stride))
-    dxpad = (_residues_to_winners if overlap else _spread_to_winners)(g, first_axis, winner, dtop)
+    if any(k > s for k, s in zip(g.kernel, g.stride)):
+        dxpad = _residues_to_winners(g, first_axis, winner, dtop)
+    elif jax.default_backend() == "cpu":  # (vmapped, the conditional's test is batched: both branches run)
+        dxpad = unfused(lambda d, w: _residues_to_winners(g, first_axis, w, d), dtop, winner)
+    else:
+        dxpad = _spread_to_winners(g, first_axis, winner, dtop)
     return (_pad(dxpad, first_axis, [(-lo, -hi) for lo, hi in g.padding()], 0),)
 
 
@@ -976,9 +990,9 @@ def _residues_to_winners(g: PoolGeometry, first_axis: int, winner: jax.Array, dt
     113x113x64, 9.2 -> 6.0 ms on 56x56x128, 4.9 -> 3.0 ms on AlexNet's 55x55x96), and its views' sums rounded
     differently from Caffe's where one cell won several windows; for stride 1 the two are the same views.
     The residues stay an axis of one array (not classes stacked together), and the padded views are computed
-    once. Windows that do not overlap need no padding, and there XLA:CPU fuses what makes the diffs into every
-    one of the s*s reads of them (LeNet's 2x2/2 pool re-summed its 25-view input gradient 4 times: a training
-    step 1.6x slower), so those take :func:`_spread_to_winners`."""
+    once. Windows that do not overlap need no padding (one shift, q = 0), and there XLA:CPU fuses what makes
+    the diffs into every one of the s*s reads of them (LeNet's 2x2/2 pool re-summed its 25-view input gradient
+    4 times: a training step 1.6x slower), so there this runs apart from them (:func:`_row_major_scan_bwd`)."""
     lead, trailing = dtop.shape[:first_axis], dtop.shape[first_axis + 2:]
     reach = [-(-k // s) for k, s in zip(g.kernel, g.stride)]   # outputs whose windows hold one cell, per axis
     cells = [o + q - 1 for o, q in zip(g.out, reach)]           # values of m per axis
@@ -1004,9 +1018,9 @@ def _residues_to_winners(g: PoolGeometry, first_axis: int, winner: jax.Array, dt
 
 def _spread_to_winners(g: PoolGeometry, first_axis: int, winner: jax.Array, dtop: jax.Array) -> jax.Array:
     """The padded input's gradient through the winners and diffs spread out by the stride (-1 and 0 between
-    them) and padded by k-1: offset t reads one plain view of each, and the k*k masked views add up. Used for
-    windows that do not overlap, where each cell takes at most one diff (so no order of sums to keep) and the
-    spread arrays are computed once."""
+    them) and padded by k-1: offset t reads one plain view of each, and the k*k masked views add up. Used off
+    the CPU for windows that do not overlap, where each cell takes at most one diff (so no order of sums to
+    keep) and the spread arrays are computed once."""
     pads, interior = [(k - 1, k - 1) for k in g.kernel], [s - 1 for s in g.stride]
 
     def views(a, fill):  # offset t reads a's cell o where o*stride + t = j: _taps' views, last offset first

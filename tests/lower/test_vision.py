@@ -141,6 +141,7 @@ POOL_CONFIGS = [
     ((3, 3), (2, 2), (0, 0), "CEIL", (7, 8)),
     ((3, 3), (2, 2), (1, 1), "CEIL", (6, 6)),
     ((3, 3), (3, 3), (0, 0), "CEIL", (8, 8)),
+    ((2, 2), (2, 2), (0, 0), "CEIL", (7, 8)),    # LeNet's, the last row's windows cropped
     ((2, 3), (1, 2), (1, 0), "CEIL", (5, 7)),
     ((3, 2), (2, 3), (2, 1), "FLOOR", (9, 7)),
     ((4, 4), (3, 3), (1, 1), "CEIL", (10, 11)),
@@ -193,6 +194,31 @@ def test_max_pool_channels_last_gradient_is_the_nchw_one(kernel, stride, pad, ro
     nchw = pullback(2)(x, dy)
     nhwc = pullback(1)(x.transpose(0, 2, 3, 1), dy.transpose(0, 2, 3, 1))
     np.testing.assert_array_equal(np.asarray(nhwc).transpose(0, 3, 1, 2), np.asarray(nchw))
+
+
+def test_max_pool_gradient_of_windows_apart_reads_its_diffs_once():
+    """Windows that do not overlap (LeNet's 2x2/2) route their diffs in a conditional of their own on the CPU
+    (common.unfused), which reads the diffs written out: fused, XLA computed what makes each diff again for
+    every cell of its window. Overlapping windows (3x3/2) keep their residues in the program. The gradient is
+    the spread form's, bit for bit."""
+    from caffejax.lower import vision
+
+    rng = np.random.default_rng(3)
+    x = rng.integers(-2, 3, size=(2, 7, 8, 3)).astype(np.float32)  # channels last, as Net's kernels pool
+    for kernel, stride, conditionals in (((2, 2), (2, 2), 1), ((3, 3), (2, 2), 0)):
+        g = vision.pooling_geometry(_pool_layer("MAX", kernel, stride, (0, 0), "CEIL"), (2, 3, 7, 8))
+        a, b = (rng.normal(size=(2,) + g.out + (3,)).astype(np.float32) for _ in range(2))
+
+        def pullback(x, a, b):  # the diffs made by a product, which XLA would fuse into their readers
+            return jax.vjp(lambda x: vision.max_pool(x, g, 1)[0], x)[1](a * b)[0]
+
+        hlo = jax.jit(pullback).lower(x, a, b).compile().as_text()
+        if jax.default_backend() == "cpu":
+            assert hlo[hlo.index("\nENTRY"):].count(" conditional(") == conditionals, (kernel, stride)
+        if conditionals:
+            _, winner = vision._scan_with_winner(x, g, 1)
+            spread = vision._spread_to_winners(g, 1, winner, a * b)[:, :7]
+            np.testing.assert_array_equal(np.asarray(jax.jit(pullback)(x, a, b)), np.asarray(spread))
 
 
 def _ties_nan_and_minus_inf(shape, seed):
