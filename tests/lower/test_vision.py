@@ -792,7 +792,8 @@ def test_crop_rejects_what_caffe_rejects(param, ref_shape, match):
 def test_valid_convolution_input_gradient_by_gemm_is_xlas(kernel, pad, dilation, batch):
     """An unpadded channels-last convolution's input gradient as col2im(dy . W^T) equals XLA's own (a
     convolution over the padded dy) in float64; the backward then holds one convolution, the filter
-    gradient's."""
+    gradient's, and on the CPU one conditional: the rows' sum of col2im, written out apart from the columns'
+    pads that read it at k offsets."""
     from caffejax.lower import vision
 
     rng = np.random.default_rng(5)
@@ -822,6 +823,9 @@ def test_valid_convolution_input_gradient_by_gemm_is_xlas(kernel, pad, dilation,
         return backward.lower(x, w, dy).as_text().count("stablehlo.convolution")
 
     assert (convolutions(xla), convolutions(ours)) == (2, 1)  # dx and dw; dw alone
+    if jax.default_backend() == "cpu":
+        hlo = jax.jit(lambda x, w, dy: jax.vjp(ours, x, w)[1](dy)).lower(x, w, dy).compile().as_text()
+        assert hlo[hlo.index("\nENTRY"):].count(" conditional(") == 1
 
 
 def test_same_padded_convolution_keeps_xlas_input_gradient():
