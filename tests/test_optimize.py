@@ -592,6 +592,24 @@ def test_defer_rounding_keeps_float32_sums_only_on_the_way_into_widened_kernels(
                                   np.asarray(caffejax.compile_inference(net, passes=passes)({"data": x})["prob"]))
 
 
+def test_defer_rounding_keeps_one_channel_taps_float32_on_the_way_into_the_pooling():
+    """LeNet's conv1 (conv_taps, batch 16) leaves its float32 sums unrounded into pool1, which rounds each
+    window's maximum instead of four values: pool1 and every later blob the rounding program's, bit for bit."""
+    net = caffejax.Net(str(BUNDLED / "lenet/lenet.prototxt"), caffejax.TEST)
+    x = np.random.default_rng(4).random((16, 1, 28, 28), dtype=np.float32)
+    passes = optimize.DEFAULT_PASSES + ("widen",)
+    rounded = caffejax.compile_inference(net, passes=passes, dtype=jnp.bfloat16, blobs=["pool1", "prob"])
+    deferred = caffejax.compile_inference(net, passes=passes + ("defer_rounding",), dtype=jnp.bfloat16,
+                                          blobs=["pool1", "prob"])
+    kernels = {name: k.name for name, k in deferred.plan({"data": x.shape}).kernels.items()}
+    assert kernels["conv1"] == "conv_taps_unrounded" and kernels["pool1"] == "pool_nhwc_widened"
+    assert rounded.plan({"data": x.shape}).kernels["conv1"].name == "conv_taps"
+    got, want = deferred({"data": x}), rounded({"data": x})
+    for blob in ("pool1", "prob"):
+        assert got[blob].dtype == want[blob].dtype
+        np.testing.assert_array_equal(np.asarray(got[blob]), np.asarray(want[blob]), err_msg=blob)
+
+
 def test_defer_rounding_keeps_a_widened_convolutions_float32_result_on_the_way_into_widened_kernels():
     """A 3-channel first layer, as SqueezeNet's conv1 -> ReLU -> pool1: the widened convolution leaves its result
     unrounded where only widened kernels read it (through element-wise layers), and the reader rounds. Into a

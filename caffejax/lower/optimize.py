@@ -756,7 +756,7 @@ def _taps_applies(conv: ConvShape) -> bool:
             and outputs >= TAPS_MIN_OUTPUTS)
 
 
-def _taps_conv_kernel(conv: ConvShape) -> Kernel:
+def _taps_conv_kernel(conv: ConvShape, rounded: bool = True) -> Kernel:
     g = conv.geometry
 
     # Channels first (the fed input's layout): see vision.few_channel_convolution for why.
@@ -764,7 +764,7 @@ def _taps_conv_kernel(conv: ConvShape) -> Kernel:
         (x,) = bottoms
         y = vision.few_channel_convolution(x, params[0].astype(x.dtype), g, conv.padding, conv.out,
                                            tuple(sorted(_accumulating(x).items())))
-        return [_add_bias(y, params, x.dtype, NCHW)]
+        return [_add_bias(y, params, x.dtype if rounded else y.dtype, NCHW)]
 
     return Kernel("conv_taps", forward, NCHW)
 
@@ -1112,8 +1112,13 @@ def widen(plan: Plan) -> Plan:
 # 0.91-0.95 of the time, SqueezeNet v1.1 0.95, ResNet-50, AlexNet and LeNet even. Into LRN (GoogLeNet's conv2 ->
 # ReLU -> norm2, whose window fusion recomputes the unrounded chain per channel) GoogLeNet took 1.04 of the time,
 # so LRN is left out.
+# The shifted multiply-adds of a one-channel first layer (conv_taps) sum in float32 too. Written out apart
+# (vision.few_channel_convolution), LeNet's conv1 sum was rounded by pool1's loop, four values a window: 98 us
+# there against 52 us pooling the float32 sums and rounding the maximum (traced); LeNet's bfloat16 forward
+# took 0.91-0.96 of the time at batch 16 and 0.91 at batch 64, the same bits (alternating blocks, 2 Sapphire
+# Rapids cores).
 _ROUNDING_PRODUCTS = {"conv_1x1_gemm": _pointwise_conv_kernel, "conv_im2col": _im2col_conv_kernel,
-                      "conv_winograd_f2x2_3x3": _winograd_conv_kernel}
+                      "conv_winograd_f2x2_3x3": _winograd_conv_kernel, "conv_taps": _taps_conv_kernel}
 # A widened convolution's float32 result is the same case (SqueezeNet's conv1 -> ReLU -> pool1, ResNet-50's and
 # GoogLeNet's conv1 -> ReLU -> pool1: the 3-channel first layers, which no product takes). SqueezeNet v1.1's
 # bfloat16 forward at batch 16 took 0.963-0.983 of the time (three paired runs; its conv1 -> pool1 fusion 3.0
@@ -1201,10 +1206,11 @@ def _summing_in_float32(layer: Layer, kernel: Kernel | None) -> Kernel:
 
 
 def defer_rounding(plan: Plan) -> Plan:
-    """Products (1x1 GEMM, im2col, Winograd) and widened convolutions whose output only widened convolutions and
-    poolings read, through one-input element-wise layers, keep it in float32 (kernel ``<name>_unrounded``): the
-    widened kernel rounds it. Those whose output only a plain ReLU reads keep it in float32 too, and the ReLU
-    rounds; so does a sum of two values. Runs after ``widen``; a no-op in float32 programs."""
+    """Products (1x1 GEMM, im2col, Winograd), taps and widened convolutions whose output only widened
+    convolutions and poolings read, through one-input element-wise layers, keep it in float32 (kernel
+    ``<name>_unrounded``): the widened kernel rounds it. Those whose output only a plain ReLU reads keep it in
+    float32 too, and the ReLU rounds; so does a sum of two values. Runs after ``widen``; a no-op in float32
+    programs."""
     users, outputs = readers_by_value(plan.graph.layers), _output_values(plan.graph)
     kernels = dict(plan.kernels)
     deferrable = _ROUNDING_PRODUCTS.keys() | _ROUNDING_WIDENED
