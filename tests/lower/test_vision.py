@@ -217,7 +217,7 @@ def test_max_pool_gradient_of_windows_apart_reads_its_diffs_once():
             assert hlo[hlo.index("\nENTRY"):].count(" conditional(") == conditionals, (kernel, stride)
         if conditionals:
             _, winner = vision._scan_with_winner(x, g, 1)
-            spread = vision._spread_to_winners(g, 1, winner, a * b)[:, :7]
+            spread = vision._spread_to_winners(g, 1, winner, a * b)[:, :x.shape[1], :x.shape[2]]  # the ceil row off
             np.testing.assert_array_equal(np.asarray(jax.jit(pullback)(x, a, b)), np.asarray(spread))
 
 
