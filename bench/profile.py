@@ -35,6 +35,7 @@ from caffejax.runtime.program_profile import warm_up
 
 def profile(net_name: str, batch: int, passes, repeats: int = 5, dtype=jnp.float32) -> list[dict]:
     import caffejax
+    from caffejax.lower.optimize import prepare_params
     from caffejax.runtime.xla_options import compiler_options, layer_matmul_flops
 
     spec = NETS[net_name]
@@ -44,7 +45,7 @@ def profile(net_name: str, batch: int, passes, repeats: int = 5, dtype=jnp.float
     infer = caffejax.compile_inference(net, passes=passes, dtype=dtype)
     plan = infer.plan({name: shape})
     options = compiler_options(plan.graph, dtype=dtype)  # each layer compiled as the whole program is
-    params = infer._programs[infer._signature({name: shape})].params
+    params = prepare_params(plan, dtype)  # (a small net's program holds them as constants: not in its arguments)
     graph = plan.graph
     rows = []
     for layer, kernel, forward, bottoms in _layers_as_in_the_net(graph, plan.kernels, dtype, key=None):

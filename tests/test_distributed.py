@@ -428,5 +428,7 @@ def test_compile_inference_takes_inputs_from_any_device_and_runs_on_the_default_
     with jax.default_device(jax.devices()[3]):
         there = caffejax.compile_inference(net)({"data": elsewhere})["prob"]
     assert there.devices() == {jax.devices()[3]}
-    np.testing.assert_allclose(np.asarray(there), expected, rtol=1e-6)
+    # (that program takes LeNet's weights as arguments, the first device's holds them as constants, which XLA may
+    # sum in another order: the probabilities within a few ulps of their logits)
+    np.testing.assert_allclose(np.asarray(there), expected, rtol=1e-5)
     assert len(list(tmp_path.glob("*.program"))) == 1  # the program for device 3 was compiled, not cached

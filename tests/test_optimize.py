@@ -782,10 +782,12 @@ def test_programs_for_other_input_shapes_share_the_weights_they_prepare_alike(mo
     """compile_inference's programs for other input shapes read one device copy of each weight they prepare
     alike, and add their own where they do not: the 3x3 convolution's Winograd filters on 6x6 and 6x7 images,
     its plain channels-last ones on 16x16 (WINOGRAD_MAX_SIZE). Off the CPU a digest of the bits stands in for
-    the device array (``in_host_memory`` False)."""
+    the device array (``in_host_memory`` False). (Programs taking their weights as arguments, as those of nets
+    with more than inference.CONSTANT_WEIGHTS_MAX_BYTES of them do.)"""
     from caffejax.runtime import inference
 
     monkeypatch.setattr(inference, "_in_host_memory", lambda array: in_host_memory)
+    monkeypatch.setattr(inference, "CONSTANT_WEIGHTS_MAX_BYTES", -1)
     caffejax.set_random_seed(5)
     net = caffejax.Net(SHARED_WEIGHTS_NET, caffejax.TEST)
     infer, plain = caffejax.compile_inference(net), caffejax.compile_inference(net, passes=())
@@ -885,12 +887,16 @@ def test_compile_inference_keeps_the_nets_device_weights_as_they_are_while_a_sol
     assert float(infer({"data": x, "target": y})["loss"]) == first
 
 
-def test_an_inner_product_on_a_channels_last_value_reads_the_weights_as_the_net_holds_them(zoo):
+def test_an_inner_product_on_a_channels_last_value_reads_the_weights_as_the_net_holds_them(zoo, monkeypatch):
     """An InnerProduct reading a channels-last value runs Caffe's rule on that value moved back to NCHW (a
     transpose of the activations): its program reads the weights kept by compile_inference as they are (on the
     CPU, their very memory), not a copy with the columns permuted to channels-last order, which held AlexNet's
     fc6 (151 MB) twice; its forwards took the same time to within 2% (alternating blocks at batch 1 and 16, fp32
-    and bf16; fp32 at batch 16 0.4-1.7% slower without the copy)."""
+    and bf16; fp32 at batch 16 0.4-1.7% slower without the copy). (Weights as arguments, as AlexNet's are: over
+    inference.CONSTANT_WEIGHTS_MAX_BYTES.)"""
+    from caffejax.runtime import inference
+
+    monkeypatch.setattr(inference, "CONSTANT_WEIGHTS_MAX_BYTES", -1)
     net, x, reference = zoo
     infer = caffejax.compile_inference(net)
     _check(infer({"data": x}), reference, "optimised")
@@ -1248,6 +1254,41 @@ def test_big_one_channel_convolution_is_written_out_apart_from_the_pooling_readi
     if jax.default_backend() == "cpu":  # (common.unfused is the CPU's)
         assert entry.count(" conditional(") == 1
         assert not any(" multiply(" in part and " select(" in part for part in hlo.split("\n\n"))
+
+
+def test_a_small_nets_program_holds_its_weights_a_bigger_ones_takes_them(monkeypatch):
+    """compile_inference's program holds weights of at most inference.CONSTANT_WEIGHTS_MAX_BYTES as constants
+    (every argument costs each call its dispatch) and takes bigger ones as arguments, with the same outputs; held,
+    LeNet's conv1 taps stay apart from pool1 (common.unfused's test of its constant filters is not folded). A net
+    with an array of one value in all takes its weights too."""
+    from caffejax.runtime import inference
+
+    net = caffejax.Net(str(BUNDLED / "lenet/lenet.prototxt"), str(BUNDLED / "lenet/lenet_iter_10000.caffemodel"),
+                       caffejax.TEST)
+    x = np.random.default_rng(4).random((16, 1, 28, 28), dtype=np.float32)
+
+    def program_of(infer):
+        outputs = infer({"data": x})
+        program = infer._programs[infer._signature({"data": x.shape})]
+        hlo = program.run.as_text()
+        return outputs["prob"], program, hlo[hlo.index("\nENTRY"):]
+
+    on_cpu = jax.default_backend() == "cpu"  # (held on the CPU only)
+    held, program, entry = program_of(caffejax.compile_inference(net))
+    assert (program.params == {}) == on_cpu and entry.count(" parameter(") == (1 if on_cpu else 9)
+    assert entry.count(" conditional(") == (1 if on_cpu else 0)
+    monkeypatch.setattr(inference, "CONSTANT_WEIGHTS_MAX_BYTES", 1 << 20)  # LeNet's weights take 1.7 MB
+    taken, program, entry = program_of(caffejax.compile_inference(net))
+    assert len(jax.tree.leaves(program.params)) == 8 and entry.count(" parameter(") == 9  # the input besides
+    np.testing.assert_allclose(np.asarray(held), np.asarray(taken), rtol=1e-5, atol=1e-8)
+    # An array of one value in all would be a broadcast in XLA, which its YNNPACK dot fusions multiply by wrongly
+    # (NaN): a net with one takes its weights as arguments.
+    monkeypatch.undo()
+    net.params["ip2"][0].data[...] = 0.25
+    uniform, program, entry = program_of(caffejax.compile_inference(net))
+    assert len(jax.tree.leaves(program.params)) == 8
+    net.blobs["data"].reshape(*x.shape)
+    np.testing.assert_allclose(np.asarray(uniform), net.forward(data=x)["prob"], rtol=1e-5, atol=1e-8)
 
 
 # ---- Convolution -> BatchNorm (global statistics) [-> Scale] chains in Net's own programs ---------------------

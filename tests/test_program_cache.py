@@ -33,7 +33,13 @@ def _digits(batch: int) -> np.ndarray:
     return np.random.default_rng(batch).random((batch, 1, 28, 28), dtype=np.float32)
 
 
-def test_a_new_function_loads_the_program_and_reads_its_own_weights(cache, caplog):
+@pytest.mark.parametrize("held", [False, True], ids=["weights as arguments", "weights held"])
+def test_a_new_function_loads_the_program_and_reads_its_own_weights(cache, caplog, monkeypatch, held):
+    """Weights over inference.CONSTANT_WEIGHTS_MAX_BYTES are arguments of the program: other weights, the same
+    program, their output. Smaller ones are constants in it, and its key: other weights, another program."""
+    from caffejax.runtime import inference
+
+    monkeypatch.setattr(inference, "CONSTANT_WEIGHTS_MAX_BYTES", inference.CONSTANT_WEIGHTS_MAX_BYTES if held else -1)
     caplog.set_level(logging.DEBUG, logger=program_cache.__name__)
     net = caffejax.Net(str(LENET), str(WEIGHTS), caffejax.TEST)
     x = _digits(3)
@@ -42,10 +48,10 @@ def test_a_new_function_loads_the_program_and_reads_its_own_weights(cache, caplo
     again = caffejax.compile_inference(net)({"data": x})["prob"]
     assert _events(caplog) == ["compiled", "cache"]  # "... loaded from the cache"
     np.testing.assert_array_equal(np.asarray(again), np.asarray(first))
-    # The weights are arguments of the program, not constants in it: other weights, same program, their output.
     net.params["ip2"][1].data[...] += 5.0 * np.arange(10, dtype=np.float32)
     edited = caffejax.compile_inference(net)({"data": x})["prob"]
-    assert _events(caplog) == ["compiled", "cache", "cache"]
+    assert _events(caplog) == ["compiled", "cache", "compiled" if held else "cache"]
+    assert len(list(cache.glob("*.program"))) == (2 if held else 1)
     np.testing.assert_allclose(np.asarray(edited), np.asarray(caffejax.compile_inference(
         net, passes=())({"data": x})["prob"]), rtol=1e-5, atol=1e-6)
     assert not np.allclose(np.asarray(edited), np.asarray(first))

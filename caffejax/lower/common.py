@@ -64,15 +64,17 @@ def unfused(fn, *operands: jax.Array) -> jax.Array:
     XLA fuses an element-wise producer into each reader's loop, and a reader that reads each value several
     times (a pooling window) then computes it again for every read. XLA:CPU removes optimization barriers before
     it fuses, so a barrier does not stop that; a conditional does, as its branches are computations of their
-    own. Its test reads the first operand's first value at run time (XLA cannot fold it) and both branches are
-    ``fn``, so the values are ``fn``'s either way. The first operand is a float array (an empty one has nothing
-    to test: ``fn`` then runs as it is), best one that ``jax.vmap`` does not batch (filters rather than inputs):
-    with a batched test JAX runs both branches and selects. Off the CPU ``fn`` runs as it is: there a conditional
-    reads its test back to the host, and nothing was measured."""
+    own. Its test reads the first operand's first value at run time and both branches are ``fn``, so the values
+    are ``fn``'s either way. That value passes an optimization barrier: where it is a constant (weights a
+    program holds, inference's CONSTANT_WEIGHTS_MAX_BYTES) XLA would fold the test, and the conditional with it.
+    The first operand is a float array (an empty one has nothing to test: ``fn`` then runs as it is), best one
+    that ``jax.vmap`` does not batch (filters rather than inputs): with a batched test JAX runs both branches and
+    selects. Off the CPU ``fn`` runs as it is: there a conditional reads its test back to the host, and nothing
+    was measured."""
     first = operands[0]
     if first.size == 0 or jax.default_backend() != "cpu":
         return fn(*operands)
-    return lax.cond(jnp.isnan(first.reshape(-1)[0]), fn, fn, *operands)
+    return lax.cond(jnp.isnan(lax.optimization_barrier(first.reshape(-1)[0])), fn, fn, *operands)
 
 
 def _fill(filler_param: Any, shape: Shape, key: jax.Array) -> jax.Array:

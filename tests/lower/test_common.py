@@ -628,16 +628,18 @@ def test_rules_are_jit_and_eval_shape_safe():
 
 def test_unfused_writes_its_value_out_as_a_computation_no_reader_fuses_in(monkeypatch):
     """common.unfused(fn, x): fn's values and gradients, computed inside a conditional XLA keeps (an optimization
-    barrier XLA:CPU removes before fusing), so that a pooling reading it does not compute it per window; an
-    empty operand, or a backend other than the CPU, runs fn as it is."""
+    barrier XLA:CPU removes before fusing), so that a pooling reading it does not compute it per window, also
+    where the operand tested is a constant; an empty operand, or a backend other than the CPU, runs fn as it is."""
     from caffejax.lower import common
 
     def taps(x):  # an element-wise producer, and a reader that reads each of its values four times
         return x * 3.0 + jnp.sin(x)
 
-    def pooled(x, apart):
-        y = common.unfused(taps, x) if apart else taps(x)
+    def pool(y):
         return jnp.maximum(jnp.maximum(y[:, ::2, ::2], y[:, 1::2, ::2]), jnp.maximum(y[:, ::2, 1::2], y[:, 1::2, 1::2]))
+
+    def pooled(x, apart):
+        return pool(common.unfused(taps, x) if apart else taps(x))
 
     x = jnp.asarray(np.random.default_rng(3).standard_normal((4, 24, 24)), jnp.float32)
     x64 = np.asarray(x, np.float64)
@@ -655,5 +657,9 @@ def test_unfused_writes_its_value_out_as_a_computation_no_reader_fuses_in(monkey
     if on_cpu:
         assert pooling_computes_the_sine(fused) and not pooling_computes_the_sine(apart)
     assert np.asarray(common.unfused(taps, jnp.zeros((0, 3)))).shape == (0, 3)
+    # A constant tested (weights a program holds): XLA does not fold the test, and so keeps the conditional.
+    w = jnp.float32(1.5)
+    held = jax.jit(lambda x: pool(common.unfused(lambda w, x: taps(x) * w, w, x))).lower(x).compile()
+    assert held.as_text().count("conditional(") == (1 if on_cpu else 0)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # where a conditional reads its test back
     assert "cond" not in str(jax.make_jaxpr(lambda x: common.unfused(taps, x))(x))
