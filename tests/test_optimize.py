@@ -1260,7 +1260,7 @@ def test_a_small_nets_program_holds_its_weights_a_bigger_ones_takes_them(monkeyp
     """compile_inference's program holds weights of at most inference.CONSTANT_WEIGHTS_MAX_BYTES as constants
     (every argument costs each call its dispatch) and takes bigger ones as arguments, with the same outputs; held,
     LeNet's conv1 taps stay apart from pool1 (common.unfused's test of its constant filters is not folded). A net
-    with an array of one value in all takes its weights too."""
+    with an array of one value in all that the program multiplies by takes its weights too, one it adds holds them."""
     from caffejax.runtime import inference
 
     net = caffejax.Net(str(BUNDLED / "lenet/lenet.prototxt"), str(BUNDLED / "lenet/lenet_iter_10000.caffemodel"),
@@ -1281,14 +1281,36 @@ def test_a_small_nets_program_holds_its_weights_a_bigger_ones_takes_them(monkeyp
     taken, program, entry = program_of(caffejax.compile_inference(net))
     assert len(jax.tree.leaves(program.params)) == 8 and entry.count(" parameter(") == 9  # the input besides
     np.testing.assert_allclose(np.asarray(held), np.asarray(taken), rtol=1e-5, atol=1e-8)
-    # An array of one value in all would be a broadcast in XLA, which its YNNPACK dot fusions multiply by wrongly
-    # (NaN): a net with one takes its weights as arguments.
+    # An array of one value in all is a broadcast in XLA: added (a bias of zeros), it is held; multiplied by, it
+    # would be wrong in XLA:CPU's YNNPACK dot fusions (NaN), and the net takes its weights as arguments.
     monkeypatch.undo()
+    net.blobs["data"].reshape(*x.shape)
+    net.params["ip1"][1].data[...] = 0
+    zero_bias, program, entry = program_of(caffejax.compile_inference(net))
+    assert (program.params == {}) == on_cpu
+    np.testing.assert_allclose(np.asarray(zero_bias), net.forward(data=x)["prob"], rtol=1e-5, atol=1e-8)
     net.params["ip2"][0].data[...] = 0.25
     uniform, program, entry = program_of(caffejax.compile_inference(net))
     assert len(jax.tree.leaves(program.params)) == 8
-    net.blobs["data"].reshape(*x.shape)
     np.testing.assert_allclose(np.asarray(uniform), net.forward(data=x)["prob"], rtol=1e-5, atol=1e-8)
+
+
+def test_a_program_whose_held_filters_xla_makes_a_broadcast_takes_them_as_arguments():
+    """Held as constants, a grouped convolution's filters whose second group is all zeros (a pruned group) are
+    sliced by the im2col products one per group; XLA makes that slice a broadcast of 0, which XLA:CPU's YNNPACK
+    dot fusions multiply by wrongly (garbage where the output is 0: from 1e-36 to 1e21 in three runs). Such a
+    program takes its weights as arguments, and the zeroed group's outputs are exactly 0."""
+    text = ('name: "pruned" input: "data" input_shape { dim: 16 dim: 8 dim: 24 dim: 24 }\n'
+            + _conv("conv", "data", "conv", 128, 3, "group: 2 bias_term: false"))
+    net = caffejax.Net(text, caffejax.TEST)
+    net.params["conv"][0].data[64:] = 0
+    x = np.random.default_rng(7).random((16, 8, 24, 24), dtype=np.float32)
+    expected = net.forward(data=x)["conv"].copy()
+    infer = caffejax.compile_inference(net, passes=optimize.DEFAULT_PASSES + ("conv_im2col",))
+    got = np.asarray(infer({"data": x})["conv"])
+    assert infer._programs[infer._signature({"data": x.shape})].plan.kernels["conv"].name == "conv_im2col"
+    assert not got[:, 64:].any()
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
 # ---- Convolution -> BatchNorm (global statistics) [-> Scale] chains in Net's own programs ---------------------

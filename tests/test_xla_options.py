@@ -149,3 +149,22 @@ def test_single_bfloat16_dots_sum_in_float32():
     want = a.astype(np.float64) @ b.astype(np.float64)
     scale = np.abs(a.astype(np.float64)) @ np.abs(b.astype(np.float64))
     assert np.abs(got - want).max() / scale.max() < 1e-5
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="YNNPACK fusions are XLA:CPU's")
+def test_a_ynnpack_dot_of_a_broadcast_is_found_in_the_compiled_program():
+    """XLA:CPU's YNNPACK dot fusions (jaxlib 0.10.2) multiply by a broadcast operand wrongly; a constant of one
+    value in all is a broadcast to XLA. The check finds such a dot in a compiled program's HLO, through the
+    bitcasts and transposes between, and only inside a YNNPACK fusion: XLA's own dot of it is right."""
+    dot_fusions = {xla_options.YNN_OPTION: xla_options.YNN_DOT}
+    x, w = jnp.ones((64, 1024)), jnp.ones((32, 1024))
+
+    def found(fn, *args, options=dot_fusions):
+        return xla_options.ynn_multiplies_a_broadcast(jax.jit(fn, compiler_options=options).lower(*args)
+                                                     .compile().as_text())
+
+    assert found(lambda x: jnp.maximum(x, 0.2) @ jnp.zeros((32, 1024)).T + 1, x)
+    assert found(lambda x: x @ jnp.broadcast_to(x[0, 0], (1024, 32)), x)
+    assert not found(lambda x: jnp.maximum(x, 0.2) @ jnp.zeros((32, 1024)).T + 1, x, options={})
+    assert not found(lambda x, w: jnp.maximum(x, 0.2) @ w.T + 1, x, w)  # (the maximum's 0.2 is a broadcast too)
+    assert not xla_options.ynn_multiplies_a_broadcast("")

@@ -32,7 +32,7 @@ from caffejax.lower.program import check_one_program, run_host_layers
 from caffejax.runtime.blob import bits_digest, same_bits
 from caffejax.runtime.memory import DeviceMemoryErrors, garbage_collection_paused
 from caffejax.runtime.program_cache import compile_program, describe_graph
-from caffejax.runtime.xla_options import bf16_matrix_programs, compiler_options
+from caffejax.runtime.xla_options import bf16_matrix_programs, compiler_options, ynn_multiplies_a_broadcast
 
 Shapes = tuple[tuple[str, tuple[int, ...]], ...]
 
@@ -395,30 +395,26 @@ def _compiled(plan: Plan, dtype, params: dict[str, list[jax.Array]], fed: Mappin
     under ``description`` where it holds it), and the weights to call it with: ``params``, or none where the
     program holds them as constants (:data:`CONSTANT_WEIGHTS_MAX_BYTES`)."""
     function = _in_dtype(plan, dtype)
+    options = compiler_options(plan.graph, dtype=dtype)
     arrays = jax.tree.leaves(params)
     # (on the first device only: an executable the program cache loads runs there, and with no weights among its
     # arguments compile_program would not see that the program belongs elsewhere)
     if (jax.default_backend() == "cpu" and sum(a.nbytes for a in arrays) <= CONSTANT_WEIGHTS_MAX_BYTES
-            and all(a.devices() == {jax.devices()[0]} for a in arrays) and not any(map(_uniform, arrays))):
-        held, computed = params, function
+            and all(a.devices() == {jax.devices()[0]} for a in arrays)):
+        held = params
 
         def run(_, inputs):  # named as _in_dtype's: the program's operations are "jit(run)/<layer>/..."
-            return computed(held, inputs)
+            return function(held, inputs)
 
-        function = run
-        if description is not None:  # the constants are part of what the program computes
-            description = [*description, "weights held", *(bits_digest(np.asarray(a)) for a in arrays)]
-        params = {}
-    return params, compile_program(function, (params, fed), options=compiler_options(plan.graph, dtype=dtype),
-                                   description=description)
-
-
-def _uniform(array: jax.Array) -> bool:
-    """Whether an array of several values holds one value in all (every one NaN counts). XLA makes such a constant
-    a broadcast of it, and XLA:CPU's YNNPACK dot fusions (jaxlib 0.10.2) multiply by a broadcast wrongly: NaN
-    everywhere, even for zeros. An untrained net's zero-filled weights are such arrays: its program takes them."""
-    values = np.asarray(array)
-    return values.size > 1 and bool(np.all(values == values.flat[0]) or np.all(np.isnan(values)))
+        compiled = compile_program(run, ({}, fed), options=options, description=None if description is None else [
+            *description, "weights held", *(bits_digest(np.asarray(a)) for a in arrays)])  # (part of what it computes)
+        # Where XLA made a held array, or a part of one the program multiplies by, a broadcast (all its values
+        # one value: an untrained net's zeros, a zeroed group of filters), YNNPACK's dot would multiply by it
+        # wrongly: the program takes the weights instead. (The program cache keeps the held one; a later process
+        # loads it, finds the same and compiles this one too.)
+        if not ynn_multiplies_a_broadcast(compiled.as_text() or ""):
+            return {}, compiled
+    return params, compile_program(function, (params, fed), options=options, description=description)
 
 
 def _describe(plan: Plan, passes: Sequence[str]) -> list[bytes | str] | None:

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import functools
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -113,3 +114,38 @@ def compiler_options(graph: Graph, backward: bool = False, dtype=jnp.float32) ->
     if bf16_matrix_programs(dtype):
         return {YNN_OPTION: YNN_INDIVIDUAL_DOT}
     return {YNN_OPTION: YNN_DOT}
+
+
+# A compiled program's HLO text: a computation's header, an instruction (name, opcode, operands), and a YNNPACK
+# fusion's call of its computation.
+_HLO_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{$")
+_HLO_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%([\w.\-]+) = (?:\([^=]*\)|\S+) ([\w\-]+)\(([^)]*)\)")
+_YNN_FUSION_CALL = re.compile(r'calls=%([\w.\-]+).*"kind":"__ynn_fusion"')
+_SAME_VALUES = frozenset({"bitcast", "reshape", "transpose", "copy"})  # what a broadcast stays through
+
+
+def ynn_multiplies_a_broadcast(hlo: str) -> bool:
+    """Whether a compiled program (its optimised HLO text, ``compiled.as_text()``) has a dot inside a YNNPACK
+    fusion with an operand that is a broadcast. XLA:CPU's YNNPACK dot fusions (jaxlib 0.10.2, :data:`YNN_DOT`)
+    multiply by one wrongly: ``x @ jnp.zeros((32, 1024)).T`` gives NaN, by a broadcast of 0.25 values near 1e34,
+    while XLA's own dot is right. XLA makes a broadcast of a constant whose values are all one value, and of a
+    slice of a constant that is so (the zeroed group of held filters that one group's product takes), so a
+    program holding weights as constants can meet it."""
+    computations: dict[str, dict[str, tuple[str, list[str]]]] = {}
+    instructions: dict[str, tuple[str, list[str]]] = {}
+    for line in hlo.splitlines():
+        header = _HLO_COMPUTATION.match(line)
+        if header:
+            instructions = computations.setdefault(header[1], {})
+        elif instruction := _HLO_INSTRUCTION.match(line):
+            name, opcode, operands = instruction.groups()
+            instructions[name] = (opcode, [o.split()[-1].lstrip("%") for o in operands.split(",") if o.strip()])
+
+    def producer(instructions, name: str) -> str:
+        while instructions.get(name, ("",))[0] in _SAME_VALUES:
+            name = instructions[name][1][0]
+        return instructions.get(name, ("parameter",))[0]
+
+    return any(opcode == "dot" and any(producer(fused, o) == "broadcast" for o in operands)
+               for fused in map(computations.get, set(_YNN_FUSION_CALL.findall(hlo))) if fused
+               for opcode, operands in fused.values())
