@@ -141,10 +141,10 @@ def ynn_multiplies_a_broadcast(hlo: str) -> bool:
             name, opcode, operands = instruction.groups()
             instructions[name] = (opcode, [o.split()[-1].lstrip("%") for o in operands.split(",") if o.strip()])
 
-    def producer(instructions, name: str) -> str:
-        while instructions.get(name, ("",))[0] in _SAME_VALUES:
-            name = instructions[name][1][0]
-        return instructions.get(name, ("parameter",))[0]
+    def producer(computation, name: str) -> str:  # the opcode that makes the value ``name`` names
+        while computation.get(name, ("",))[0] in _SAME_VALUES:
+            name = computation[name][1][0]
+        return computation.get(name, ("parameter",))[0]
 
     return any(opcode == "dot" and any(producer(fused, o) == "broadcast" for o in operands)
                for fused in map(computations.get, set(_YNN_FUSION_CALL.findall(hlo))) if fused
