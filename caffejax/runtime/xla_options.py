@@ -53,6 +53,7 @@ import jax.numpy as jnp
 from caffejax.frontend.ir import Graph, Layer
 from caffejax.lower.registry import count
 from caffejax.runtime.mode import environment_switch
+from caffejax.runtime.program_profile import parse_hlo
 
 YNN_OPTION = "xla_cpu_experimental_ynn_fusion_type"
 YNN_DOT = "LIBRARY_FUSION_TYPE_DOT"
@@ -116,10 +117,7 @@ def compiler_options(graph: Graph, backward: bool = False, dtype=jnp.float32) ->
     return {YNN_OPTION: YNN_DOT}
 
 
-# A compiled program's HLO text: a computation's header, an instruction (name, opcode, operands), and a YNNPACK
-# fusion's call of its computation.
-_HLO_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{$")
-_HLO_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%([\w.\-]+) = (?:\([^=]*\)|\S+) ([\w\-]+)\(([^)]*)\)")
+# A YNNPACK fusion's call of its computation, in a compiled program's HLO text.
 _YNN_FUSION_CALL = re.compile(r'calls=%([\w.\-]+).*"kind":"__ynn_fusion"')
 _SAME_VALUES = frozenset({"bitcast", "reshape", "transpose", "copy"})  # what a broadcast stays through
 
@@ -131,21 +129,21 @@ def ynn_multiplies_a_broadcast(hlo: str) -> bool:
     while XLA's own dot is right. XLA makes a broadcast of a constant whose values are all one value, and of a
     slice of a constant that is so (the zeroed group of held filters that one group's product takes), so a
     program holding weights as constants can meet it."""
-    computations: dict[str, dict[str, tuple[str, list[str]]]] = {}
-    instructions: dict[str, tuple[str, list[str]]] = {}
-    for line in hlo.splitlines():
-        header = _HLO_COMPUTATION.match(line)
-        if header:
-            instructions = computations.setdefault(header[1], {})
-        elif instruction := _HLO_INSTRUCTION.match(line):
-            name, opcode, operands = instruction.groups()
-            instructions[name] = (opcode, [o.split()[-1].lstrip("%") for o in operands.split(",") if o.strip()])
+    fused = set(_YNN_FUSION_CALL.findall(hlo))
+    if not fused:
+        return False
+    _, computations = parse_hlo(hlo)
+    for name in fused:
+        made_by = {instruction.name: instruction for instruction in computations.get(name, [])}
+        if any(instruction.opcode == "dot" and any(_producer(made_by, v) == "broadcast" for v in instruction.references)
+               for instruction in made_by.values()):
+            return True
+    return False
 
-    def producer(computation, name: str) -> str:  # the opcode that makes the value ``name`` names
-        while computation.get(name, ("",))[0] in _SAME_VALUES:
-            name = computation[name][1][0]
-        return computation.get(name, ("parameter",))[0]
 
-    return any(opcode == "dot" and any(producer(fused, o) == "broadcast" for o in operands)
-               for fused in map(computations.get, set(_YNN_FUSION_CALL.findall(hlo))) if fused
-               for opcode, operands in fused.values())
+def _producer(made_by: dict, value: str) -> str:
+    """The opcode that makes ``value`` in one computation (``made_by``: its instructions by name), through the
+    instructions that keep its values; "parameter" for what comes from outside it."""
+    while value in made_by and made_by[value].opcode in _SAME_VALUES:
+        value = made_by[value].references[0]
+    return made_by[value].opcode if value in made_by else "parameter"
