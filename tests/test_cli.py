@@ -761,11 +761,14 @@ def _signalling_solver(tmp_path, monkeypatch, signal_name: str, at_forward: int)
 def test_train_acts_on_sigint_and_sighup_as_caffe_train_does(tmp_path, capsys, monkeypatch):
     """caffe train's -sigint_effect (default stop) and -sighup_effect (default snapshot): the solver finishes
     the iteration the signal came in, then stops with its final snapshot, or snapshots and goes on."""
+    # Put back after training: the handlers the process had, which are not Python's default where it started
+    # with the signals ignored (`nohup`, a shell's background job: SIG_IGN).
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGHUP)
     argv = _signalling_solver(tmp_path, monkeypatch, "SIGINT", 3)
     status, err = run(argv, capsys)
     assert status == 0 and "Optimization stopped early." in err, err
     assert sorted(p.name for p in tmp_path.glob("snap_iter_*.caffemodel")) == ["snap_iter_3.caffemodel"]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back after training
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGHUP)) == before
 
     for p in tmp_path.glob("snap_iter_*"):
         p.unlink()
@@ -774,6 +777,7 @@ def test_train_acts_on_sigint_and_sighup_as_caffe_train_does(tmp_path, capsys, m
     assert status == 0 and "Optimization stopped early." not in err, err
     assert sorted(p.name for p in tmp_path.glob("snap_iter_*.caffemodel")) == ["snap_iter_3.caffemodel",
                                                                                "snap_iter_6.caffemodel"]
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGHUP)) == before
 
     for p in tmp_path.glob("snap_iter_*"):
         p.unlink()
