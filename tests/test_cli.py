@@ -790,10 +790,14 @@ def test_train_acts_on_sigint_and_sighup_as_caffe_train_does(tmp_path, capsys, m
     assert status == 1 and "invalid choice: 'halt'" in err and len(error_lines(err)) == 1, err
 
 
-def caffe_log_rows(log: str, year: int = 2026) -> tuple[list[dict], list[dict]]:
+def caffe_log_rows(log: str, year: int | None = None) -> tuple[list[dict], list[dict]]:
     """The train and test rows Caffe's tools/extra/parse_log.py (master) reads off a log, as it reads them: the
     clock of each line after the first 'Iteration' from glog's prefix (extract_seconds.py), counted from the
-    'Solving' line; outputs gathered into one row per iteration; the first row's learning rate from the second."""
+    'Solving' line; outputs gathered into one row per iteration; the first row's learning rate from the second.
+    glog's prefix has no year: parse_log takes the log file's, ``year`` here (default: this year's, the log's
+    just written; a fixed one would fail on a leap day, February 29 being no date in a common year)."""
+    year = datetime.date.today().year if year is None else year
+
     def clock_of(line):
         fields = line.strip().split()
         stamp = fields[1]
