@@ -285,6 +285,33 @@ def test_programs_kept_while_jaxs_own_cache_holds_them_run(tmp_path):
         np.testing.assert_array_equal(got, outputs[0])
 
 
+
+FRESH_COMPILE = """
+import sys, jax, jax.numpy as jnp
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+from caffejax.runtime import program_cache
+events = []
+jax.monitoring.register_event_listener(lambda event, **kwargs: events.append(event))
+USED = "/jax/compilation_cache/compile_requests_use_cache"
+jax.jit(jnp.sin).lower(1.0).compile()  # the process's first compile: JAX decides its cache is on
+assert events.count(USED) == 1, events
+with program_cache._without_jax_cache():
+    jax.jit(jnp.cos).lower(1.0).compile()
+assert events.count(USED) == 1, "the compile meant to be fresh went through JAX's cache"
+jax.jit(jnp.tanh).lower(1.0).compile()
+assert events.count(USED) == 2, "JAX's cache stayed off after the fresh compile"
+"""
+
+
+def test_a_fresh_compile_keeps_out_of_jaxs_cache_after_the_process_used_it(tmp_path):
+    """A program compiled to be kept neither reads nor writes JAX's cache, even where an earlier compile of the
+    process found the cache on (JAX keeps that first answer): jax 0.12.1 loaded such a program from its cache,
+    and the kept copy failed when the next process ran it. Later compiles use the cache again."""
+    done = subprocess.run([sys.executable, "-c", FRESH_COMPILE, str(tmp_path / "jax-cache")], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+
 SOLVER_NET = '''
 layer { name: "x" type: "Input" top: "x" top: "label" input_param { shape { dim: 8 dim: 1 dim: 6 dim: 6 }
         shape { dim: 8 } } }

@@ -22,6 +22,7 @@ JAX's cache.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -173,10 +174,27 @@ def _without_jax_cache():
     found"; jax 0.10.2 on the CPU, LeNet and GoogLeNet alike). A program is compiled for this cache once."""
     try:
         from jax._src import config
+        from jax.experimental.compilation_cache import compilation_cache
     except ImportError:
         return None
     switch = getattr(config, "enable_compilation_cache", None)
-    return switch(False) if callable(switch) else None
+    reset = getattr(compilation_cache, "reset_cache", None)
+    return _cache_switched_off(switch, reset) if callable(switch) and callable(reset) else None
+
+
+@contextlib.contextmanager
+def _cache_switched_off(switch, reset):
+    """JAX decides at a process's first compile whether its cache is used and keeps the answer, so the setting
+    alone does not reach later compiles: jax 0.12.1 then loaded the program from its cache (and the kept one
+    failed in the next process: "NOT_FOUND: Function transpose_copy_fusion.1 not found"), and jax 0.10.2 looked
+    it up under another key, missed, and wrote it there. The decision is reset on the way in, so that the
+    compile inside finds the cache off, and on the way out, so that later compiles find it on again."""
+    with switch(False):
+        reset()
+        try:
+            yield
+        finally:
+            reset()
 
 
 def jit_through_cache(function: Callable, *, options: Mapping[str, str],
