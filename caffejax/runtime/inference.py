@@ -17,6 +17,7 @@ between calls, as Caffe does); feed h_0/c_0 through expose_hidden to carry it yo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable, Mapping, Sequence
 
@@ -406,8 +407,9 @@ def _compiled(plan: Plan, dtype, params: dict[str, list[jax.Array]], fed: Mappin
         def run(_, inputs):  # named as _in_dtype's: the program's operations are "jit(run)/<layer>/..."
             return function(held, inputs)
 
-        compiled = compile_program(run, ({}, fed), options=options, description=None if description is None else [
-            *description, "weights held", *(bits_digest(np.asarray(a)) for a in arrays)])  # (part of what it computes)
+        with _constants_embedded(CONSTANT_WEIGHTS_MAX_BYTES):
+            compiled = compile_program(run, ({}, fed), options=options, description=None if description is None else [
+                *description, "weights held", *(bits_digest(np.asarray(a)) for a in arrays)])  # (what it computes)
         # Where XLA made a held array, or a part of one the program multiplies by, a broadcast (all its values
         # one value: an untrained net's zeros, a zeroed group of filters), YNNPACK's dot would multiply by it
         # wrongly: the program takes the weights instead. (The program cache keeps the held one; a later process
@@ -415,6 +417,17 @@ def _compiled(plan: Plan, dtype, params: dict[str, list[jax.Array]], fed: Mappin
         if not ynn_multiplies_a_broadcast(compiled.as_text() or ""):
             return {}, compiled
     return params, compile_program(function, (params, fed), options=options, description=description)
+
+
+def _constants_embedded(max_bytes: int):
+    """A context in which jax puts closed-over constants of up to ``max_bytes`` each into the program itself. Since
+    jax 0.11 (``jax_use_simplified_jaxpr_constants``) it hoists any over ``jax_embedded_constants_max_bytes``
+    (1 KiB) out as hidden arguments of the executable, passed at every call: held weights would be arguments
+    again (jax 0.12.1: LeNet's program took its 5 arrays so). Older jax embeds them all."""
+    from jax._src import config
+
+    limit = getattr(config, "embedded_constants_max_bytes", None)
+    return limit(max(max_bytes, limit.value)) if callable(limit) else contextlib.nullcontext()
 
 
 def _describe(plan: Plan, passes: Sequence[str]) -> list[bytes | str] | None:
