@@ -551,12 +551,17 @@ def test_few_rows_take_the_input_gradient_of_a_big_weight_from_dy_written_out():
     on_cpu = jax.default_backend() == "cpu"
     assert barriers(x, w, b) == (2 if on_cpu else 0)
     assert barriers(x, lenet_ip1, b[:500]) == 0 and barriers(many, w, b) == 0
-    if on_cpu:  # the input gradient: XLA's product contracting dy^T's leading axis, not a YNNPACK fusion
+    if on_cpu:  # the input gradient: a product contracting dy^T's leading axis
         hlo = jax.jit(lambda x, w, b: jax.vjp(forward, x, w, b)[1](dy)[0],
                       compiler_options={YNN_OPTION: YNN_DOT_AND_REDUCE}).lower(x, w, b).compile().as_text()
         products = [line for line in hlo.splitlines()
                     if " = f32[8,1024]" in line and ("dot(" in line or "fusion(" in line)]
-        assert products and all(" dot(" in line and "lhs_contracting_dims={0}" in line for line in products)
+        dots = [line for line in products if " dot(" in line]
+        assert dots and all("lhs_contracting_dims={0}" in line for line in dots)
+        # XLA's own product, not a YNNPACK fusion, up to jax 0.10. From jax 0.11 YNNPACK's dot fusions take this
+        # form too (jax 0.12.1; on 2 AMD EPYC cores as fast as the plain product: fc6's 16 x 4096 x 9216 11.4 ms).
+        if jax.__version_info__ < (0, 11):
+            assert dots == products
 
 
 def test_bfloat16_inner_products_in_a_row_run():
