@@ -285,7 +285,6 @@ def test_programs_kept_while_jaxs_own_cache_holds_them_run(tmp_path):
         np.testing.assert_array_equal(got, outputs[0])
 
 
-
 FRESH_COMPILE = """
 import sys, jax, jax.numpy as jnp
 jax.config.update("jax_compilation_cache_dir", sys.argv[1])
@@ -311,6 +310,7 @@ def test_a_fresh_compile_keeps_out_of_jaxs_cache_after_the_process_used_it(tmp_p
     done = subprocess.run([sys.executable, "-c", FRESH_COMPILE, str(tmp_path / "jax-cache")], capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
 
 SOLVER_NET = '''
 layer { name: "x" type: "Input" top: "x" top: "label" input_param { shape { dim: 8 dim: 1 dim: 6 dim: 6 }
