@@ -755,6 +755,14 @@ def _inner_product_init(layer_param, shapes, key):
 # columns; YNNPACK declines such a bfloat16 product and XLA's own has no bfloat16 x bfloat16 -> float32 kernel
 # (LeNet's ip2 after ip1 failed to run). bf16 forwards at batch 16 had gained 2-3% (AlexNet, GoogLeNet).
 #
+# One row (batch 1) is multiplied so too, its backward the one-row product's (:func:`_one_row_product_bwd`).
+# From jaxlib 0.12 YNNPACK's dot fusions take a one-row x W^T + b, which XLA's own matrix-vector kernel ran
+# before, and pack the whole weight on every call. On 2 AMD EPYC cores under jax 0.12.1, x W^T -> W x^T alone:
+# AlexNet's fc6 17.5 -> 2.9 ms, fc7 5.7 -> 1.3, fc8 1.65 -> 0.40, GoogLeNet's classifier 0.21 -> 0.08 ms;
+# AlexNet's forward at batch 1 33.3 -> 15.8 ms, its training step 97-120 -> 78-88 ms (alternating, one
+# process). Under jax 0.10.2 and 0.11.2 the two ran alike (fc6 4.8 and 4.9 ms; the forwards of AlexNet,
+# GoogLeNet, ResNet-50 and LeNet at batch 1 within 1%, AlexNet's step within its spread of +-4 ms).
+#
 # Past MANY_ROWS rows the plain product falls off a cliff on the CPU: on 2 AMD EPYC (AVX2) cores, 300 rows (a
 # Fast/Faster R-CNN head's ROIs) times VGG16's fc6 (4096 x 25088) took 1168 ms as x W^T and 540 ms as W x^T,
 # AlexNet's fc6 (4096 x 9216) 435 -> 223 ms, a 4096 x 4096 weight 173 -> 91 ms, where at 128 rows the two were
@@ -768,7 +776,7 @@ FEW_ROWS_INPUT_GRADIENT_MIN_WEIGHT = 1 << 20
 
 def _few_rows_apply(rows: jax.Array, weight: jax.Array, transpose: bool, bias_term: bool) -> bool:
     m, (n, k) = rows.shape[0], weight.shape
-    return (not transpose and bias_term and (2 <= m <= FEW_ROWS or m > MANY_ROWS) and m < n
+    return (not transpose and bias_term and (m <= FEW_ROWS or m > MANY_ROWS) and m < n
             and n * k >= FEW_ROWS_MIN_WEIGHT and rows.dtype.itemsize >= 4 and jax.default_backend() == "cpu")
 
 
@@ -794,7 +802,9 @@ def _few_rows_product_fwd(rows, weight, bias):
 
 
 def _few_rows_product_bwd(residuals, dy):
-    rows, weight, _ = residuals
+    rows, weight, bias = residuals
+    if rows.shape[0] == 1:  # the one-row product's (see _one_row_times_weight)
+        return (*_one_row_product_bwd(False, (rows, weight), dy), jnp.sum(dy, axis=0).astype(bias.dtype))
     d_rows, d_weight, d_bias = jax.vjp(_rows_times_weight_plus_bias, *residuals)[1](dy)
     if rows.shape[0] <= FEW_ROWS and weight.size >= FEW_ROWS_INPUT_GRADIENT_MIN_WEIGHT:
         # dy W, as (dy^T)^T W: the plain product's (d_rows above) is left unused, and XLA drops it.

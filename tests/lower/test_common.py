@@ -394,22 +394,24 @@ def test_inner_product_gradients_at_one_row_are_the_products(transpose):
     np.testing.assert_allclose(db, dy[0], rtol=1e-5, atol=1e-5)
 
 
-def test_inner_product_weight_gradient_at_one_row_is_one_product_of_finished_vectors():
+@pytest.mark.parametrize("outputs, inputs", [(64, 128), (512, 512)])  # a small weight; one of FEW_ROWS_MIN_WEIGHT
+def test_inner_product_weight_gradient_at_one_row_is_one_product_of_finished_vectors(outputs, inputs):
     """Behind Dropout at batch 1, the weight gradient stays a dot in the compiled program: XLA's rewrite of a
     product over one row as a broadcast multiply had fused the Dropout mask's Threefry rounds into every
-    element of the N x K gradient (AlexNet's training step at batch 1: 437-506 -> 256-263 ms)."""
+    element of the N x K gradient (AlexNet's training step at batch 1: 437-506 -> 256-263 ms). So too where
+    the row multiplies a big weight as W x^T (common.FEW_ROWS)."""
     drop = layer_context('type: "Dropout" dropout_param { dropout_ratio: 0.5 }', TRAIN, key=jax.random.key(0))
-    ip = layer_context('type: "InnerProduct" inner_product_param { num_output: 64 }')
+    ip = layer_context(f'type: "InnerProduct" inner_product_param {{ num_output: {outputs} }}')
 
     def loss(x, w, b):
         (h,) = get_rule("Dropout").forward(drop, [x], [])
         (y,) = get_rule("InnerProduct").forward(ip, [h], [w, b])
         return jnp.sum(y * y)
 
-    args = (jnp.ones((1, 128)), jnp.ones((64, 128)), jnp.ones(64))
+    args = (jnp.ones((1, inputs)), jnp.ones((outputs, inputs)), jnp.ones(outputs))
     hlo = jax.jit(jax.grad(loss, argnums=1)).lower(*args).compile().as_text()
     weight_gradient_dots = [line for line in hlo.splitlines()
-                            if " dot(" in line and line.strip().split(" = ")[1].startswith("f32[64,128]")]
+                            if " dot(" in line and line.strip().split(" = ")[1].startswith(f"f32[{outputs},{inputs}]")]
     assert weight_gradient_dots, "the weight gradient was not computed as a product"
 
 
@@ -498,7 +500,7 @@ def test_few_rows_times_a_big_weight_keep_the_weight_on_the_left():
     if jax.default_backend() != "cpu":
         return
     assert _dot_outputs(forward, x, w, b) == ["f32[500,16]"]
-    assert _dot_outputs(forward, x[:1], w, b) != ["f32[500,1]"]   # one row: its own matrix-vector path
+    assert _dot_outputs(forward, x[:1], w, b) == ["f32[500,1]"]  # one row too
     rows = jnp.asarray(rng.standard_normal((common.FEW_ROWS + 1, 800)), jnp.float32)
     assert _dot_outputs(forward, rows, w, b) == [f"f32[{common.FEW_ROWS + 1},500]"]
     many = jnp.asarray(rng.standard_normal((common.MANY_ROWS + 44, 800)), jnp.float32)  # 300 ROIs of a head
@@ -510,6 +512,42 @@ def test_few_rows_times_a_big_weight_keep_the_weight_on_the_left():
     assert _dot_outputs(_inner_product_forward(40), x, small, b[:40]) == ["f32[16,40]"]
     x16, w16, b16 = (a.astype(jnp.bfloat16) for a in (x, w, b))
     assert _dot_outputs(forward, x16, w16, b16) == ["f32[16,500]"]
+
+
+def test_one_row_times_a_big_weight_has_caffes_values_and_the_one_row_gradients():
+    """Batch 1 times a 512 x 512 weight (FEW_ROWS_MIN_WEIGHT), multiplied as W x^T on the CPU (jaxlib 0.12's
+    YNNPACK packed the whole weight for x W^T on every call: AlexNet's forward at batch 1 took 2.1x as long):
+    Caffe's x W^T + b, the plain product's gradients, forward-over-reverse too; a bfloat16 row keeps the
+    one-row product beside a zero row."""
+    from caffejax.lower import common
+
+    rng = np.random.default_rng(12)
+    x, w, b = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in [(1, 512), (512, 512), (512,)])
+    assert w.size == common.FEW_ROWS_MIN_WEIGHT
+    forward = _inner_product_forward(512)
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    np.testing.assert_allclose(forward(x, w, b), x64 @ w64.T + np.asarray(b), rtol=1e-5, atol=1e-4)
+    dy = jnp.asarray(rng.standard_normal((1, 512)), jnp.float32)
+    d_x, d_w, d_b = jax.vjp(forward, x, w, b)[1](dy)
+    dy64 = np.asarray(dy, np.float64)
+    np.testing.assert_allclose(d_x, dy64 @ w64, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(d_w, dy64.T @ x64, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(d_b, dy64[0], rtol=1e-6, atol=1e-6)
+
+    def loss(product, w):
+        return jnp.sum(jnp.tanh(product(x, w / 30, b)) ** 2)
+
+    def plain(x, w, b):
+        return common.matmul_bt(x, w) + b
+
+    tangent = jnp.asarray(rng.standard_normal(w.shape), jnp.float32)
+    _, hvp = jax.jvp(jax.grad(functools.partial(loss, forward)), (w,), (tangent,))
+    _, plain_hvp = jax.jvp(jax.grad(functools.partial(loss, plain)), (w,), (tangent,))
+    np.testing.assert_allclose(hvp, plain_hvp, rtol=1e-3, atol=1e-3 * float(jnp.max(jnp.abs(plain_hvp))))
+    if jax.default_backend() == "cpu":
+        assert _dot_outputs(forward, x, w, b) == ["f32[512,1]"]
+        x16, w16, b16 = (a.astype(jnp.bfloat16) for a in (x, w, b))
+        assert _dot_outputs(forward, x16, w16, b16) == ["f32[2,512]"]
 
 
 def test_few_rows_take_the_input_gradient_of_a_big_weight_from_dy_written_out():
