@@ -760,8 +760,9 @@ def _inner_product_init(layer_param, shapes, key):
 # before, and pack the whole weight on every call. On 2 AMD EPYC cores under jax 0.12.1, x W^T -> W x^T alone:
 # AlexNet's fc6 17.5 -> 2.9 ms, fc7 5.7 -> 1.3, fc8 1.65 -> 0.40, GoogLeNet's classifier 0.21 -> 0.08 ms;
 # AlexNet's forward at batch 1 33.3 -> 15.8 ms, its training step 97-120 -> 78-88 ms (alternating, one
-# process). Under jax 0.10.2 and 0.11.2 the two ran alike (fc6 4.8 and 4.9 ms; the forwards of AlexNet,
-# GoogLeNet, ResNet-50 and LeNet at batch 1 within 1%, AlexNet's step within its spread of +-4 ms).
+# process). Under jax 0.10.2 and 0.11.2 the two ran alike: fc6 4.8 against 4.9 ms and 4.5 against 4.5; under
+# 0.10.2 the forwards of AlexNet, GoogLeNet, ResNet-50 and LeNet at batch 1 within 1% and AlexNet's step within
+# its spread of +-4 ms, under 0.11.2 AlexNet's forward within 2%.
 #
 # Past MANY_ROWS rows the plain product falls off a cliff on the CPU: on 2 AMD EPYC (AVX2) cores, 300 rows (a
 # Fast/Faster R-CNN head's ROIs) times VGG16's fc6 (4096 x 25088) took 1168 ms as x W^T and 540 ms as W x^T,
