@@ -469,6 +469,23 @@ def _dot_outputs(function, *args) -> list[str]:
             if " dot(" in line and " = " in line]
 
 
+def _assert_hessian_vector_products_are_the_plain_products(forward, x, w, b, rng):
+    """Forward-over-reverse through ``forward`` (an InnerProduct's x W^T + b) gives the plain product's
+    Hessian-vector product of sum(tanh(.)^2) in the weight, along a random tangent drawn from ``rng``."""
+    from caffejax.lower import common
+
+    def loss(product, w):  # scaled so that tanh is not saturated: its curvature is then well conditioned
+        return jnp.sum(jnp.tanh(product(x, w / 30, b)) ** 2)
+
+    def plain(x, w, b):
+        return common.matmul_bt(x, w) + b
+
+    tangent = jnp.asarray(rng.standard_normal(w.shape), jnp.float32)
+    _, hvp = jax.jvp(jax.grad(functools.partial(loss, forward)), (w,), (tangent,))
+    _, plain_hvp = jax.jvp(jax.grad(functools.partial(loss, plain)), (w,), (tangent,))
+    np.testing.assert_allclose(hvp, plain_hvp, rtol=1e-3, atol=1e-3 * float(jnp.max(jnp.abs(plain_hvp))))
+
+
 def test_few_rows_times_a_big_weight_keep_the_weight_on_the_left():
     """16 rows times a 500 x 800 weight: Caffe's x W^T + b, its gradients the plain product's (bias, rows and
     weight), and forward-over-reverse works; on the CPU the program multiplies W x^T (the weight is not the
@@ -490,13 +507,7 @@ def test_few_rows_times_a_big_weight_keep_the_weight_on_the_left():
     for got, want in zip(grads, jax.vjp(plain, x, w, b)[1](dy)):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
 
-    def loss(product, w):  # scaled so that tanh is not saturated: its curvature is then well conditioned
-        return jnp.sum(jnp.tanh(product(x, w / 30, b)) ** 2)
-
-    tangent = jnp.asarray(rng.standard_normal(w.shape), jnp.float32)
-    _, hvp = jax.jvp(jax.grad(functools.partial(loss, forward)), (w,), (tangent,))
-    _, plain_hvp = jax.jvp(jax.grad(functools.partial(loss, plain)), (w,), (tangent,))
-    np.testing.assert_allclose(hvp, plain_hvp, rtol=1e-3, atol=1e-3 * float(jnp.max(jnp.abs(plain_hvp))))
+    _assert_hessian_vector_products_are_the_plain_products(forward, x, w, b, rng)
     if jax.default_backend() != "cpu":
         return
     assert _dot_outputs(forward, x, w, b) == ["f32[500,16]"]
@@ -534,16 +545,7 @@ def test_one_row_times_a_big_weight_has_caffes_values_and_the_one_row_gradients(
     np.testing.assert_allclose(d_w, dy64.T @ x64, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(d_b, dy64[0], rtol=1e-6, atol=1e-6)
 
-    def loss(product, w):
-        return jnp.sum(jnp.tanh(product(x, w / 30, b)) ** 2)
-
-    def plain(x, w, b):
-        return common.matmul_bt(x, w) + b
-
-    tangent = jnp.asarray(rng.standard_normal(w.shape), jnp.float32)
-    _, hvp = jax.jvp(jax.grad(functools.partial(loss, forward)), (w,), (tangent,))
-    _, plain_hvp = jax.jvp(jax.grad(functools.partial(loss, plain)), (w,), (tangent,))
-    np.testing.assert_allclose(hvp, plain_hvp, rtol=1e-3, atol=1e-3 * float(jnp.max(jnp.abs(plain_hvp))))
+    _assert_hessian_vector_products_are_the_plain_products(forward, x, w, b, rng)
     if jax.default_backend() == "cpu":
         assert _dot_outputs(forward, x, w, b) == ["f32[512,1]"]
         x16, w16, b16 = (a.astype(jnp.bfloat16) for a in (x, w, b))
@@ -569,16 +571,7 @@ def test_few_rows_take_the_input_gradient_of_a_big_weight_from_dy_written_out():
     np.testing.assert_allclose(d_w, dy64.T @ x64, rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(d_b, dy64.sum(0), rtol=1e-5, atol=1e-4)
 
-    def loss(w):
-        return jnp.sum(jnp.tanh(forward(x, w / 30, b)) ** 2)
-
-    def plain_loss(w):
-        return jnp.sum(jnp.tanh(common.matmul_bt(x, w / 30) + b) ** 2)
-
-    tangent = jnp.asarray(rng.standard_normal(w.shape), jnp.float32)
-    _, hvp = jax.jvp(jax.grad(loss), (w,), (tangent,))
-    _, plain_hvp = jax.jvp(jax.grad(plain_loss), (w,), (tangent,))
-    np.testing.assert_allclose(hvp, plain_hvp, rtol=1e-3, atol=1e-3 * float(jnp.max(jnp.abs(plain_hvp))))
+    _assert_hessian_vector_products_are_the_plain_products(forward, x, w, b, rng)
 
     def barriers(x, w, b):
         return str(jax.make_jaxpr(lambda x, w, b: jax.vjp(forward, x, w, b)[1](jnp.ones((len(x), len(w)))))(
