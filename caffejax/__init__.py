@@ -8,6 +8,7 @@ from caffejax.lower.python_layer import Layer  # pycaffe's caffe.Layer, for (tru
 from caffejax.lower.registry import TEST, TRAIN, register_layer
 from caffejax.lower.registry import registered_types as layer_type_list  # pycaffe's caffe.layer_type_list
 from caffejax.net_spec import NetSpec, layers, params, to_proto
+from caffejax.runtime.mode import apply_glog_level as _apply_glog_level
 from caffejax.runtime.mode import run_cpu_programs_inline as _run_cpu_programs_inline
 from caffejax.runtime.mode import set_device, set_mode_cpu, set_mode_gpu, set_random_seed
 from caffejax.runtime.mode import (NCCL, Timer, has_nccl, init_log, set_multiprocess, set_solver_count,
@@ -26,6 +27,7 @@ __version__ = "0.1.0"
 
 _memory.apply_environment()  # malloc keeps freed memory; CAFFEJAX_KEEP_FREED_MEMORY=0 opts out
 _run_cpu_programs_inline()  # as Caffe runs; CAFFEJAX_CPU_ASYNC_DISPATCH=1 keeps JAX's worker thread
+_apply_glog_level()  # GLOG_minloglevel, as glog reads it when Caffe's library loads
 
 __all__ = ["Net", "TRAIN", "TEST", "CaffejaxError", "ParseError", "SchemaError", "GraphError", "ShapeError",
            "WeightsError", "DataError", "DataSourceUnavailable", "SolverError", "UnsupportedError", "set_mode_cpu",

@@ -238,6 +238,34 @@ def test_caffes_log_goes_to_stderr_and_leaves_stdout_to_the_script(tmp_path):
         assert line in done.stderr
 
 
+def test_glog_minloglevel_keeps_caffes_info_lines_out_until_init_log_asks_for_them(tmp_path):
+    """pycaffe scripts set GLOG_minloglevel=2 before ``import caffe`` to keep Caffe's log quiet; glog reads it as
+    the library loads, and caffe.init_log(0) shows INFO again."""
+    import os
+    import subprocess
+    import sys
+
+    script = _LOG_SCRIPT % NET.replace('"x" type: "Input"', '"x" type: "DummyData"').replace(
+        "input_param", "dummy_data_param")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "GLOG_minloglevel": "2"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "the script's own line\n"
+    assert "Solver scaffolding done." not in done.stderr and "Iteration 0 (" not in done.stderr, done.stderr
+    assert "] asked for by the script" in done.stderr
+
+
+def test_glog_level_reads_glogs_minloglevel(monkeypatch):
+    from caffejax.runtime.mode import glog_level
+
+    monkeypatch.delenv("GLOG_minloglevel", raising=False)
+    assert glog_level() == logging.INFO
+    for value, level in [("0", logging.INFO), ("1", logging.WARNING), (" 2 ", logging.ERROR), ("3", logging.CRITICAL),
+                         ("9", logging.CRITICAL), ("-1", logging.INFO), ("two", logging.INFO), ("", logging.INFO)]:
+        monkeypatch.setenv("GLOG_minloglevel", value)
+        assert glog_level() == level, value
+
+
 def test_multi_gpu_settings_accept_one_solver_and_refuse_more():
     assert caffejax.solver_count() == 1 and caffejax.solver_rank() == 0 and caffejax.has_nccl() is False
     caffejax.set_solver_count(1)

@@ -671,6 +671,15 @@ def test_device_query_takes_the_gpu_flag(capsys):
     assert status == 1 and len(error_lines(err)) == 1 and "-gpu 999: no such device" in err
 
 
+def test_glog_minloglevel_keeps_the_tools_lower_lines_out_as_caffes_tool_does(monkeypatch, capsys):
+    """GLOG_minloglevel (as Caffe's tool reads it through glog): 1 drops the INFO lines; an error still shows."""
+    monkeypatch.setenv("GLOG_minloglevel", "1")
+    status, err = run(["device_query", "-gpu", "0"], capsys)
+    assert status == 0 and err == "", err
+    status, err = run(["device_query", "-gpu", "999"], capsys)
+    assert status == 1 and len(error_lines(err)) == 1 and "-gpu 999: no such device" in err
+
+
 def test_convert_imageset_reads_gflags_booleans(images, capsys):
     """gflags' spellings of a boolean: -shuffle=true, --gray=false, -noencoded (argparse refused them)."""
     root, pixels = images

@@ -138,14 +138,15 @@ def error_line(error: BaseException) -> str:
 
 @contextlib.contextmanager
 def _logging_to_stderr():
-    """For one command: the caffejax logger at INFO on stderr, with Python warnings logged as warnings."""
-    from caffejax.runtime.mode import GlogFormatter
+    """For one command: the caffejax logger on stderr, at INFO unless ``GLOG_minloglevel`` asks for less (as
+    Caffe's tool reads it), with Python warnings logged as warnings."""
+    from caffejax.runtime.mode import GlogFormatter, glog_level
 
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(GlogFormatter())
     level, propagate = log.level, log.propagate
     log.addHandler(handler)
-    log.setLevel(logging.INFO)
+    log.setLevel(glog_level())
     log.propagate = False
     try:
         with warnings.catch_warnings():

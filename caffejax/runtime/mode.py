@@ -3,7 +3,8 @@
 pycaffe's API is global, so these are too; they only choose defaults (the JAX device, the seed of new
 nets' fillers and random layers). Nothing else in caffejax keeps global state besides the layer registry.
 
-Importing caffejax also asks JAX to run CPU programs inline, as Caffe does (see :func:`run_cpu_programs_inline`).
+Importing caffejax also asks JAX to run CPU programs inline, as Caffe does (see :func:`run_cpu_programs_inline`),
+and takes glog's ``GLOG_minloglevel`` for Caffe's log (:func:`apply_glog_level`).
 """
 
 from __future__ import annotations
@@ -149,6 +150,29 @@ def init_log(level: int = 0, stderr: bool | None = None) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(GlogFormatter())
     log.addHandler(handler)
+
+
+# glog reads its minimum level from the environment as the library loads; pycaffe scripts set it before
+# ``import caffe`` to keep Caffe's INFO (and WARNING) lines out of their output.
+GLOG_LEVEL_ENVIRONMENT = "GLOG_minloglevel"
+
+
+def glog_level() -> int:
+    """The least level Caffe's log shows: glog's ``GLOG_minloglevel`` (0 INFO, 1 WARNING, 2 ERROR, 3 FATAL;
+    above 3 as 3, below 0 as 0), INFO when it is unset or not a whole number."""
+    try:
+        level = int(os.environ.get(GLOG_LEVEL_ENVIRONMENT, "").strip())
+    except ValueError:
+        return logging.INFO
+    return _GLOG_LEVELS[min(max(level, 0), len(_GLOG_LEVELS) - 1)]
+
+
+def apply_glog_level() -> None:
+    """At import: a ``GLOG_minloglevel`` above INFO becomes the ``caffejax`` logger's level, so that nothing
+    below it shows wherever the log goes. INFO leaves the logger unset: a Net then makes no log lines that
+    nothing shows (net_init_log), and the solvers and the tool turn INFO on themselves (at glog_level())."""
+    if glog_level() > logging.INFO:
+        log.setLevel(glog_level())
 
 
 def log_float(value) -> str:

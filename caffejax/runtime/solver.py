@@ -58,7 +58,7 @@ from caffejax.runtime import lr_policy, mode, snapshot as snapshots
 from caffejax.runtime.debug_info import log_param_norms
 from caffejax.runtime.distributed import DataParallel, Devices
 from caffejax.runtime.memory import DeviceMemoryErrors
-from caffejax.runtime.mode import GlogFormatter, log_float
+from caffejax.runtime.mode import GlogFormatter, glog_level, log_float
 from caffejax.runtime.net import Net, _folding_key, _PassKey, _python_top_values, pulls_batches, to_device
 from caffejax.runtime.program_cache import describe_graph, jit_through_cache
 from caffejax.runtime.xla_options import compiler_options
@@ -1112,7 +1112,7 @@ def _ensure_log_output() -> None:
     handler.setFormatter(GlogFormatter())
     log.addHandler(handler)
     if log.level == logging.NOTSET:
-        log.setLevel(logging.INFO)
+        log.setLevel(glog_level())
 
 
 def output_scores(net: Net) -> list[tuple[str, float, float]]:
