@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import os
 import pathlib
 import subprocess
@@ -89,9 +90,17 @@ def main(argv=None) -> int:
           f"{gemm['backend']} {gemm['xla']:.0f} GFLOP/s (load average {report['load_average'][0]:.1f})", flush=True)
     out = args.out or RESULTS / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    for name in names:
-        report["nets"][name] = bench_net(NETS[name], batches, repeats, args)
-        out.write_text(json.dumps(report, indent=1))  # after every net, so a long run's results survive it
+    # Caffe's log from WARNING up while the bench runs (or from GLOG_minloglevel's level, if higher): each
+    # Solver.step's solver logs its nets' whole parameters at INFO, thousands of lines that buried the table.
+    caffe_log = logging.getLogger("caffejax")
+    level = caffe_log.level
+    caffe_log.setLevel(max(level, logging.WARNING))
+    try:
+        for name in names:
+            report["nets"][name] = bench_net(NETS[name], batches, repeats, args)
+            out.write_text(json.dumps(report, indent=1))  # after every net, so a long run's results survive it
+    finally:
+        caffe_log.setLevel(level)
     report["gemm_gflops_end"] = gemm_gflops()
     report["load_average_end"] = os.getloadavg()
     print_table(report)

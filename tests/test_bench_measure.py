@@ -235,6 +235,21 @@ def test_bench_run_leaves_out_what_its_flags_name(tmp_path, capsys):
     assert "Solver.step" not in capsys.readouterr().out
 
 
+def test_bench_run_keeps_the_solvers_info_lines_out_of_its_output(tmp_path):
+    """Solver.step's solver logs each net's whole parameters at INFO on stderr (thousands of lines for MobileNet
+    v2), which buried the bench's table: the bench shows Caffe's log from WARNING up. A process of its own, as
+    the bench runs: under pytest the log goes to pytest's handlers, not to stderr."""
+    root = pathlib.Path(measure.__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-m", "bench.run", "--nets", "lenet", "--batches", "1", "--no-opencv",
+                           "--no-coldstart", "--no-bf16", "--out", str(tmp_path / "b.json")],
+                          capture_output=True, text=True, timeout=600, cwd=root,
+                          env=dict(os.environ, PYTHONPATH=str(root)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Solver.step" in done.stdout and "lenet" in done.stdout
+    assert "Initializing net from parameters" not in done.stderr, done.stderr[:2000]
+    assert "Solver scaffolding done." not in done.stderr
+
+
 def test_compile_ab_times_each_flag_setting_in_its_own_process(capsys):
     """bench.compile_ab: the training step compiled and timed with the environment's XLA flags and with each
     --flags setting, in fresh processes; a setting XLA refuses is reported as that run's error, not a crash."""
