@@ -171,8 +171,9 @@ def apply_glog_level() -> None:
     """At import: a ``GLOG_minloglevel`` above INFO becomes the ``caffejax`` logger's level, so that nothing
     below it shows wherever the log goes. INFO leaves the logger unset: a Net then makes no log lines that
     nothing shows (net_init_log), and the solvers and the tool turn INFO on themselves (at glog_level())."""
-    if glog_level() > logging.INFO:
-        log.setLevel(glog_level())
+    level = glog_level()
+    if level > logging.INFO:
+        log.setLevel(level)
 
 
 def log_float(value) -> str:
