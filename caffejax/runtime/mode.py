@@ -145,11 +145,18 @@ def init_log(level: int = 0, stderr: bool | None = None) -> None:
     if not 0 <= int(level) < len(_GLOG_LEVELS):
         raise ValueError(f"init_log: level {level} is not one of glog's 0 (INFO) .. 3 (FATAL)")
     log.setLevel(_GLOG_LEVELS[int(level)])
+    log_to_stderr_unless_configured()
+
+
+def log_to_stderr_unless_configured() -> bool:
+    """Caffe's log on stderr in glog's form, where glog writes it, unless the application configured logging
+    itself (a handler on the ``caffejax`` logger or the root one): whether the handler was added."""
     if log.handlers or logging.getLogger().handlers:
-        return
+        return False
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(GlogFormatter())
     log.addHandler(handler)
+    return True
 
 
 # glog reads its minimum level from the environment as the library loads; pycaffe scripts set it before

@@ -58,7 +58,7 @@ from caffejax.runtime import lr_policy, mode, snapshot as snapshots
 from caffejax.runtime.debug_info import log_param_norms
 from caffejax.runtime.distributed import DataParallel, Devices
 from caffejax.runtime.memory import DeviceMemoryErrors
-from caffejax.runtime.mode import GlogFormatter, glog_level, log_float
+from caffejax.runtime.mode import glog_level, log_float, log_to_stderr_unless_configured
 from caffejax.runtime.net import Net, _folding_key, _PassKey, _python_top_values, pulls_batches, to_device
 from caffejax.runtime.program_cache import describe_graph, jit_through_cache
 from caffejax.runtime.xla_options import compiler_options
@@ -1106,12 +1106,7 @@ def _ensure_log_output() -> None:
     """Show the training log on stderr, where Caffe's shows (glog writes to stderr before InitGoogleLogging, and
     caffe.cpp sets alsologtostderr), unless the application configured logging itself. Not stdout: a script's
     own output there (``python train.py > scores.txt``) stays its own."""
-    if log.handlers or logging.getLogger().handlers:
-        return
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(GlogFormatter())
-    log.addHandler(handler)
-    if log.level == logging.NOTSET:
+    if log_to_stderr_unless_configured() and log.level == logging.NOTSET:
         log.setLevel(glog_level())
 
 
