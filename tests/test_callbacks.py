@@ -225,13 +225,23 @@ print("the script's own line")
 """
 
 
-def test_caffes_log_goes_to_stderr_and_leaves_stdout_to_the_script(tmp_path):
+def _run_log_script(cwd, glog_minloglevel: str | None = None):
+    """_LOG_SCRIPT in a fresh process, with GLOG_minloglevel set to ``glog_minloglevel`` (None: unset)."""
+    import os
     import subprocess
     import sys
 
+    env = {name: value for name, value in os.environ.items() if name != "GLOG_minloglevel"}
+    if glog_minloglevel is not None:
+        env["GLOG_minloglevel"] = glog_minloglevel
     script = _LOG_SCRIPT % NET.replace('"x" type: "Input"', '"x" type: "DummyData"').replace(
         "input_param", "dummy_data_param")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=cwd,
+                          env=env)
+
+
+def test_caffes_log_goes_to_stderr_and_leaves_stdout_to_the_script(tmp_path):
+    done = _run_log_script(tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout == "the script's own line\n"
     for line in ("Solver scaffolding done.", "Iteration 0 (", "Optimization Done.", "] asked for by the script"):
@@ -241,14 +251,7 @@ def test_caffes_log_goes_to_stderr_and_leaves_stdout_to_the_script(tmp_path):
 def test_glog_minloglevel_keeps_caffes_info_lines_out_until_init_log_asks_for_them(tmp_path):
     """pycaffe scripts set GLOG_minloglevel=2 before ``import caffe`` to keep Caffe's log quiet; glog reads it as
     the library loads, and caffe.init_log(0) shows INFO again."""
-    import os
-    import subprocess
-    import sys
-
-    script = _LOG_SCRIPT % NET.replace('"x" type: "Input"', '"x" type: "DummyData"').replace(
-        "input_param", "dummy_data_param")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                          env={**os.environ, "GLOG_minloglevel": "2"})
+    done = _run_log_script(tmp_path, glog_minloglevel="2")
     assert done.returncode == 0, done.stderr
     assert done.stdout == "the script's own line\n"
     assert "Solver scaffolding done." not in done.stderr and "Iteration 0 (" not in done.stderr, done.stderr
