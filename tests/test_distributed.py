@@ -367,14 +367,19 @@ def test_two_processes_train_as_one_device(tmp_path):
 
 # ---- compile_inference over devices -------------------------------------------------------------------------------
 
-@needs_four
-def test_compile_inference_over_devices_is_the_one_device_program():
+def _lenet_on_one_device(rows: int):
+    """The trained LeNet, ``rows`` random images and its probabilities for them from the one-device program."""
     from conftest import BUNDLED
 
     net = caffejax.Net(str(BUNDLED / "lenet/lenet.prototxt"), str(BUNDLED / "lenet/lenet_iter_10000.caffemodel"),
                        caffejax.TEST)
-    x = np.random.default_rng(0).random((8, 1, 28, 28), dtype=np.float32)
-    one = np.asarray(caffejax.compile_inference(net)({"data": x})["prob"])
+    x = np.random.default_rng(0).random((rows, 1, 28, 28), dtype=np.float32)
+    return net, x, np.asarray(caffejax.compile_inference(net)({"data": x})["prob"])
+
+
+@needs_four
+def test_compile_inference_over_devices_is_the_one_device_program():
+    net, x, one = _lenet_on_one_device(8)
     four = caffejax.compile_inference(net, devices=4)
     got = four({"data": x})["prob"]
     assert len(got.sharding.device_set) == 4 and got.shape == (8, 10)
@@ -391,6 +396,19 @@ def test_compile_inference_over_devices_is_the_one_device_program():
         four({"data": x[:6]})
     with pytest.raises(CaffejaxError, match="devices=5: JAX sees 4 cpu device"):
         caffejax.compile_inference(net, devices=5)
+
+
+@needs_four
+def test_compile_inference_over_devices_pads_batches_to_sizes_the_devices_split():
+    net, x, one = _lenet_on_one_device(9)
+    served = caffejax.compile_inference(net, devices=4, batch_sizes=(4, 8))
+    for n in (1, 3, 6, 9):
+        got = served({"data": x[:n]})["prob"]
+        assert got.shape == (n, 10)
+        np.testing.assert_allclose(np.asarray(got), one[:n], rtol=1e-5, atol=1e-7)
+    assert served.compile_count == 2
+    with pytest.raises(CaffejaxError, match=r"batch_sizes \[4, 6\] must be multiples of the 4 devices"):
+        caffejax.compile_inference(net, devices=4, batch_sizes=(6, 4))
 
 
 @needs_four

@@ -19,7 +19,8 @@ import numpy as np
 from jax import lax
 
 from caffejax.errors import SchemaError
-from caffejax.lower.registry import TEST, LayerContext, canonical_axis, count, layer, legacy_4d, rejected
+from caffejax.lower.registry import (TEST, LayerContext, canonical_axis, count, layer, legacy_4d, rejected,
+                                     param_axis, rows_apart_off_axis_0)
 from caffejax.proto import caffe_pb2
 
 Shape = tuple[int, ...]
@@ -158,7 +159,8 @@ def _descending(values: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 # ---- ArgMax, Accuracy -----------------------------------------------------------------------------------------
 
-@layer("ArgMax", bottoms=(1, 1), tops=(1, 1))
+@layer("ArgMax", bottoms=(1, 1), tops=(1, 1), rows_apart=rows_apart_off_axis_0(
+    lambda lp, ndim: canonical_axis(lp, lp.argmax_param.axis, ndim) if lp.argmax_param.HasField("axis") else 1))
 def argmax(ctx: LayerContext, bottoms, params):
     """The top_k largest entries per instance: their indices, or with out_max_val their values.
 
@@ -253,8 +255,15 @@ def _batch_norm_top_shapes(layer_param, bottom_shapes, param_shapes, num_tops):
     return [shape]
 
 
+def uses_global_stats(batch_norm_param: Any, phase: int) -> bool:
+    """Whether a BatchNorm layer normalises by its stored statistics (by default in TEST) rather than the batch's."""
+    p = batch_norm_param
+    return p.use_global_stats if p.HasField("use_global_stats") else phase == TEST
+
+
 @layer("BatchNorm", param_shapes=_batch_norm_param_shapes, init_params=_batch_norm_init,
-       bottoms=(1, 1), tops=(1, 1), frozen_params=True, top_shapes=_batch_norm_top_shapes)
+       bottoms=(1, 1), tops=(1, 1), frozen_params=True, top_shapes=_batch_norm_top_shapes,
+       rows_apart=lambda layer_param, phase, shapes: uses_global_stats(layer_param.batch_norm_param, phase))
 def batch_norm(ctx: LayerContext, bottoms, params):
     """y = (x - mean) / sqrt(var + eps) per channel (axis 1), no affine part.
 
@@ -266,7 +275,7 @@ def batch_norm(ctx: LayerContext, bottoms, params):
     p = ctx.layer.batch_norm_param
     _batch_norm_top_shapes(ctx.layer, [x.shape], [b.shape for b in params], 1)
     channels = x.shape[1]
-    use_global_stats = p.use_global_stats if p.HasField("use_global_stats") else ctx.phase == TEST
+    use_global_stats = uses_global_stats(p, ctx.phase)
     per_channel = (1, channels) + (1,) * (x.ndim - 2)
     axes = (0,) + tuple(range(2, x.ndim))
     if use_global_stats:
@@ -411,7 +420,8 @@ def _embed_init(layer_param, shapes, key):
     return [_fill(f, s, k) for f, s, k in zip(fillers, shapes, _keys(key, len(shapes)))]
 
 
-@layer("Embed", param_shapes=_embed_param_shapes, init_params=_embed_init, bottoms=(1, 1), tops=(1, 1))
+@layer("Embed", param_shapes=_embed_param_shapes, init_params=_embed_init, bottoms=(1, 1), tops=(1, 1),
+       rows_apart=True)
 def embed(ctx: LayerContext, bottoms, params):
     """top = W[int(x)] + b, shape bottom.shape + [num_output]; no gradient to the (index) input."""
     (x,) = bottoms
@@ -442,7 +452,8 @@ def _bias_top_shapes(layer_param, bottom_shapes, param_shapes, num_tops):
 
 
 @layer("Bias", param_shapes=_bias_param_shapes, init_params=_bias_init, bottoms=(1, 2), tops=(1, 1),
-       top_shapes=_bias_top_shapes)
+       top_shapes=_bias_top_shapes,
+       rows_apart=rows_apart_off_axis_0(param_axis("bias_param")))
 def bias(ctx: LayerContext, bottoms, params):
     """top = x + b broadcast over x.shape[axis : axis + b.ndim]; b is bottom[1] or the learned blob."""
     x = bottoms[0]
@@ -487,7 +498,8 @@ def _scale_top_shapes(layer_param, bottom_shapes, param_shapes, num_tops):
 
 
 @layer("Scale", param_shapes=_scale_param_shapes, init_params=_scale_init, bottoms=(1, 2), tops=(1, 1),
-       top_shapes=_scale_top_shapes)
+       top_shapes=_scale_top_shapes,
+       rows_apart=rows_apart_off_axis_0(param_axis("scale_param")))
 def scale(ctx: LayerContext, bottoms, params):
     """top = x * s (+ b with bias_term), s and b broadcast over x.shape[axis : axis + ndim]; s is bottom[1]
     or the learned blob. A scalar operand applies from axis 0."""
@@ -519,13 +531,15 @@ def _concat_top_shapes(layer_param, bottom_shapes, param_shapes, num_tops):
     return [first[:axis] + (sum(s[axis] for s in bottom_shapes),) + first[axis + 1:]]
 
 
-@layer("Concat", bottoms=(1, None), tops=(1, 1), top_shapes=_concat_top_shapes)
+@layer("Concat", bottoms=(1, None), tops=(1, 1), top_shapes=_concat_top_shapes,
+       rows_apart=rows_apart_off_axis_0(lambda lp, ndim: _legacy_axis(lp, lp.concat_param, "concat_dim", ndim)))
 def concat(ctx: LayerContext, bottoms, params):
     """top = the bottoms joined along axis (or legacy concat_dim); all other dims must agree."""
     return [jnp.concatenate(bottoms, axis=_concat_axis(ctx.layer, [b.shape for b in bottoms]))]
 
 
-@layer("Slice", bottoms=(1, 1), tops=(1, None))
+@layer("Slice", bottoms=(1, 1), tops=(1, None),
+       rows_apart=rows_apart_off_axis_0(lambda lp, ndim: _legacy_axis(lp, lp.slice_param, "slice_dim", ndim)))
 def slice_(ctx: LayerContext, bottoms, params):
     """The bottom cut along axis (or legacy slice_dim) at slice_point (tops-1 strictly increasing points),
     or into equal parts when no slice_point is given."""
@@ -560,7 +574,7 @@ def split_backward_on_host(lp, bottoms, tops, top_diffs, propagate_down):
     return [functools.reduce(np.add, top_diffs) if propagate_down[0] else None]
 
 
-@layer("Split", bottoms=(1, 1), tops=(1, None), in_place=False,
+@layer("Split", bottoms=(1, 1), tops=(1, None), in_place=False, rows_apart=True,
        top_shapes=lambda lp, bottom_shapes, param_shapes, num_tops: [tuple(bottom_shapes[0])] * num_tops,
        host_forward=split_on_host, host_backward=split_backward_on_host, host_when_read_on_host=True)
 def split(ctx: LayerContext, bottoms, params):
@@ -568,13 +582,14 @@ def split(ctx: LayerContext, bottoms, params):
     return [bottoms[0]] * ctx.num_tops
 
 
-@layer("Silence", bottoms=(1, None), tops=(0, 0))
+@layer("Silence", bottoms=(1, None), tops=(0, 0), rows_apart=True)
 def silence(ctx: LayerContext, bottoms, params):
     """No tops; the bottoms get zero gradient."""
     return []
 
 
-@layer("Tile", bottoms=(1, 1), tops=(1, 1))
+@layer("Tile", bottoms=(1, 1), tops=(1, 1),
+       rows_apart=rows_apart_off_axis_0(param_axis("tile_param")))
 def tile(ctx: LayerContext, bottoms, params):
     """Each block of count(axis:) entries repeated ``tiles`` times in a row (np.tile along axis)."""
     (x,) = bottoms
@@ -638,7 +653,7 @@ def _eltwise_top_shapes(layer_param, bottom_shapes, param_shapes, num_tops):
     return [first]
 
 
-@layer("Eltwise", bottoms=(2, None), tops=(1, 1), top_shapes=_eltwise_top_shapes)
+@layer("Eltwise", bottoms=(2, None), tops=(1, 1), top_shapes=_eltwise_top_shapes, rows_apart=True)
 def eltwise(ctx: LayerContext, bottoms, params):
     """PROD: Π x_i; SUM: Σ coeff_i·x_i (coeff one per bottom, default 1); MAX: element-wise max.
     PROD's gradient is the product of the other bottoms (stable_prod_grad) or top / x_i."""
@@ -667,7 +682,8 @@ def _flatten_top_shapes(layer_param, bottom_shapes, param_shapes, num_tops):
     return [shape[:start] + (count(shape, start, end + 1),) + shape[end + 1:]]
 
 
-@layer("Flatten", bottoms=(1, 1), tops=(1, 1), in_place=False, top_shapes=_flatten_top_shapes)
+@layer("Flatten", bottoms=(1, 1), tops=(1, 1), in_place=False, top_shapes=_flatten_top_shapes,
+       rows_apart=rows_apart_off_axis_0(param_axis("flatten_param")))
 def flatten(ctx: LayerContext, bottoms, params):
     """Axes [axis, end_axis] collapsed into one (defaults 1 and -1)."""
     (x,) = bottoms
@@ -710,7 +726,18 @@ def _reshape_top_shapes(layer_param, bottom_shapes, param_shapes, num_tops):
     return [tuple(top)]
 
 
-@layer("Reshape", bottoms=(1, 1), tops=(1, 1), in_place=False, top_shapes=_reshape_top_shapes)
+def _reshape_keeps_rows(layer_param, phase, bottom_shapes) -> bool:
+    """Rows stay rows where the reshaped axes start after the batch axis, or the new shape copies it (a 0)."""
+    p = layer_param.reshape_param
+    shape = bottom_shapes[0] if bottom_shapes else None
+    if p.axis < 0 and shape is None:
+        return True  # where the span starts is unknown without the shape (LayerRule.rows_apart)
+    start = p.axis if p.axis >= 0 else len(shape) + p.axis + 1
+    return start > 0 or (len(p.shape.dim) > 0 and p.shape.dim[0] == 0)
+
+
+@layer("Reshape", bottoms=(1, 1), tops=(1, 1), in_place=False, top_shapes=_reshape_top_shapes,
+       rows_apart=_reshape_keeps_rows)
 def reshape(ctx: LayerContext, bottoms, params):
     """The bottom's data under a new shape (see _reshape_top_shapes)."""
     (x,) = bottoms
@@ -875,7 +902,8 @@ def _inner_product_top_shapes(layer_param, bottom_shapes, param_shapes, num_tops
 
 
 @layer("InnerProduct", param_shapes=_inner_product_param_shapes, init_params=_inner_product_init,
-       bottoms=(1, 1), tops=(1, 1), top_shapes=_inner_product_top_shapes)
+       bottoms=(1, 1), tops=(1, 1), top_shapes=_inner_product_top_shapes,
+       rows_apart=rows_apart_off_axis_0(param_axis("inner_product_param")))
 def inner_product(ctx: LayerContext, bottoms, params):
     """y = x Wᵀ + b (x W with transpose) over x viewed as count(:axis) x count(axis:); top shape[:axis]+[N]."""
     (x,) = bottoms
@@ -918,7 +946,7 @@ def _normalize_variance_bwd(axes, eps, residual, dy):
 _normalize_variance.defvjp(_normalize_variance_fwd, _normalize_variance_bwd)
 
 
-@layer("MVN", bottoms=(1, 1), tops=(1, 1))
+@layer("MVN", bottoms=(1, 1), tops=(1, 1), rows_apart=True)
 def mvn(ctx: LayerContext, bottoms, params):
     """y = x - mean, and with normalize_variance y /= (sqrt(var) + eps) (eps after the root), per (n, c) or
     per n when across_channels, over Caffe's legacy (num, channels, height, width) view."""
@@ -939,7 +967,8 @@ def _softmax_top_shapes(layer_param, bottom_shapes, param_shapes, num_tops):
     return [tuple(bottom_shapes[0])]
 
 
-@layer("Softmax", bottoms=(1, 1), tops=(1, 1), top_shapes=_softmax_top_shapes)
+@layer("Softmax", bottoms=(1, 1), tops=(1, 1), top_shapes=_softmax_top_shapes,
+       rows_apart=rows_apart_off_axis_0(param_axis("softmax_param")))
 def softmax(ctx: LayerContext, bottoms, params):
     """y = exp(x - max) / Σ exp(x - max) along axis."""
     (x,) = bottoms
@@ -949,7 +978,8 @@ def softmax(ctx: LayerContext, bottoms, params):
     return [y.astype(x.dtype)]
 
 
-@layer("Reduction", bottoms=(1, 1), tops=(1, 1))
+@layer("Reduction", bottoms=(1, 1), tops=(1, 1),
+       rows_apart=rows_apart_off_axis_0(param_axis("reduction_param")))
 def reduction(ctx: LayerContext, bottoms, params):
     """coeff · (SUM x | ASUM |x| | SUMSQ x² | MEAN x) over all axes >= axis; top shape = shape[:axis].
     ASUM's gradient is sign(x) with sign(0) = 0 (caffe_cpu_sign)."""

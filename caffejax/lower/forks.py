@@ -55,6 +55,7 @@ class ForkLayer:
     host_backward: Callable | None = None  # LayerRule.host_backward (None: Caffe's NOT_IMPLEMENTED)
     is_loss: bool = False
     allow_force_backward: Callable | None = None
+    rows_apart: bool | Callable = False  # LayerRule.rows_apart
 
 
 # ---- Upsample: nearest-neighbour by an integer factor (the YOLOv3 ports' upsample_layer.cpp) -----------------
@@ -1201,12 +1202,15 @@ def smooth_l1_loss(ctx: LayerContext, bottoms, params):
 # ---- registration -------------------------------------------------------------------------------------------------
 
 FORK_LAYERS: tuple[ForkLayer, ...] = (
-    ForkLayer("Upsample", upsample, "register_upsample", UPSAMPLE_PARAM.origin, UPSAMPLE_PARAM),
-    ForkLayer("Interp", interp, "register_interp", INTERP_PARAM.origin, INTERP_PARAM, bottoms=(1, 2)),
-    ForkLayer("ReLU6", relu6, "register_relu6", "MobileNet Caffe ports"),
-    ForkLayer("Permute", permute, "register_permute", PERMUTE_PARAM.origin, PERMUTE_PARAM),
+    ForkLayer("Upsample", upsample, "register_upsample", UPSAMPLE_PARAM.origin, UPSAMPLE_PARAM, rows_apart=True),
+    ForkLayer("Interp", interp, "register_interp", INTERP_PARAM.origin, INTERP_PARAM, bottoms=(1, 2),
+              rows_apart=True),
+    ForkLayer("ReLU6", relu6, "register_relu6", "MobileNet Caffe ports", rows_apart=True),
+    ForkLayer("Permute", permute, "register_permute", PERMUTE_PARAM.origin, PERMUTE_PARAM,
+              rows_apart=lambda layer_param, phase, shapes: list(
+                  fork_param(layer_param, "permute_param").order[:1]) in ([], [0])),
     ForkLayer("Normalize", normalize, "register_normalize", NORMALIZE_PARAM.origin, NORMALIZE_PARAM,
-              param_shapes=_normalize_shapes, init_params=_normalize_init),
+              param_shapes=_normalize_shapes, init_params=_normalize_init, rows_apart=True),
     ForkLayer("PriorBox", prior_box, "register_prior_box", PRIOR_BOX_PARAM.origin, PRIOR_BOX_PARAM, bottoms=(2, 2)),
     ForkLayer("DetectionOutput", detection_output, "register_detection_output", DETECTION_OUTPUT_PARAM.origin,
               DETECTION_OUTPUT_PARAM, bottoms=(3, 3), host_forward=detect),
@@ -1258,8 +1262,8 @@ def register(fork: ForkLayer, override: bool = False) -> None:
         return
     register_layer(fork.type, fork.forward, fork.param_shapes, fork.init_params, bottoms=fork.bottoms,
                    tops=fork.tops, host_forward=fork.host_forward, host_backward=fork.host_backward,
-                   is_loss=fork.is_loss,
-                   allow_force_backward=fork.allow_force_backward, override=override)
+                   is_loss=fork.is_loss, allow_force_backward=fork.allow_force_backward, rows_apart=fork.rows_apart,
+                   override=override)
 
 
 def of_type(type_name: str) -> ForkLayer | None:

@@ -18,8 +18,9 @@ from caffejax.lower.registry import TRAIN, layer, rejected
 
 
 def neuron(type_name: str, **kwargs):
-    """Register a NeuronLayer: exactly one bottom and one top; in place allowed unless said otherwise."""
-    return layer(type_name, bottoms=(1, 1), tops=(1, 1), **kwargs)
+    """Register a NeuronLayer: exactly one bottom and one top; in place allowed unless said otherwise. Each
+    element maps on its own, so each row of the batch does (LayerRule.rows_apart) unless said otherwise."""
+    return layer(type_name, bottoms=(1, 1), tops=(1, 1), **{"rows_apart": True, **kwargs})
 
 
 def same_shape(layer_param, bottom_shapes, param_shapes, num_tops):
@@ -234,7 +235,8 @@ def _dropout_top_shapes(layer_param, bottom_shapes, param_shapes, num_tops):
     return same_shape(layer_param, bottom_shapes, param_shapes, num_tops)
 
 
-@neuron("Dropout", top_shapes=_dropout_top_shapes)
+# In TRAIN each row's mask depends on where the row is in the batch (the random words are drawn by position).
+@neuron("Dropout", top_shapes=_dropout_top_shapes, rows_apart=lambda layer_param, phase, shapes: phase != TRAIN)
 def dropout(ctx, bottoms, params):
     """TRAIN: y = x · mask / (1 - r), mask ~ Bernoulli(1 - r) per element; TEST: y = x (dropout_layer.cpp).
     The mask comes from :func:`random_words`, so the same key gives the same mask.

@@ -51,8 +51,9 @@ from jax import lax
 from caffejax.errors import CaffejaxError, ShapeError
 from caffejax.frontend.ir import Graph, Layer, producer_by_value, readers_by_value
 from caffejax.lower import vision
-from caffejax.lower.common import accumulator_dtype, batch_norm_global_stats, matmul, transposed_copy
-from caffejax.lower.registry import TEST, LayerContext, canonical_axis, get_rule
+from caffejax.lower.common import (accumulator_dtype, batch_norm_global_stats, matmul, transposed_copy,
+                                   uses_global_stats)
+from caffejax.lower.registry import LayerContext, canonical_axis, get_rule
 from caffejax.proto import caffe_pb2
 
 NCHW, NHWC, ANY = "NCHW", "NHWC", "ANY"
@@ -152,11 +153,6 @@ def _shape(graph: Graph, value: str) -> tuple[int, ...]:
 
 # ---- fold_batchnorm ---------------------------------------------------------------------------------------
 
-def _uses_global_stats(layer: Layer, phase: int) -> bool:
-    p = layer.proto.batch_norm_param
-    return p.use_global_stats if p.HasField("use_global_stats") else phase == TEST
-
-
 def _batch_norm_affine(layer: Layer, params: ParamArrays) -> tuple[np.ndarray, np.ndarray]:
     """(a, b) with BatchNorm(x) = a x + b per channel, from the stored sums (batch_norm rule, global stats)."""
     mean_sum, var_sum, factor = (np.asarray(p, np.float64) for p in params)
@@ -214,7 +210,8 @@ def fold_batchnorm(plan: Plan) -> Plan:
     replaced: dict[str, Layer] = {}   # layer name -> its rewrite
     removed: set[str] = set()
     for bn in graph.layers:
-        if bn.type != "BatchNorm" or not _uses_global_stats(bn, graph.phase) or bn.name in removed:
+        if (bn.type != "BatchNorm" or not uses_global_stats(bn.proto.batch_norm_param, graph.phase)
+                or bn.name in removed):
             continue
         a, c = _batch_norm_affine(bn, params[bn.name])
         last = bn
@@ -1049,7 +1046,7 @@ def batch_norm_chains(graph: Graph, kernels: Mapping[str, Kernel]) -> dict[str, 
         if conv.type != "Convolution" or head is None or len(conv.top_values) != 1 or any(conv.loss_weights):
             continue
         bn = _only_consumer(conv.top_values[0], users, outputs)
-        if (bn is None or bn.type != "BatchNorm" or not _uses_global_stats(bn, graph.phase)
+        if (bn is None or bn.type != "BatchNorm" or not uses_global_stats(bn.proto.batch_norm_param, graph.phase)
                 or len(bn.top_values) != 1):
             continue
         inner = [conv.top_values[0]]

@@ -97,6 +97,7 @@ ParamShapesFn = Callable[[Any, Sequence[Shape]], Sequence[Shape]]
 InitParamsFn = Callable[[Any, Sequence[Shape], jax.Array], Sequence[np.ndarray]]
 InputShapesFn = Callable[[Any, int, str | None], Sequence[Shape]]
 TopShapesFn = Callable[[Any, Sequence[Shape], Sequence[Shape], int], Sequence[Shape]]
+RowsApartFn = Callable[[Any, int, Sequence["Shape | None"]], bool]
 
 
 class DataSource(Protocol):
@@ -161,6 +162,11 @@ class LayerRule:
       copies only to hand the copies back, so that a program over the layers before py-faster-rcnn's anchor
       target layer read the ground-truth boxes, and was compiled again for each number of boxes). Elsewhere it
       is compiled.
+    - ``rows_apart``: whether row i (along axis 0) of every top is computed from row i of the bottoms alone (and
+      the params), so that rows added to a batch, or a batch cut in parts, leave each row's values as they were
+      (``compile_inference(batch_sizes=...)`` pads batches so). True, False (the default: not known to), or
+      ``rows_apart(layer_param, phase, bottom_shapes)`` where it depends on the settings (an axis, the phase; a
+      bottom shape is None where unknown: answer for the settings alone).
     """
 
     type: str
@@ -181,6 +187,28 @@ class LayerRule:
     host_forward: Callable[[Any, Sequence[np.ndarray]], list[np.ndarray]] | None = None
     host_backward: Callable[..., list[np.ndarray | None]] | None = None
     host_when_read_on_host: bool = False
+    rows_apart: bool | RowsApartFn = False
+
+    def keeps_rows_apart(self, layer_param: Any, phase: int, bottom_shapes: Sequence[Shape | None]) -> bool:
+        """``rows_apart`` for one layer of this type."""
+        return self.rows_apart if isinstance(self.rows_apart, bool) else bool(
+            self.rows_apart(layer_param, phase, bottom_shapes))
+
+
+def param_axis(param_field: str) -> Callable[[Any, int], int]:
+    """The canonical ``axis`` of a layer's ``param_field`` (``softmax_param``) for a bottom of ``ndim`` axes, for
+    :func:`rows_apart_off_axis_0`."""
+    return lambda layer_param, ndim: canonical_axis(layer_param, getattr(layer_param, param_field).axis, ndim)
+
+
+def rows_apart_off_axis_0(axis_of: Callable[[Any, int], int]) -> RowsApartFn:
+    """``LayerRule.rows_apart`` for a layer that works along one axis, ``axis_of(layer_param, ndim)`` (canonical,
+    for a first bottom of ``ndim`` axes): its rows stay apart unless that axis is the batch axis."""
+    def rows_apart(layer_param: Any, phase: int, bottom_shapes: Sequence[Shape | None]) -> bool:
+        shape = bottom_shapes[0] if bottom_shapes else None
+        return shape is None or axis_of(layer_param, len(shape)) != 0
+
+    return rows_apart
 
 
 _REGISTRY: dict[str, LayerRule] = {}
@@ -208,7 +236,7 @@ def register_layer(type_name: str, forward: ForwardFn, param_shapes: ParamShapes
                    tops: tuple[int, int | None] = (0, None), is_loss: bool = False, in_place: bool = True,
                    allow_force_backward: Callable[[Any, int], bool] | None = None, frozen_params: bool = False,
                    host_forward: Callable | None = None, host_backward: Callable | None = None,
-                   override: bool = False) -> LayerRule:
+                   rows_apart: bool | RowsApartFn = False, override: bool = False) -> LayerRule:
     """Add a layer type written as a pure JAX function: the safe replacement for Caffe's Python layers.
 
     ``forward(ctx, bottoms, params) -> tops`` must be pure and jit-able; it reads its settings from
@@ -217,7 +245,8 @@ def register_layer(type_name: str, forward: ForwardFn, param_shapes: ParamShapes
     blobs (none by default) and ``init_params(layer, shapes, key) -> arrays`` fills them (zeros if absent and no
     weights are loaded). ``bottoms``/``tops`` are (min, max) counts, max None for unbounded. ``host_forward``
     makes it a layer run on the host after the program, ``host_backward`` gives it a backward there (see
-    :class:`LayerRule`). Replacing a
+    :class:`LayerRule`). ``rows_apart`` declares that each row of the batch is computed apart from the others
+    (:class:`LayerRule`; ``compile_inference(batch_sizes=...)`` needs it of every layer). Replacing a
     registered type, BVLC's included, needs ``override=True``.
     """
     _load_families()
@@ -232,6 +261,8 @@ def register_layer(type_name: str, forward: ForwardFn, param_shapes: ParamShapes
                      ("host_backward", host_backward)):
         if fn is not None and not callable(fn):
             problems.append(f"{name} must be callable, got {type(fn).__name__}")
+    if not (isinstance(rows_apart, bool) or callable(rows_apart)):
+        problems.append(f"rows_apart must be True, False or callable, got {type(rows_apart).__name__}")
     if host_backward is not None and host_forward is None:
         problems.append("host_backward is the backward of a layer run on the host: it needs host_forward")
     for name, limits in (("bottoms", bottoms), ("tops", tops)):
@@ -246,7 +277,8 @@ def register_layer(type_name: str, forward: ForwardFn, param_shapes: ParamShapes
     options = {} if allow_force_backward is None else {"allow_force_backward": allow_force_backward}
     rule = LayerRule(type=type_name, forward=forward, param_shapes=param_shapes or no_params,
                      init_params=init_params, is_loss=is_loss, bottoms=bottoms, tops=tops, in_place=in_place,
-                     frozen_params=frozen_params, host_forward=host_forward, host_backward=host_backward, **options)
+                     frozen_params=frozen_params, host_forward=host_forward, host_backward=host_backward,
+                     rows_apart=rows_apart, **options)
     _REGISTRY[type_name] = rule
     return rule
 

@@ -28,7 +28,8 @@ import numpy as np
 from jax import lax
 
 from caffejax.lower.common import unfused
-from caffejax.lower.registry import TRAIN, LayerContext, canonical_axis, count, layer, rejected
+from caffejax.lower.registry import (TRAIN, LayerContext, canonical_axis, count, layer, rejected,
+                                     param_axis, rows_apart_off_axis_0)
 
 Shape = tuple[int, ...]
 
@@ -657,7 +658,8 @@ _depthwise.defvjp(_depthwise_fwd, _depthwise_bwd)
 
 
 @layer("Convolution", param_shapes=lambda lp, shapes: _conv_param_shapes(lp, shapes, reverse=False),
-       init_params=_conv_init_params, bottoms=(1, None), tops=(1, None), top_shapes=_conv_top_shapes(False))
+       init_params=_conv_init_params, bottoms=(1, None), tops=(1, None), top_shapes=_conv_top_shapes(False),
+       rows_apart=True)
 def convolution(ctx: LayerContext, bottoms, params):
     """y = W * x + b per group (cross-correlation), W: Cout x Cin/g x k..., one top per bottom."""
     shape = tuple(bottoms[0].shape)
@@ -736,7 +738,8 @@ _deconvolution_2d.defvjp(_deconvolution_2d_fwd, _deconvolution_2d_bwd)
 
 
 @layer("Deconvolution", param_shapes=lambda lp, shapes: _conv_param_shapes(lp, shapes, reverse=True),
-       init_params=_conv_init_params, bottoms=(1, None), tops=(1, None), top_shapes=_conv_top_shapes(True))
+       init_params=_conv_init_params, bottoms=(1, None), tops=(1, None), top_shapes=_conv_top_shapes(True),
+       rows_apart=True)
 def deconvolution(ctx: LayerContext, bottoms, params):
     """y = W^T x + b: the transpose of Convolution (Caffe's col2im), W: Cin x Cout/g x k...
 
@@ -759,7 +762,7 @@ def deconvolution(ctx: LayerContext, bottoms, params):
     return tops
 
 
-@layer("Im2col", bottoms=(1, 1), tops=(1, 1))
+@layer("Im2col", bottoms=(1, 1), tops=(1, 1), rows_apart=True)
 def im2col(ctx: LayerContext, bottoms, params):
     """Caffe's column buffer: top channel c*prod(k) + (kernel offset, row-major) holds that tap of channel c."""
     (x,) = bottoms
@@ -1161,7 +1164,7 @@ def _pooling_top_shapes(layer_param, bottom_shapes, param_shapes, num_tops):
     return [shape[:2] + _pooling_setup(layer_param, shape, num_tops).out] * num_tops
 
 
-@layer("Pooling", bottoms=(1, 1), tops=(1, 2), top_shapes=_pooling_top_shapes)
+@layer("Pooling", bottoms=(1, 1), tops=(1, 2), top_shapes=_pooling_top_shapes, rows_apart=True)
 def pooling(ctx: LayerContext, bottoms, params):
     """MAX / AVE / STOCHASTIC pooling over k x k windows; MAX may emit a second top with the argmax index."""
     (x,) = bottoms
@@ -1181,7 +1184,7 @@ def _spp_level_geometry(layer_param, level: int, size: tuple[int, int]) -> PoolG
     return _pool_geometry(layer_param, method, kernel, kernel, pad, size, ROUND_CEIL)
 
 
-@layer("SPP", bottoms=(1, 1), tops=(1, 1))
+@layer("SPP", bottoms=(1, 1), tops=(1, 1), rows_apart=True)
 def spp(ctx: LayerContext, bottoms, params):
     """Spatial pyramid pooling: pool at 1, 2, 4, ... bins per side, flatten each level, concat on axis 1."""
     (x,) = bottoms
@@ -1288,7 +1291,7 @@ def _lrn_top_shapes(layer_param, bottom_shapes, param_shapes, num_tops):
     return [tuple(bottom_shapes[0])]
 
 
-@layer("LRN", bottoms=(1, 1), tops=(1, 1), top_shapes=_lrn_top_shapes)
+@layer("LRN", bottoms=(1, 1), tops=(1, 1), top_shapes=_lrn_top_shapes, rows_apart=True)
 def lrn(ctx: LayerContext, bottoms, params):
     """ACROSS_CHANNELS: x (k + alpha/n sum_{n channels} x^2)^-beta (zero padded over channels).
 
@@ -1304,7 +1307,8 @@ def lrn(ctx: LayerContext, bottoms, params):
 
 # ---- Crop: crop_layer.cpp ---------------------------------------------------------------------------------
 
-@layer("Crop", bottoms=(2, 2), tops=(1, 1))
+@layer("Crop", bottoms=(2, 2), tops=(1, 1),
+       rows_apart=rows_apart_off_axis_0(param_axis("crop_param")))
 def crop(ctx: LayerContext, bottoms, params):
     """top = bottom[0][..., o_i : o_i + bottom[1].shape[i], ...] for axes i >= axis; bottom[1] gives only its
     shape (no gradient flows into it)."""

@@ -9,6 +9,7 @@ per input-shape signature::
     infer = caffejax.compile_inference(net)                  # float32, every pass
     probs = infer({"data": images})["prob"]
     fast = caffejax.compile_inference(net, dtype=jnp.bfloat16)  # opt-in: bf16 storage, float32 sums
+    served = caffejax.compile_inference(net, batch_sizes=(1, 4, 16))  # 3 programs for any batch size
 
 Later changes to the net's weights are not seen: compile again after net surgery. The function is pure:
 RNN/LSTM layers without expose_hidden start every call from a zero state (``Net.forward`` carries it over
@@ -30,6 +31,7 @@ from caffejax.frontend.ir import Graph, stage_interface
 from caffejax.lower.optimize import (DEFAULT_PASSES, Plan, adopted_by_device, aligned_copy, check_passes, make_plan,
                                      optimize, prepare_params, run_plan)
 from caffejax.lower.program import check_one_program, run_host_layers
+from caffejax.lower.registry import get_rule
 from caffejax.runtime.blob import bits_digest, same_bits
 from caffejax.runtime.memory import DeviceMemoryErrors, garbage_collection_paused
 from caffejax.runtime.program_cache import compile_program, describe_graph
@@ -102,9 +104,11 @@ class InferenceFunction:
     """``infer(inputs) -> outputs``: input arrays by input blob name (NCHW, any batch size; the Input layers' and
     the data layers' tops, ``inputs``) to the net's output blobs (float32). ``compile_count`` counts the
     programs built (one per input-shape signature; a net run in stages, one per stage and the shapes it
-    reads: :class:`_Stages`)."""
+    reads: :class:`_Stages`). With ``batch_sizes`` a call runs the program of the smallest of them that holds
+    its rows (:meth:`_in_batches`)."""
 
-    def __init__(self, net, passes: Sequence[str] | None, dtype, devices=None, blobs: Sequence[str] = ()):
+    def __init__(self, net, passes: Sequence[str] | None, dtype, devices=None, blobs: Sequence[str] = (),
+                 batch_sizes: Sequence[int] | None = None):
         self.dtype = jnp.dtype(dtype)
         if not jnp.issubdtype(self.dtype, jnp.floating):
             raise CaffejaxError(f"compile_inference needs a floating dtype, got {self.dtype}")
@@ -137,6 +141,27 @@ class InferenceFunction:
             mesh = self._mesh = batch_mesh(devices)
             self._shared = SharedWeights(self.dtype, lambda host: replicated(host, mesh))
         self._stages = self._in_stages() if net.graph.staging_layers else None
+        self.batch_sizes = None if batch_sizes is None else self._checked_batch_sizes(batch_sizes)
+
+    def _checked_batch_sizes(self, batch_sizes: Sequence[int]) -> tuple[int, ...]:
+        """``batch_sizes`` sorted, once they are positive whole numbers (multiples of the devices splitting each
+        batch) and the net computes every row of a batch apart from the others (:func:`rows_mixed`)."""
+        try:
+            sizes = [] if isinstance(batch_sizes, (str, bytes)) else sorted(set(batch_sizes))
+        except TypeError:  # not iterable, or sizes that do not compare
+            sizes = []
+        if not sizes or not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) and s > 0 for s in sizes):
+            raise CaffejaxError(f"compile_inference: batch_sizes must be a non-empty list of positive whole numbers, "
+                                f"got {batch_sizes!r}")
+        if self._mesh is not None:
+            from caffejax.runtime.distributed import devices_of_this_process
+
+            devices = len(devices_of_this_process(self._mesh))
+            if any(s % devices for s in sizes):
+                raise CaffejaxError(f"compile_inference: batch_sizes {sizes} must be multiples of the {devices} "
+                                    "devices each batch is split over")
+        self._rows_kept_apart(self._net.graph, with_shapes=False)
+        return tuple(int(s) for s in sizes)
 
     def _in_stages(self) -> "_Stages":
         if self._mesh is not None:
@@ -161,13 +186,35 @@ class InferenceFunction:
     def __call__(self, inputs: Mapping[str, Any]) -> dict[str, jax.Array]:
         if inputs.keys() != self._input_names:
             raise CaffejaxError(f"inputs {sorted(inputs)} do not match the net's inputs {self.inputs}")
+        return self._call(inputs) if self.batch_sizes is None else self._in_batches(inputs)
+
+    def _in_batches(self, inputs: Mapping[str, Any]) -> dict[str, jax.Array]:
+        """The outputs for ``inputs``' rows, from the program of the smallest of ``batch_sizes`` that holds them, the
+        inputs padded (:func:`_padded_rows`) and the outputs cut back to their rows; more rows than the largest
+        size run in parts of that size. A serving process fed every batch size from 1 to 64 compiles 7 programs
+        with batch_sizes (1, 2, 4, ..., 64), not 64 (ResNet-50's take 0.8-2.5 s each on 2 cores; the weights'
+        prepared forms are kept once for all, ``SharedWeights``)."""
+        rows = {name: np.shape(x)[0] if np.ndim(x) else None for name, x in inputs.items()}
+        if None in rows.values() or len(set(rows.values())) != 1:
+            raise ShapeError(f"compile_inference(batch_sizes=...): the inputs must have the same number of rows (axis "
+                             f"0) to pad them; their shapes are { {name: np.shape(x) for name, x in inputs.items()} }")
+        n, largest = next(iter(rows.values())), self.batch_sizes[-1]
+        if n > largest:
+            parts = [self._in_batches({name: x[i:i + largest] for name, x in inputs.items()})
+                     for i in range(0, n, largest)]
+            return {blob: jnp.concatenate([part[blob] for part in parts]) for blob in parts[0]}
+        size = next(s for s in self.batch_sizes if s >= n)
+        outputs = self._call({name: _padded_rows(x, size) for name, x in inputs.items()})
+        return outputs if size == n else {blob: y[:n] for blob, y in outputs.items()}
+
+    def _call(self, inputs: Mapping[str, Any]) -> dict[str, jax.Array]:
         if self._stages is not None:
             try:
                 return self._stages(inputs)
             except TopsSizedByData:  # a Python layer learnt at a build (_graph): the stages are built anew
                 self._net.reshape()
                 self._stages = self._in_stages()
-                return self(inputs)
+                return self._call(inputs)
         # _signature's key, made without its int() of every dim: np.shape gives Python ints. At LeNet's batch 1
         # the Python around the program call is a tenth of the call.
         signature = tuple((name, np.shape(inputs[name])) for name in self._sorted_inputs)
@@ -186,7 +233,7 @@ class InferenceFunction:
             self._net.reshape()
             if self._net.graph.staging_layers:
                 self._stages = self._in_stages()
-            return self(inputs)
+            return self._call(inputs)
         return (_finished_on_host(program.plan.graph, outputs, self._net._python_layers) if program.host_layers
                 else outputs)
 
@@ -218,10 +265,25 @@ class InferenceFunction:
         """The graph a program for these input shapes is optimised from (over devices: one device's rows)."""
         return self._graph(dict(signature)) if self._mesh is None else self._per_device_graph(signature)[0]
 
+    def _rows_kept_apart(self, graph: Graph, with_shapes: bool = True) -> Graph:
+        """``graph`` once it is checked as padding a batch needs (:func:`rows_mixed`; none without ``batch_sizes``:
+        the constructor checks the layers before setting them, each program's graph its shapes too)."""
+        if with_shapes and self.batch_sizes is None:
+            return graph
+        mixed = rows_mixed(graph, with_shapes) + (["layers run on the host between programs"] if with_shapes is False
+                                                  and self._stages is not None else [])
+        if mixed:
+            raise UnsupportedError(
+                f"compile_inference(batch_sizes=...) pads a batch with rows, which needs every layer to compute each "
+                f"row of its tops from the same row of its bottoms alone (LayerRule.rows_apart) and every blob to "
+                f"hold one row per row of the inputs; in net '{graph.name}' {', '.join(mixed)} do not. Leave "
+                "batch_sizes out to compile a program per batch size")
+        return graph
+
     def _build_program(self, signature: Shapes) -> _Program:
         if self._mesh is not None:
             return self._sharded_program(signature)
-        plan, params = self._optimized(self._source_graph(signature))
+        plan, params = self._optimized(self._rows_kept_apart(self._source_graph(signature)))
         feeds = list(plan.graph.fed.items())
         fed = {value: jax.ShapeDtypeStruct(plan.graph.value_shapes[value], self._feed_dtype) for _, value in feeds}
         params, run = _compiled(plan, self.dtype, params, fed, _describe(plan, self.passes))
@@ -236,7 +298,7 @@ class InferenceFunction:
         from caffejax.runtime.distributed import data_parallel, local_value, shard_batch
 
         one_device, per_example = self._per_device_graph(signature)
-        plan, params = self._optimized(one_device)
+        plan, params = self._optimized(self._rows_kept_apart(one_device))
         feeds = list(plan.graph.fed.items())
         sharded = data_parallel(_in_dtype(plan, self.dtype), self._mesh,
                                 {blob: per_example[blob] for blob in plan.graph.program_outputs},
@@ -436,6 +498,35 @@ def _describe(plan: Plan, passes: Sequence[str]) -> list[bytes | str] | None:
     return None if described is None else ["inference", repr(tuple(passes)), *described]
 
 
+def rows_mixed(graph: Graph, with_shapes: bool = True) -> list[str]:
+    """What in ``graph`` would change a row's values if its batch were padded with more rows or cut in parts: the
+    layers that do not compute every row of their tops from the same row of their bottoms alone
+    (LayerRule.rows_apart; a fed layer's rows are the caller's) and, ``with_shapes``, the blobs whose axis 0 is
+    not the fed blobs' one common number of rows. Empty where nothing would."""
+    mixed = [f"layer '{layer.name}' ({layer.type})" for layer in graph.layers if not (
+        layer.is_input or get_rule(layer.type).keeps_rows_apart(
+            layer.proto, graph.phase, [graph.value_shapes.get(v) for v in layer.bottom_values]))]
+    if not with_shapes:
+        return mixed
+    fed = {tuple(graph.value_shapes[value] or ())[:1] for value in graph.fed.values()}
+    rows = fed.pop() if len(fed) == 1 else ()
+    return mixed + [f"blob '{top}' {shape}" for layer in graph.layers
+                    for top, value in zip(layer.tops, layer.top_values)
+                    if (shape := graph.value_shapes.get(value)) is not None and (not rows or tuple(shape)[:1] != rows)]
+
+
+def _padded_rows(x, rows: int):
+    """``x`` with rows added after its own up to ``rows``, copies of its last one: values the net computes from a
+    real row stay finite where zeros might not (a Log, a Power); zeros only where ``x`` has no row."""
+    missing = rows - np.shape(x)[0]
+    if missing == 0:
+        return x
+    xp = jnp if isinstance(x, jax.Array) else np
+    x = xp.asarray(x)
+    fill = xp.repeat(x[-1:], missing, axis=0) if x.shape[0] else xp.zeros((missing,) + x.shape[1:], x.dtype)
+    return xp.concatenate([x, fill])
+
+
 def _as_input(x, dtype, device):
     """An input in the programs' input ``dtype`` on the program's device (None: the mesh places it);
     jax arrays already there go to the program as they are. A host array goes to a one-device program as it is:
@@ -517,7 +608,8 @@ def default_passes(dtype) -> tuple[str, ...]:
 
 
 def compile_inference(net, *, passes: Sequence[str] | None = None, dtype=jnp.float32,
-                      devices=None, blobs: Sequence[str] = ()) -> InferenceFunction:
+                      devices=None, blobs: Sequence[str] = (),
+                      batch_sizes: Sequence[int] | None = None) -> InferenceFunction:
     """The net's forward to its outputs, optimised for inference (see :mod:`caffejax.lower.optimize`).
 
     ``passes``: the optimisation passes to run (default: :func:`default_passes` for the dtype;
@@ -529,5 +621,10 @@ def compile_inference(net, *, passes: Sequence[str] | None = None, dtype=jnp.flo
     the weights replicated. Several processes feed their own rows (see caffejax.runtime.distributed).
     ``blobs``: blobs to hand back besides the outputs, as pycaffe's ``net.forward(blobs=[...])`` (Faster R-CNN's
     ``rois``, which its ``bbox_pred`` deltas are relative to).
+    ``batch_sizes``: the batch sizes to compile programs for, where the net computes each row of a batch apart
+    from the others (every layer's ``rows_apart``; else UnsupportedError). A call runs the program of the
+    smallest that holds its rows, its inputs padded with copies of their last row and the outputs cut back;
+    more rows than the largest run in parts of the largest. Padded rows cost the time they take, and
+    XLA may sum a row's products in another order at another batch size (a difference in the last bits).
     """
-    return InferenceFunction(net, passes, dtype, devices, blobs)
+    return InferenceFunction(net, passes, dtype, devices, blobs, batch_sizes)
