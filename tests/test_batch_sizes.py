@@ -61,6 +61,20 @@ def test_a_padded_batch_runs_the_size_s_program_on_copies_of_its_last_row(lenet)
                                   np.asarray(exact({"data": padded})["prob"])[:3])
 
 
+def test_warm_up_compiles_the_programs_of_every_size_before_the_first_call(lenet):
+    served = caffejax.compile_inference(lenet, batch_sizes=(2, 4, 8))
+    assert served.warm_up() == 3 and served.compile_count == 3
+    for n in range(1, 9):
+        served({"data": _images(n)})
+    assert served.compile_count == 3 and served.warm_up() == 0
+    exact = caffejax.compile_inference(lenet)
+    assert exact.warm_up({"data": (5, 1, 28, 28)}) == 1
+    exact({"data": _images(5)})
+    assert exact.compile_count == 1
+    with pytest.raises(CaffejaxError, match=r"warm_up: shapes for \['x'\] do not match the net's inputs \['data'\]"):
+        exact.warm_up({"x": (1, 1, 28, 28)})
+
+
 def test_batch_sizes_in_bfloat16(lenet):
     served = caffejax.compile_inference(lenet, dtype=jnp.bfloat16, batch_sizes=(2, 8))
     exact = caffejax.compile_inference(lenet, dtype=jnp.bfloat16)

@@ -183,6 +183,23 @@ class InferenceFunction:
         self._program(signature)
         return self._optimized_plan(self._source_graph(signature))
 
+    def warm_up(self, shapes: Mapping[str, Sequence[int]] | None = None) -> int:
+        """Compile ahead of the first calls, as a server does before it takes requests: the program for the input
+        ``shapes`` (default: the net's fed blobs as they are shaped now) or, with ``batch_sizes``, one for each
+        size in place of their axis 0. Returns how many programs that compiled (none already there)."""
+        if self._stages is not None:
+            raise UnsupportedError("compile_inference: the net runs in stages around a layer run on the host "
+                                   "(Graph.staging_layers), whose later programs are shaped by what that layer "
+                                   "makes: warm it up with a call")
+        shapes = {name: tuple(self._net.blobs[name].shape) for name in self.inputs} if shapes is None else shapes
+        if shapes.keys() != self._input_names:
+            raise CaffejaxError(f"warm_up: shapes for {sorted(shapes)} do not match the net's inputs {self.inputs}")
+        before = self.compile_count
+        for size in self.batch_sizes or (None,):
+            self._program(self._signature({name: shape if size is None else (size, *shape[1:])
+                                           for name, shape in shapes.items()}))
+        return self.compile_count - before
+
     def __call__(self, inputs: Mapping[str, Any]) -> dict[str, jax.Array]:
         if inputs.keys() != self._input_names:
             raise CaffejaxError(f"inputs {sorted(inputs)} do not match the net's inputs {self.inputs}")
