@@ -75,6 +75,29 @@ def test_warm_up_compiles_the_programs_of_every_size_before_the_first_call(lenet
         exact.warm_up({"x": (1, 1, 28, 28)})
 
 
+def test_after_warm_up_a_request_of_any_size_compiles_nothing(lenet):
+    """Padding and cutting go through NumPy views of arrays in host memory: an eager jnp slice or concatenate would
+    compile a program at each new number of rows (30-190 ms each), and so would a program's first run cost more."""
+    from jax._src import monitoring
+
+    served = caffejax.compile_inference(lenet, batch_sizes=(4, 8))
+    assert served.warm_up() == 2
+    compiled = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(event)
+
+    monitoring.register_event_duration_secs_listener(listener)
+    try:
+        for n in (1, 3, 5, 7, 11, 13):
+            for x in (_images(n), jax.device_put(_images(n))):
+                assert served({"data": x})["prob"].shape == (n, 10)
+    finally:
+        monitoring.unregister_event_duration_listener(listener)
+    assert compiled == [] and served.compile_count == 2
+
+
 def test_batch_sizes_in_bfloat16(lenet):
     served = caffejax.compile_inference(lenet, dtype=jnp.bfloat16, batch_sizes=(2, 8))
     exact = caffejax.compile_inference(lenet, dtype=jnp.bfloat16)
