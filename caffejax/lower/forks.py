@@ -216,6 +216,11 @@ def permute_order(ctx: LayerContext, num_axes: int) -> list[int]:
     return order + [axis for axis in range(num_axes) if axis not in order]
 
 
+def permute_keeps_rows(layer_param, phase: int, bottom_shapes) -> bool:
+    """LayerRule.rows_apart: rows stay rows where the batch axis stays first (an order from 0, or none)."""
+    return list(fork_param(layer_param, "permute_param").order[:1]) in ([], [0])
+
+
 def permute(ctx: LayerContext, bottoms, params):
     (x,) = bottoms
     return [jnp.transpose(x, permute_order(ctx, x.ndim))]
@@ -1207,8 +1212,7 @@ FORK_LAYERS: tuple[ForkLayer, ...] = (
               rows_apart=True),
     ForkLayer("ReLU6", relu6, "register_relu6", "MobileNet Caffe ports", rows_apart=True),
     ForkLayer("Permute", permute, "register_permute", PERMUTE_PARAM.origin, PERMUTE_PARAM,
-              rows_apart=lambda layer_param, phase, shapes: list(
-                  fork_param(layer_param, "permute_param").order[:1]) in ([], [0])),
+              rows_apart=permute_keeps_rows),
     ForkLayer("Normalize", normalize, "register_normalize", NORMALIZE_PARAM.origin, NORMALIZE_PARAM,
               param_shapes=_normalize_shapes, init_params=_normalize_init, rows_apart=True),
     ForkLayer("PriorBox", prior_box, "register_prior_box", PRIOR_BOX_PARAM.origin, PRIOR_BOX_PARAM, bottoms=(2, 2)),
