@@ -160,7 +160,8 @@ class InferenceFunction:
             if any(s % devices for s in sizes):
                 raise CaffejaxError(f"compile_inference: batch_sizes {sizes} must be multiples of the {devices} "
                                     "devices each batch is split over")
-        self._rows_kept_apart(self._net.graph, with_shapes=False)
+        _refuse_mixed_rows(self._net.graph.name, rows_mixed(self._net.graph, with_shapes=False) + (
+            ["layers run on the host between programs"] if self._stages is not None else []))
         return tuple(int(s) for s in sizes)
 
     def _in_stages(self) -> "_Stages":
@@ -287,19 +288,10 @@ class InferenceFunction:
         """The graph a program for these input shapes is optimised from (over devices: one device's rows)."""
         return self._graph(dict(signature)) if self._mesh is None else self._per_device_graph(signature)[0]
 
-    def _rows_kept_apart(self, graph: Graph, with_shapes: bool = True) -> Graph:
-        """``graph`` once it is checked as padding a batch needs (:func:`rows_mixed`; none without ``batch_sizes``:
-        the constructor checks the layers before setting them, each program's graph its shapes too)."""
-        if with_shapes and self.batch_sizes is None:
-            return graph
-        mixed = rows_mixed(graph, with_shapes) + (["layers run on the host between programs"] if with_shapes is False
-                                                  and self._stages is not None else [])
-        if mixed:
-            raise UnsupportedError(
-                f"compile_inference(batch_sizes=...) pads a batch with rows, which needs every layer to compute each "
-                f"row of its tops from the same row of its bottoms alone (LayerRule.rows_apart) and every blob to "
-                f"hold one row per row of the inputs; in net '{graph.name}' {', '.join(mixed)} do not. Leave "
-                "batch_sizes out to compile a program per batch size")
+    def _rows_kept_apart(self, graph: Graph) -> Graph:
+        """``graph``, which a program is built from, checked at its shapes as ``batch_sizes`` needs (if given)."""
+        if self.batch_sizes is not None:
+            _refuse_mixed_rows(graph.name, rows_mixed(graph))
         return graph
 
     def _build_program(self, signature: Shapes) -> _Program:
@@ -537,6 +529,16 @@ def rows_mixed(graph: Graph, with_shapes: bool = True) -> list[str]:
                     if (shape := graph.value_shapes.get(value)) is not None and (not rows or tuple(shape)[:1] != rows)]
 
 
+def _refuse_mixed_rows(net_name: str, mixed: Sequence[str]) -> None:
+    """The UnsupportedError of ``batch_sizes`` for a net where ``mixed`` (:func:`rows_mixed`) names something."""
+    if mixed:
+        raise UnsupportedError(
+            f"compile_inference(batch_sizes=...) pads a batch with rows, which needs every layer to compute each "
+            f"row of its tops from the same row of its bottoms alone (LayerRule.rows_apart) and every blob to "
+            f"hold one row per row of the inputs; in net '{net_name}' {', '.join(mixed)} do not. Leave "
+            "batch_sizes out to compile a program per batch size")
+
+
 # Padding and cutting batches (InferenceFunction._in_batches). Arrays in host memory go through NumPy views: an
 # eager jnp slice, repeat or concatenate compiles a program for every new number of rows, and a server's first
 # request of each size paid it (LeNet on 2 AMD EPYC cores: 30-80 ms for the outputs' slice, 110-190 ms to pad a
@@ -561,7 +563,7 @@ def _padded_rows(x, rows: int):
 
 def _first_rows(y: jax.Array, n: int) -> jax.Array:
     """The first ``n`` rows of an output; in host memory, the device adopts the NumPy view of them as it is."""
-    return jax.device_put(np.asarray(y)[:n]) if _in_host_memory(y) else y[:n]
+    return adopted_by_device(np.asarray(y)[:n], y.dtype) if _in_host_memory(y) else y[:n]
 
 
 def _joined(parts: Sequence[jax.Array]) -> jax.Array:
