@@ -1,13 +1,20 @@
 """Taking a Caffe net out of caffejax: a serialized StableHLO program, or a Flax NNX module.
 
-**StableHLO** (:func:`export_stablehlo`, :func:`load_stablehlo`). The net's forward, jitted, goes through
-``jax.export`` and is written as one file. The weights are baked into the program as constants, so the
-file is the whole model: loading it needs JAX and nothing of caffejax (the loader only calls
-``jax.export.deserialize``). The program takes the fed blobs (the tops of Input and data layers) as a dict
-by blob name and returns the net's outputs by blob name. Input shapes are fixed at export (``batch``
-replaces the first axis); layer randomness is not exported (a net whose forward draws random numbers in
-the exported phase is refused), nor are Python layers (host code). A file holds at most 2 GB (flatbuffers'
-limit): use :func:`to_flax` for bigger nets.
+**StableHLO** (:func:`export_stablehlo`, :func:`load_stablehlo`). The net's forward, as ``compile_inference``
+optimises it (its passes: BatchNorm folded into convolutions, layouts), jitted, goes through ``jax.export`` and is
+written as one file. The weights are baked into the program as constants, so the file is the whole model:
+loading it needs JAX and nothing of caffejax's frontend (``jax.export.deserialize``). The program takes the fed
+blobs (the tops of Input and data layers) as a dict by blob name and returns the net's outputs by blob name.
+Input shapes are those of the net at export; ``batch`` sets their first axis to a number, or with a name
+(``batch="batch"``) makes it a symbolic dimension, so that one file serves every batch size. Layer randomness is
+not exported (a net whose forward draws random numbers in the exported phase is refused), nor are Python layers
+(host code). A file holds at most 2 GB (flatbuffers' limit): use :func:`to_flax` for bigger nets.
+
+XLA compiles the file where it is run, with that process's options. :func:`load_stablehlo` compiles it with the
+XLA options caffejax gives its own forward programs (YNNPACK's dot fusions on the CPU from 20 MFLOP of
+products, which the export records in the program's name), once per set of input shapes; ``jax.export``'s own
+``call`` compiles it under XLA's defaults, 1.4-2.4x slower on the CPU at batch 16 (``python -m bench.export``),
+unless the process sets ``XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=dot``.
 
 **Flax NNX** (:func:`to_flax`). A ``flax.nnx.Module`` whose ``params[layer][i]`` are ``nnx.Param``
 variables holding the Caffe blobs (BatchNorm's statistics are ``nnx.BatchStat``), each carrying the blob's
@@ -18,6 +25,7 @@ Caffe ``lr_mult``/``decay_mult`` as metadata. Calling it runs the same lowered p
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -26,20 +34,18 @@ import numpy as np
 
 from caffejax.errors import CaffejaxError, ShapeError, UnsupportedError
 from caffejax.fileio import atomic_write, read_bytes
+from caffejax.lower.optimize import DEFAULT_PASSES, check_passes, make_plan, optimize, prepare_params, run_plan
 from caffejax.lower.python_layer import calls_back
+from caffejax.lower.registry import is_symbolic
+from caffejax.runtime.inference import _inputs_to_device, _maps_afresh_on_a_worker
+from caffejax.runtime.xla_options import forward_options, matmul_flops, ynn_multiplies_a_broadcast
 
 __all__ = ["export_stablehlo", "load_stablehlo", "StableHLOModel", "to_flax", "save_flax_state", "load_flax_state"]
 
 
 def _forward_fn(graph, program):
     """``f(params, inputs, key) -> outputs``: the whole net's forward over blobs named as Caffe names them."""
-    on_host = next((layer for layer in graph.layers if layer.runs_on_host), None)
-    if on_host is not None:
-        raise UnsupportedError(
-            f"layer '{on_host.name}' (type {on_host.type}) makes a top whose shape depends on the data, which a "
-            f"traced program cannot have (caffejax runs it on the host, after the program). Export the net without "
-            f"it, with its bottoms {list(on_host.bottoms)} as outputs, and run it on them yourself (for "
-            f"DetectionOutput: caffejax.lower.forks.detect(layer_param, bottoms))")
+    _refuse_host_layers(graph)
     fed = graph.fed
     outputs = tuple(graph.outputs)
 
@@ -56,42 +62,74 @@ def _forward_fn(graph, program):
     return forward
 
 
+def _refuse_host_layers(graph) -> None:
+    on_host = next((layer for layer in graph.layers if layer.runs_on_host), None)
+    if on_host is not None:
+        raise UnsupportedError(
+            f"layer '{on_host.name}' (type {on_host.type}) makes a top whose shape depends on the data, which a "
+            f"traced program cannot have (caffejax runs it on the host, after the program). Export the net without "
+            f"it, with its bottoms {list(on_host.bottoms)} as outputs, and run it on them yourself (for "
+            f"DetectionOutput: caffejax.lower.forks.detect(layer_param, bottoms))")
+
+
 # ---- StableHLO --------------------------------------------------------------------------------------------
 
-def export_stablehlo(net, path: str, *, batch: int | None = None,
+def export_stablehlo(net, path: str, *, batch: int | str | None = None, batch_inputs: Sequence[str] | None = None,
+                     passes: Sequence[str] | None = None,
                      platforms: Sequence[str] | None = None) -> jax.export.Exported:
     """Serialize ``net``'s forward (weights baked in) to ``path``; returns the ``jax.export.Exported``.
 
-    The inputs are the net's fed blobs at their current shapes, with the first axis set to ``batch`` when
-    given. ``platforms`` (e.g. ``("cpu", "cuda")``) lowers for those backends instead of the default one.
+    The inputs are the net's fed blobs at their current shapes. ``batch``: a number sets their first axis to it;
+    a name (``"batch"``) makes it a symbolic dimension of that name, so that one file takes every batch size
+    (JAX compiles it for each size it is called with). ``batch_inputs``: the fed blobs whose first axis
+    ``batch`` sets (default: all of them; name fewer where an input's first axis is not the batch).
+    ``passes``: the optimisation passes the program is built with, as ``compile_inference``'s (default: its
+    float32 ones; ``()`` exports Caffe's rules unchanged). ``platforms`` (e.g. ``("cpu", "cuda")``) lowers for
+    those backends instead of the default one.
     """
     graph = net.graph
     python = [layer.name for layer in graph.layers if calls_back(layer)]
     if python:  # their code runs in this process, as host callbacks, which a serialized program cannot hold
         raise UnsupportedError(f"cannot export Python layers {python} to StableHLO: their code runs on the host, "
                                "in this process; register pure-JAX rules for them (caffejax.register_layer)")
-    forward = _forward_fn(graph, net._program)
-    params = net.param_arrays()
+    _refuse_host_layers(graph)
+    fed = graph.fed
+    if not fed:
+        raise CaffejaxError("cannot export a net without inputs (no Input or data layer)")
+    batched = _batched_inputs(fed, batch, batch_inputs)
+    rows = None  # the rows of the batched inputs at the net's shapes, which the recorded work is counted at
+    dim = jax.export.symbolic_shape(batch)[0] if isinstance(batch, str) else batch
     specs = {}
-    for name in graph.fed:
+    for name in fed:
         shape = graph.blob_shape(name)
         if shape is None:
             raise ShapeError(f"cannot export: the shape of input blob '{name}' is unknown (its data source is "
                              "not readable); use a prototxt with an Input layer")
-        if batch is not None:
+        if name in batched:
             if not shape:
                 raise ShapeError(f"cannot set the batch of input blob '{name}': it has no axes")
-            shape = (int(batch),) + tuple(shape[1:])
+            rows = rows or shape[0]
+            shape = (dim,) + tuple(shape[1:])
         specs[name] = jax.ShapeDtypeStruct(tuple(shape), net.blobs[name].data.dtype)
-    if not specs:
-        raise CaffejaxError("cannot export a net without inputs (no Input or data layer)")
+    passes = DEFAULT_PASSES if passes is None else tuple(passes)
+    check_passes(passes)
+    plan = optimize(make_plan(graph, net.param_arrays()), passes)
+    params = prepare_params(plan, jnp.float32)
 
     def program(inputs):
-        outputs, _, _ = forward(params, inputs)
-        return outputs
+        return run_plan(plan, params, {fed[name]: x for name, x in inputs.items()})
 
+    # The work it does, for the XLA options load_stablehlo compiles it with (forward_options), in its name.
+    flops = matmul_flops(graph) / max(rows or 1, 1)
+    program.__name__ = (f"caffejax_forward_flops_{round(flops)}_per_row" if isinstance(batch, str) else
+                        f"caffejax_forward_flops_{round(flops * (batch if batch is not None else rows or 1))}")
     try:
         exported = jax.export.export(jax.jit(program), platforms=platforms)(specs)
+    except CaffejaxError as e:
+        if not isinstance(batch, str):
+            raise
+        raise _with_prefix(e, f"cannot export with the symbolic batch '{batch}' of inputs {sorted(batched)}") from None
+    try:
         data = exported.serialize()
     except ImportError as e:  # jax's serializer needs the flatbuffers package
         raise UnsupportedError(f"StableHLO export needs {e.name or 'flatbuffers'}: "
@@ -100,8 +138,46 @@ def export_stablehlo(net, path: str, *, batch: int | None = None,
     return exported
 
 
+def _batched_inputs(fed: Mapping[str, str], batch, batch_inputs: Sequence[str] | None) -> list[str]:
+    """The fed blobs whose first axis ``batch`` sets (checked)."""
+    if batch is None:
+        if batch_inputs is not None:
+            raise CaffejaxError("batch_inputs names the inputs batch sets; no batch was given")
+        return []
+    if isinstance(batch, str):
+        if not batch.isidentifier():
+            raise CaffejaxError(f"batch must be a whole number or the name of a symbolic dimension (a Python "
+                                f"identifier, e.g. 'batch'); got {batch!r}")
+    elif isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
+        raise CaffejaxError(f"batch must be a positive whole number or the name of a symbolic dimension; got {batch!r}")
+    if batch_inputs is None:
+        return list(fed)
+    if isinstance(batch_inputs, str) or not batch_inputs:
+        raise CaffejaxError(f"batch_inputs must be a non-empty list of input blob names; got {batch_inputs!r}")
+    unknown = [name for name in batch_inputs if name not in fed]
+    if unknown:
+        raise CaffejaxError(f"batch_inputs {unknown} are not inputs of the net; its inputs are {list(fed)}")
+    return list(dict.fromkeys(batch_inputs))
+
+
+def _with_prefix(error: CaffejaxError, prefix: str) -> CaffejaxError:
+    """The same kind of error, ``prefix`` in front of its message (the layer it names kept)."""
+    prefixed = type(error)(f"{prefix}: {error}")
+    prefixed.layer = getattr(error, "layer", None)
+    return prefixed
+
+
+# The name export_stablehlo gives the program: the work of its products (matmul_flops), in all or per row.
+_RECORDED_FLOPS = re.compile(r"caffejax_forward_flops_(\d+)(_per_row)?")
+
+
 class StableHLOModel:
-    """A deserialized export: call it with the input blobs by name; it returns the outputs by name."""
+    """A deserialized export: call it with the input blobs by name; it returns the outputs by name.
+
+    ``input_shapes`` gives each input's shape, a symbolic batch by its name (``("batch", 3, 227, 227)``).
+    Each new set of input shapes compiles the program once (``compile_count``), on the CPU with the XLA options
+    caffejax gives its own forward programs of that much work (caffejax.runtime.xla_options.forward_options).
+    """
 
     def __init__(self, exported: jax.export.Exported):
         self.exported = exported
@@ -109,21 +185,75 @@ class StableHLOModel:
         if kwargs or len(args) != 1 or not isinstance(args[0], dict):
             raise CaffejaxError("not a caffejax StableHLO export: it does not take one dict of input blobs")
         self._avals = args[0]
-        self.input_shapes = {name: tuple(aval.shape) for name, aval in self._avals.items()}
+        self.input_shapes = {name: tuple(str(d) if is_symbolic(d) else d for d in aval.shape)
+                             for name, aval in self._avals.items()}
+        recorded = _RECORDED_FLOPS.fullmatch(exported.fun_name)
+        self._flops = None if recorded is None else (int(recorded[1]), bool(recorded[2]))
+        self._call = jax.jit(exported.call)
+        self._compiled: dict[tuple, Any] = {}
 
     @property
     def input_names(self) -> list[str]:
         return list(self.input_shapes)
 
+    @property
+    def compile_count(self) -> int:
+        return len(self._compiled)
+
     def __call__(self, **inputs) -> dict[str, jax.Array]:
         if set(inputs) != set(self.input_shapes):
             raise CaffejaxError(f"the exported net takes inputs {sorted(self.input_shapes)}; got {sorted(inputs)}")
-        for name, array in inputs.items():
-            if tuple(np.shape(array)) != self.input_shapes[name]:
-                raise ShapeError(f"input '{name}' has shape {tuple(np.shape(array))}; the exported net takes "
-                                 f"{self.input_shapes[name]}")
-        return self.exported.call({name: jnp.asarray(array, self._avals[name].dtype)
-                                   for name, array in inputs.items()})
+        sizes = self._symbol_sizes({name: tuple(np.shape(x)) for name, x in inputs.items()})
+        arrays = {name: _input_array(x, self._avals[name].dtype) for name, x in inputs.items()}
+        signature = tuple(sorted((name, x.shape) for name, x in arrays.items()))
+        compiled = self._compiled.get(signature)
+        if compiled is None:
+            compiled = self._compiled[signature] = self._compile(arrays, sizes)
+        program, inputs_to_device_first = compiled
+        return program(_inputs_to_device(arrays) if inputs_to_device_first else arrays)
+
+    def _symbol_sizes(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, int]:
+        """The size of each symbolic dimension in ``shapes``; ShapeError where a shape does not fit."""
+        sizes: dict[str, tuple[int, str]] = {}
+        for name, shape in shapes.items():
+            want = self.input_shapes[name]
+            if len(shape) != len(want) or any(n != w for n, w in zip(shape, want) if not isinstance(w, str)):
+                raise ShapeError(f"input '{name}' has shape {shape}; the exported net takes {want}")
+            for n, w in zip(shape, want):
+                if not isinstance(w, str):
+                    continue
+                if n < 1:
+                    raise ShapeError(f"input '{name}' has shape {shape}; the exported net's symbolic dimension "
+                                     f"'{w}' takes sizes of 1 or more")
+                seen = sizes.setdefault(w, (n, name))
+                if seen[0] != n:
+                    raise ShapeError(f"inputs '{seen[1]}' and '{name}' give the symbolic dimension '{w}' sizes "
+                                     f"{seen[0]} and {n}; it takes one size per call (their shapes "
+                                     f"{shapes[seen[1]]} and {shape})")
+        return {w: n for w, (n, _) in sizes.items()}
+
+    def _compile(self, arrays: Mapping[str, jax.Array], sizes: Mapping[str, int]):
+        lowered = self._call.lower(arrays)
+        options = {}
+        if self._flops is not None and len(sizes) <= 1:
+            flops, per_row = self._flops
+            options = forward_options(flops * (next(iter(sizes.values()), 1) if per_row else 1))
+        compiled = lowered.compile(compiler_options=options or None)
+        # As compile_inference's programs that hold their weights: a YNNPACK dot fusion multiplying by a
+        # broadcast (a constant of one value) gives wrong values, where XLA's own dot does not.
+        if options and ynn_multiplies_a_broadcast(compiled.as_text() or ""):
+            compiled = lowered.compile()
+        # As compile_inference's programs: host inputs of a program with big buffers go to the device first, so
+        # that it runs on the calling thread (MobileNet v2 at batch 16: 160 -> 132 ms a call, 2 AMD EPYC cores).
+        return compiled, jax.default_backend() == "cpu" and _maps_afresh_on_a_worker(compiled)
+
+
+def _input_array(x, dtype):
+    """``x`` in ``dtype``: a host array goes to the compiled program as it is, which moves it in C++ (see
+    runtime.inference._as_input)."""
+    if isinstance(x, jax.Array):
+        return x if x.dtype == dtype else x.astype(dtype)
+    return np.asarray(x, dtype)
 
 
 def load_stablehlo(path: str) -> StableHLOModel:

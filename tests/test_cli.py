@@ -563,6 +563,17 @@ def test_export(tmp_path, capsys):
     net.blobs["data"].reshape(2, 1, 28, 28)
     np.testing.assert_allclose(model(data=x)["prob"], net.forward(data=x)["prob"], rtol=1e-5, atol=1e-5)
 
+    # a symbolic batch: one program for every batch size
+    status, err = run(["export", "-model", LENET, "-weights", LENET_WEIGHTS, "-output", tmp_path / "any.shlo",
+                       "--batch", "batch", "--batch-inputs", "data"], capsys)
+    assert status == 0, err
+    model = load_stablehlo(str(tmp_path / "any.shlo"))
+    assert model.input_shapes == {"data": ("batch", 1, 28, 28)}
+    np.testing.assert_allclose(model(data=x[:1])["prob"], net.forward(data=x)["prob"][:1], rtol=1e-5, atol=1e-5)
+    status, err = run(["export", "-model", LENET, "-weights", LENET_WEIGHTS, "-output", tmp_path / "bad.shlo",
+                       "--batch", "2x"], capsys)
+    assert status == 1 and "--batch takes a whole number or a name (a symbolic batch), got '2x'" in err
+
     pytest.importorskip("flax")
     status, err = run(["export", "-model", LENET, "-weights", LENET_WEIGHTS, "-output", tmp_path / "lenet.msgpack",
                        "--format", "flax"], capsys)

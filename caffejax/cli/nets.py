@@ -100,8 +100,11 @@ def add_commands(commands, parents) -> None:
     _flag(p, "weights", required=True, help="the trained weights (caffemodel)")
     _flag(p, "output", required=True, help="the file to write")
     p.add_argument("--format", default="stablehlo", choices=("stablehlo", "flax"), help="default stablehlo")
-    p.add_argument("--batch", type=int, help="stablehlo: the batch size the program takes (default: the "
-                                             "prototxt's)")
+    p.add_argument("--batch", type=_export_batch,
+                   help="stablehlo: the batch size the program takes (default: the prototxt's), or a name (e.g. "
+                        "batch) for a symbolic batch: one program for every batch size")
+    p.add_argument("--batch-inputs", help="stablehlo: the inputs whose first axis --batch sets, separated by ',' "
+                                          "(default: all)")
     p.add_argument("--platforms", help="stablehlo: the backends to lower for, separated by ',' (cpu, cuda, rocm, "
                                        "tpu; default: this machine's)")
     _flag(p, "phase", type=_phase, default=1, help="TRAIN or TEST (default TEST)")
@@ -171,6 +174,15 @@ def _phase(text: str) -> int:
         return PHASES[text.upper()]
     except KeyError:
         raise argparse.ArgumentTypeError(f"phase must be TRAIN or TEST, got '{text}'") from None
+
+
+def _export_batch(text: str) -> int | str:
+    """export's --batch: a whole number, or the name of a symbolic dimension."""
+    if text.isdigit():
+        return int(text)
+    if text.isidentifier():
+        return text
+    raise argparse.ArgumentTypeError(f"--batch takes a whole number or a name (a symbolic batch), got '{text}'")
 
 
 def _stages(args) -> list[str]:
@@ -779,12 +791,15 @@ def export(args) -> int:
     net = _make_net(args)
     if args.format == "stablehlo":
         platforms = [p.strip() for p in args.platforms.split(",") if p.strip()] if args.platforms else None
-        exported = export_stablehlo(net, args.output, batch=args.batch, platforms=platforms)
+        batch_inputs = [name.strip() for name in args.batch_inputs.split(",") if name.strip()] \
+            if args.batch_inputs else None
+        exported = export_stablehlo(net, args.output, batch=args.batch, batch_inputs=batch_inputs,
+                                    platforms=platforms)
         log.info("Wrote StableHLO for %s to %s", ", ".join(exported.platforms), args.output)
     else:
-        if args.batch is not None or args.platforms:
-            raise CaffejaxError("--batch and --platforms apply to --format stablehlo only (a Flax module takes any "
-                                "batch and runs where JAX runs)")
+        if args.batch is not None or args.batch_inputs or args.platforms:
+            raise CaffejaxError("--batch, --batch-inputs and --platforms apply to --format stablehlo only (a Flax "
+                                "module takes any batch and runs where JAX runs)")
         save_flax_state(to_flax(net), args.output)
         log.info("Wrote the Flax module's variables (msgpack) to %s", args.output)
     return 0

@@ -19,8 +19,8 @@ import numpy as np
 from jax import lax
 
 from caffejax.errors import SchemaError
-from caffejax.lower.registry import (TEST, LayerContext, canonical_axis, count, layer, legacy_4d, rejected,
-                                     param_axis, rows_apart_off_axis_0)
+from caffejax.lower.registry import (TEST, LayerContext, canonical_axis, count, is_symbolic, layer, legacy_4d,
+                                     param_axis, rejected, rows_apart_off_axis_0)
 from caffejax.proto import caffe_pb2
 
 Shape = tuple[int, ...]
@@ -804,6 +804,8 @@ FEW_ROWS_INPUT_GRADIENT_MIN_WEIGHT = 1 << 20
 
 def _few_rows_apply(rows: jax.Array, weight: jax.Array, transpose: bool, bias_term: bool) -> bool:
     m, (n, k) = rows.shape[0], weight.shape
+    if is_symbolic(m):  # a batch-polymorphic export: the plain product, whatever the batch
+        return False
     return (not transpose and bias_term and (m <= FEW_ROWS or m > MANY_ROWS) and m < n
             and n * k >= FEW_ROWS_MIN_WEIGHT and rows.dtype.itemsize >= 4 and jax.default_backend() == "cpu")
 

@@ -32,7 +32,7 @@ from caffejax.frontend.build import MAX_BLOB_ELEMENTS
 from caffejax.frontend.prototxt import (ForkEnum, ForkMessage, ForkParam, ForkParamField, fork_param,
                                         register_fork_param)
 from caffejax.lower.loss import legacy_shape
-from caffejax.lower.registry import LayerContext, get_rule, legacy_4d, register_layer
+from caffejax.lower.registry import LayerContext, get_rule, is_symbolic, legacy_4d, register_layer
 
 Shape = tuple[int, ...]
 log = logging.getLogger("caffejax")
@@ -139,7 +139,8 @@ def interp(ctx: LayerContext, bottoms, params):
     if min(size_in_eff) <= 0 or min(size_out) <= 0:
         raise ctx.error(f"input {size_in} cropped by pad_beg {p.pad_beg}, pad_end {p.pad_end} gives "
                         f"{size_in_eff}, output {size_out}: sizes must be positive")
-    if math.prod(x.shape[:2]) * math.prod(size_out) > MAX_BLOB_ELEMENTS:
+    elements = math.prod(x.shape[:2]) * math.prod(size_out)
+    if not is_symbolic(elements) and elements > MAX_BLOB_ELEMENTS:  # (an export's symbolic batch: checked at build)
         raise ctx.error(f"output size {size_out} for a {tuple(x.shape)} input is larger than caffejax allows "
                         f"({MAX_BLOB_ELEMENTS} elements); is a factor mistyped?")
     crop = x[:, :, -p.pad_beg:-p.pad_beg + size_in_eff[0], -p.pad_beg:-p.pad_beg + size_in_eff[1]]

@@ -19,7 +19,7 @@ from jax import lax
 
 from caffejax.errors import DataError, WeightsError
 from caffejax.frontend.caffemodel import blobproto_to_array, read_blobproto
-from caffejax.lower.registry import canonical_axis, count, layer, legacy_4d
+from caffejax.lower.registry import canonical_axis, count, is_symbolic, layer, legacy_4d
 from caffejax.proto import caffe_pb2
 
 # float.h's FLT_MIN: SoftmaxWithLoss clips probabilities here before the log, for every Dtype.
@@ -79,6 +79,8 @@ def normalizer(mode: int, outer: int, inner: int, valid: jax.Array, dtype) -> ja
     if mode == _Norm.VALID:
         return jnp.maximum(1, jnp.sum(valid)).astype(dtype)
     n = {_Norm.FULL: outer * inner, _Norm.BATCH_SIZE: outer, _Norm.NONE: 1}[mode]
+    if is_symbolic(n):  # a batch-polymorphic export: the count is a value of the program
+        return jnp.maximum(jnp.asarray(n, dtype), 1)
     return jnp.asarray(max(1.0, float(n)), dtype)
 
 

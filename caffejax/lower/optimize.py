@@ -48,12 +48,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from caffejax.errors import CaffejaxError, ShapeError
+from caffejax.errors import CaffejaxError, ShapeError, UnsupportedError, layer_error
 from caffejax.frontend.ir import Graph, Layer, producer_by_value, readers_by_value
 from caffejax.lower import vision
 from caffejax.lower.common import (accumulator_dtype, batch_norm_global_stats, matmul, transposed_copy,
                                    uses_global_stats)
-from caffejax.lower.registry import LayerContext, canonical_axis, get_rule
+from caffejax.lower.registry import LayerContext, canonical_axis, get_rule, is_symbolic
 from caffejax.proto import caffe_pb2
 
 NCHW, NHWC, ANY = "NCHW", "NHWC", "ANY"
@@ -1394,7 +1394,15 @@ def run_plan(plan: Plan, params: Mapping[str, Sequence[jax.Array]], inputs: Mapp
                            in_place=tuple(layer.in_place), dtype=dtype, python_layers=graph.python_layers)
         bottoms = [layouts.fetch(v, layout) for v in layer.bottom_values]
         with jax.named_scope(layer.name):  # profiles name the layer each operation comes from (program_profile)
-            tops = forward(ctx, bottoms, params.get(layer.name, []))
+            try:
+                tops = forward(ctx, bottoms, params.get(layer.name, []))
+            except CaffejaxError:
+                raise
+            except Exception as e:  # a rule that needs a number where an export's batch is symbolic
+                if not any(is_symbolic(d) for b in bottoms for d in np.shape(b)):
+                    raise
+                raise layer_error(UnsupportedError, layer.name, layer.type, "its rule cannot take the symbolic "
+                                  f"batch of a batch-polymorphic export ({type(e).__name__}: {e})") from e
         layouts.produced(layer.top_values, tops, layout)
         env.update(zip(layer.top_values, tops))
     return {blob: layouts.fetch(graph.blob_value[blob], NCHW) for blob in graph.program_outputs}

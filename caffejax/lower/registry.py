@@ -15,6 +15,7 @@ request.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Protocol, Sequence
 
 import jax
@@ -331,6 +332,13 @@ def legacy_4d(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(shape) + (1,) * (4 - len(shape))
 
 
+def is_symbolic(dim) -> bool:
+    """Whether ``dim`` is a symbolic dimension (an export's batch, jax.export.symbolic_shape) rather than a
+    number: rules that pick a kernel by size take their general form for it."""
+    return not isinstance(dim, (int, np.integer))
+
+
 def count(shape: Sequence[int], start: int = 0, end: int | None = None) -> int:
-    """Caffe's Blob::count(start, end): product of the dims in [start, end)."""
-    return int(np.prod(shape[start:end], dtype=np.int64))
+    """Caffe's Blob::count(start, end): product of the dims in [start, end). A symbolic dim (an export's
+    batch, jax.export.symbolic_shape) stays symbolic in the product."""
+    return math.prod(int(dim) if isinstance(dim, (int, np.integer)) else dim for dim in shape[start:end])

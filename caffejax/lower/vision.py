@@ -28,7 +28,7 @@ import numpy as np
 from jax import lax
 
 from caffejax.lower.common import unfused
-from caffejax.lower.registry import (TRAIN, LayerContext, canonical_axis, count, layer, rejected,
+from caffejax.lower.registry import (TRAIN, LayerContext, canonical_axis, count, is_symbolic, layer, rejected,
                                      param_axis, rows_apart_off_axis_0)
 
 Shape = tuple[int, ...]
@@ -321,6 +321,8 @@ _GEMM_INPUT_GRADIENT_MAX_COLUMNS = 1 << 26
 def _input_gradient_by_gemm(g: ConvGeometry, x_shape: Shape, out: Shape, w_shape: Shape) -> bool:
     spatial = x_shape[1:-1]
     columns = x_shape[0] * math.prod(out) * math.prod(w_shape[:-1])
+    if is_symbolic(columns):  # a batch-polymorphic export, which holds no backward: XLA's convolution
+        return False
     waste = math.prod(spatial) / math.prod(out)
     return (all(s == 1 for s in g.stride) and waste >= _GEMM_INPUT_GRADIENT_MIN_WASTE
             and columns <= _GEMM_INPUT_GRADIENT_MAX_COLUMNS)

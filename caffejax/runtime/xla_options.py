@@ -103,18 +103,27 @@ def bf16_matrix_programs(dtype) -> bool:
 def compiler_options(graph: Graph, backward: bool = False, dtype=jnp.float32) -> dict[str, str]:
     """The options for one program running ``graph`` in ``dtype``: one forward, or with ``backward`` a
     program that also computes gradients (a backward pass, a training step)."""
+    if backward:
+        return _options(YNN_DOT_AND_REDUCE)
+    return forward_options(matmul_flops(graph), dtype)
+
+
+def forward_options(flops: float, dtype=jnp.float32) -> dict[str, str]:
+    """The options for a forward program of ``flops`` (:func:`matmul_flops`) in ``dtype``: also those a loaded
+    StableHLO export (caffejax.export) is compiled with, from the count the export recorded."""
+    if not (environment_switch(ENVIRONMENT) or flops >= YNN_MIN_FLOPS):
+        return _options(None)
+    return _options(YNN_INDIVIDUAL_DOT if bf16_matrix_programs(dtype) else YNN_DOT)
+
+
+def _options(fusion_type: str | None) -> dict[str, str]:
+    """``fusion_type`` as the option on XLA:CPU (None: XLA's default), unless ``CAFFEJAX_XLA_YNN=0`` turns
+    YNNPACK off; no options on other backends."""
     if jax.default_backend() != "cpu":
         return {}
-    forced = environment_switch(ENVIRONMENT)
-    if forced is False:
+    if environment_switch(ENVIRONMENT) is False:
         return {YNN_OPTION: YNN_OFF}
-    if backward:
-        return {YNN_OPTION: YNN_DOT_AND_REDUCE}
-    if not (forced or matmul_flops(graph) >= YNN_MIN_FLOPS):
-        return {}
-    if bf16_matrix_programs(dtype):
-        return {YNN_OPTION: YNN_INDIVIDUAL_DOT}
-    return {YNN_OPTION: YNN_DOT}
+    return {} if fusion_type is None else {YNN_OPTION: fusion_type}
 
 
 # A YNNPACK fusion's call of its computation, in a compiled program's HLO text.
