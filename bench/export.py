@@ -2,6 +2,7 @@
 
     python -m bench.export                                        # SqueezeNet v1.1 and ResNet-50 at batch 16
     python -m bench.export --nets lenet,alexnet --batch 1 --repeats 50
+    python -m bench.export --dtype bfloat16                       # the bf16 mode, exported
 
 Per net, one file is exported with a symbolic batch (``export_stablehlo(net, path, batch="batch")``) and one as
 exports were built before passes and the loader's options (``passes=()``), and these run in one process, timed in
@@ -26,8 +27,9 @@ import sys
 import tempfile
 
 
-def _measure(name: str, batch: int, repeats: int) -> dict:
+def _measure(name: str, batch: int, repeats: int, dtype: str) -> dict:
     import jax
+    import jax.numpy as jnp
     import numpy as np
 
     import caffejax
@@ -40,21 +42,22 @@ def _measure(name: str, batch: int, repeats: int) -> dict:
     x = np.random.default_rng(0).random((batch,) + tuple(net.blobs[blob].shape[1:]), dtype=np.float32)
     with tempfile.TemporaryDirectory() as directory:
         any_batch, unoptimised = pathlib.Path(directory, "any.stablehlo"), pathlib.Path(directory, "raw.stablehlo")
-        export_stablehlo(net, str(any_batch), batch="batch")
-        export_stablehlo(net, str(unoptimised), batch=batch, passes=())
+        export_stablehlo(net, str(any_batch), batch="batch", dtype=jnp.dtype(dtype))
+        export_stablehlo(net, str(unoptimised), batch=batch, passes=(), dtype=jnp.dtype(dtype))
         loaded = load_stablehlo(str(any_batch))
         jax_only = jax.jit(jax.export.deserialize(bytearray(any_batch.read_bytes())).call)
         raw = jax.jit(jax.export.deserialize(bytearray(unoptimised.read_bytes())).call)
-        infer = caffejax.compile_inference(net)
+        infer = caffejax.compile_inference(net, dtype=jnp.dtype(dtype))
         fns = {"loaded": lambda: loaded(**{blob: x}), "jax_only": lambda: jax_only({blob: x}),
                "unoptimised": lambda: raw({blob: x}), "compile_inference": lambda: infer({blob: x})}
         expected = np.asarray(infer({blob: x})[net.outputs[0]])
+        tolerance = 1e-4 if dtype == "float32" else 5e-2
         for label in ("loaded", "jax_only", "unoptimised"):
             got = np.asarray(fns[label]()[net.outputs[0]])
-            np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5 * float(np.abs(expected).max()),
+            np.testing.assert_allclose(got, expected, rtol=tolerance, atol=tolerance * float(np.abs(expected).max()),
                                        err_msg=label)
         times = timed_alternating(fns, repeats)
-    return {"net": name, "batch": batch, **{label: t["median_ms"] for label, t in times.items()}}
+    return {"net": name, "batch": batch, "dtype": dtype, **{label: t["median_ms"] for label, t in times.items()}}
 
 
 def main(argv=None) -> int:
@@ -62,21 +65,24 @@ def main(argv=None) -> int:
     parser.add_argument("--nets", default="squeezenet_v1.1,resnet50", help="nets of bench.nets, separated by ','")
     parser.add_argument("--batch", type=int, default=16, help="the batch the files are run at (default 16)")
     parser.add_argument("--repeats", type=int, default=10, help="timed runs of each (default 10)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="the programs' dtype, compile_inference's and the exports' (default float32)")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="JSON path (default bench/results/)")
     args = parser.parse_args(argv)
 
     from bench.nets import ROOT
 
-    rows = [_measure(name.strip(), args.batch, args.repeats) for name in args.nets.split(",") if name.strip()]
+    names = [name.strip() for name in args.nets.split(",") if name.strip()]
+    rows = [_measure(name, args.batch, args.repeats, args.dtype) for name in names]
     labels = ("loaded", "jax_only", "unoptimised", "compile_inference")
-    print(f"median ms per forward at batch {args.batch} (ratio to compile_inference)")
+    print(f"median ms per forward at batch {args.batch}, {args.dtype} (ratio to compile_inference)")
     print(f"{'net':>16} " + " ".join(f"{label:>20}" for label in labels))
     for r in rows:
         print(f"{r['net']:>16} " + " ".join(f"{r[label]:>12.2f} ({r[label] / r['compile_inference']:.2f})"
                                             for label in labels))
     out = args.out or ROOT / "bench" / "results" / f"export-{datetime.datetime.now():%Y%m%d-%H%M%S}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"batch": args.batch, "rows": rows}, indent=2))
+    out.write_text(json.dumps({"batch": args.batch, "dtype": args.dtype, "rows": rows}, indent=2))
     print(f"wrote {out}")
     return 0
 

@@ -34,10 +34,10 @@ import numpy as np
 
 from caffejax.errors import CaffejaxError, ShapeError, UnsupportedError
 from caffejax.fileio import atomic_write, read_bytes
-from caffejax.lower.optimize import DEFAULT_PASSES, check_passes, make_plan, optimize, prepare_params, run_plan
+from caffejax.lower.optimize import check_passes, make_plan, optimize, prepare_params
 from caffejax.lower.python_layer import calls_back
 from caffejax.lower.registry import is_symbolic
-from caffejax.runtime.inference import _inputs_to_device, _maps_afresh_on_a_worker
+from caffejax.runtime.inference import _in_dtype, _inputs_to_device, _maps_afresh_on_a_worker, default_passes
 from caffejax.runtime.xla_options import forward_options, matmul_flops, ynn_multiplies_a_broadcast
 
 __all__ = ["export_stablehlo", "load_stablehlo", "StableHLOModel", "to_flax", "save_flax_state", "load_flax_state"]
@@ -75,7 +75,7 @@ def _refuse_host_layers(graph) -> None:
 # ---- StableHLO --------------------------------------------------------------------------------------------
 
 def export_stablehlo(net, path: str, *, batch: int | str | None = None, batch_inputs: Sequence[str] | None = None,
-                     passes: Sequence[str] | None = None,
+                     passes: Sequence[str] | None = None, dtype=jnp.float32,
                      platforms: Sequence[str] | None = None) -> jax.export.Exported:
     """Serialize ``net``'s forward (weights baked in) to ``path``; returns the ``jax.export.Exported``.
 
@@ -84,8 +84,9 @@ def export_stablehlo(net, path: str, *, batch: int | str | None = None, batch_in
     (JAX compiles it for each size it is called with). ``batch_inputs``: the fed blobs whose first axis
     ``batch`` sets (default: all of them; name fewer where an input's first axis is not the batch).
     ``passes``: the optimisation passes the program is built with, as ``compile_inference``'s (default: its
-    float32 ones; ``()`` exports Caffe's rules unchanged). ``platforms`` (e.g. ``("cpu", "cuda")``) lowers for
-    those backends instead of the default one.
+    ones for ``dtype``; ``()`` exports Caffe's rules unchanged). ``dtype``: the weights' and activations' dtype,
+    as ``compile_inference``'s (``jnp.bfloat16``: the bf16 mode); the program takes and returns float32 either
+    way. ``platforms`` (e.g. ``("cpu", "cuda")``) lowers for those backends instead of the default one.
     """
     graph = net.graph
     python = [layer.name for layer in graph.layers if calls_back(layer)]
@@ -111,18 +112,24 @@ def export_stablehlo(net, path: str, *, batch: int | str | None = None, batch_in
             rows = rows or shape[0]
             shape = (dim,) + tuple(shape[1:])
         specs[name] = jax.ShapeDtypeStruct(tuple(shape), net.blobs[name].data.dtype)
-    passes = DEFAULT_PASSES if passes is None else tuple(passes)
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise CaffejaxError(f"export_stablehlo needs a floating dtype, got {dtype}")
+    passes = default_passes(dtype) if passes is None else tuple(passes)
     check_passes(passes)
     plan = optimize(make_plan(graph, net.param_arrays()), passes)
-    params = prepare_params(plan, jnp.float32)
+    params = prepare_params(plan, dtype)
+    function = _in_dtype(plan, dtype)
 
     def program(inputs):
-        return run_plan(plan, params, {fed[name]: x for name, x in inputs.items()})
+        return function(params, {fed[name]: x for name, x in inputs.items()})
 
-    # The work it does, for the XLA options load_stablehlo compiles it with (forward_options), in its name.
+    # The work it does and its dtype, for the XLA options load_stablehlo compiles it with (forward_options), in
+    # its name.
     flops = matmul_flops(graph) / max(rows or 1, 1)
-    program.__name__ = (f"caffejax_forward_flops_{round(flops)}_per_row" if isinstance(batch, str) else
-                        f"caffejax_forward_flops_{round(flops * (batch if batch is not None else rows or 1))}")
+    program.__name__ = (f"caffejax_{dtype.name}_forward_flops_{round(flops)}_per_row" if isinstance(batch, str) else
+                        f"caffejax_{dtype.name}_forward_flops_"
+                        f"{round(flops * (batch if batch is not None else rows or 1))}")
     try:
         exported = jax.export.export(jax.jit(program), platforms=platforms)(specs)
     except CaffejaxError as e:
@@ -167,8 +174,9 @@ def _with_prefix(error: CaffejaxError, prefix: str) -> CaffejaxError:
     return prefixed
 
 
-# The name export_stablehlo gives the program: the work of its products (matmul_flops), in all or per row.
-_RECORDED_FLOPS = re.compile(r"caffejax_forward_flops_(\d+)(_per_row)?")
+# The name export_stablehlo gives the program: its dtype and the work of its products (matmul_flops), in all or
+# per row.
+_RECORDED_WORK = re.compile(r"caffejax_(float32|bfloat16|float16|float64)_forward_flops_(\d+)(_per_row)?")
 
 
 class StableHLOModel:
@@ -187,8 +195,8 @@ class StableHLOModel:
         self._avals = args[0]
         self.input_shapes = {name: tuple(str(d) if is_symbolic(d) else d for d in aval.shape)
                              for name, aval in self._avals.items()}
-        recorded = _RECORDED_FLOPS.fullmatch(exported.fun_name)
-        self._flops = None if recorded is None else (int(recorded[1]), bool(recorded[2]))
+        recorded = _RECORDED_WORK.fullmatch(exported.fun_name)
+        self._work = None if recorded is None else (jnp.dtype(recorded[1]), int(recorded[2]), bool(recorded[3]))
         self._call = jax.jit(exported.call)
         self._compiled: dict[tuple, Any] = {}
 
@@ -235,9 +243,9 @@ class StableHLOModel:
     def _compile(self, arrays: Mapping[str, jax.Array], sizes: Mapping[str, int]):
         lowered = self._call.lower(arrays)
         options = {}
-        if self._flops is not None and len(sizes) <= 1:
-            flops, per_row = self._flops
-            options = forward_options(flops * (next(iter(sizes.values()), 1) if per_row else 1))
+        if self._work is not None and len(sizes) <= 1:
+            dtype, flops, per_row = self._work
+            options = forward_options(flops * (next(iter(sizes.values()), 1) if per_row else 1), dtype)
         compiled = lowered.compile(compiler_options=options or None)
         # As compile_inference's programs that hold their weights: a YNNPACK dot fusion multiplying by a
         # broadcast (a constant of one value) gives wrong values, where XLA's own dot does not.

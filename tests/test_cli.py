@@ -570,9 +570,18 @@ def test_export(tmp_path, capsys):
     model = load_stablehlo(str(tmp_path / "any.shlo"))
     assert model.input_shapes == {"data": ("batch", 1, 28, 28)}
     np.testing.assert_allclose(model(data=x[:1])["prob"], net.forward(data=x)["prob"][:1], rtol=1e-5, atol=1e-5)
+    status, err = run(["export", "-model", LENET, "-weights", LENET_WEIGHTS, "-output", tmp_path / "bf16.shlo",
+                       "--batch", "batch", "--dtype", "bfloat16"], capsys)
+    assert status == 0, err
+    model = load_stablehlo(str(tmp_path / "bf16.shlo"))
+    assert model.exported.fun_name.startswith("caffejax_bfloat16_forward")
+    np.testing.assert_array_equal(np.asarray(model(data=x)["prob"]).argmax(1), net.forward(data=x)["prob"].argmax(1))
     status, err = run(["export", "-model", LENET, "-weights", LENET_WEIGHTS, "-output", tmp_path / "bad.shlo",
                        "--batch", "2x"], capsys)
     assert status == 1 and "--batch takes a whole number or a name (a symbolic batch), got '2x'" in err
+    status, err = run(["export", "-model", LENET, "-weights", LENET_WEIGHTS, "-output", tmp_path / "x.msgpack",
+                       "--format", "flax", "--dtype", "bfloat16"], capsys)
+    assert status == 1 and "--dtype and --platforms apply to --format stablehlo only" in err
 
     pytest.importorskip("flax")
     status, err = run(["export", "-model", LENET, "-weights", LENET_WEIGHTS, "-output", tmp_path / "lenet.msgpack",

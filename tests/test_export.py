@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -151,7 +152,7 @@ def test_the_loader_compiles_with_caffejaxs_options_for_the_work_at_each_size(tm
     export_stablehlo(net, str(tmp_path / "any.stablehlo"), batch="batch")
     export_stablehlo(net, str(tmp_path / "four.stablehlo"), batch=4)
     asked = []
-    monkeypatch.setattr(export, "forward_options", lambda flops: asked.append(flops) or {})
+    monkeypatch.setattr(export, "forward_options", lambda flops, dtype: asked.append(flops) or {})
     for n in (1, 16):
         load_stablehlo(str(tmp_path / "any.stablehlo"))(**inputs_for({"data": (n, 1, 28, 28)}))
     load_stablehlo(str(tmp_path / "four.stablehlo"))(**inputs_for({"data": (4, 1, 28, 28)}))
@@ -281,6 +282,38 @@ def test_fork_layers_export_with_a_symbolic_batch(case, tmp_path, isolated_regis
         inputs = {blob: np.random.default_rng(rows).uniform(0.1, 1, (rows, *net.blobs[blob].data.shape[1:]))
                   .astype(np.float32) for blob in net.inputs}
         assert_outputs_close(model(**inputs), forward_at(net, inputs))
+
+
+def test_a_bfloat16_export_takes_every_batch_size(tmp_path, monkeypatch):
+    """The bf16 mode exported: compile_inference(dtype=bfloat16)'s program (float32 in and out), with a symbolic
+    batch; a join of two bfloat16 convolutions (paired as 32-bit values, optimize.paired_concatenate, where no
+    bitcast of a symbolic shape would refine) among its layers."""
+    import caffejax.export as export
+
+    n = caffejax.NetSpec()
+    n.data = L.Input(shape=dict(dim=[2, 3, 8, 8]))
+    filler = dict(weight_filler=dict(type="gaussian", std=0.3), bias_filler=dict(type="gaussian", std=0.1))
+    n.a = L.Convolution(n.data, num_output=4, kernel_size=1, **filler)
+    n.ra = L.ReLU(n.a, in_place=True)
+    n.b = L.Convolution(n.a, num_output=6, kernel_size=3, pad=1, **filler)
+    n.rb = L.ReLU(n.b, in_place=True)
+    n.join = L.Concat(n.a, n.b)
+    n.c = L.Convolution(n.join, num_output=5, kernel_size=3, **filler)
+    net = caffejax.Net(n.to_proto(), caffejax.TEST)
+    export_stablehlo(net, str(tmp_path / "bf16.stablehlo"), batch="batch", dtype=jnp.bfloat16)
+    model = load_stablehlo(str(tmp_path / "bf16.stablehlo"))
+    asked = []
+    monkeypatch.setattr(export, "forward_options", lambda flops, dtype: asked.append(dtype) or {})
+    infer = caffejax.compile_inference(net, dtype=jnp.bfloat16)
+    for rows in (1, 3):
+        inputs = inputs_for({"data": (rows, 3, 8, 8)}, seed=rows)
+        got = np.asarray(model(**inputs)["c"])
+        assert got.dtype == np.float32
+        np.testing.assert_allclose(got, np.asarray(infer(inputs)["c"]), rtol=2e-2, atol=2e-2)
+        np.testing.assert_allclose(got, forward_at(net, inputs)["c"], rtol=5e-2, atol=5e-2)  # float32's
+    assert asked == [jnp.bfloat16, jnp.bfloat16]
+    with pytest.raises(CaffejaxError, match="needs a floating dtype, got int32"):
+        export_stablehlo(net, str(tmp_path / "int.stablehlo"), dtype=jnp.int32)
 
 
 @pytest.mark.parametrize("batch,batch_inputs,message", [

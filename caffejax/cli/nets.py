@@ -105,6 +105,9 @@ def add_commands(commands, parents) -> None:
                         "batch) for a symbolic batch: one program for every batch size")
     p.add_argument("--batch-inputs", help="stablehlo: the inputs whose first axis --batch sets, separated by ',' "
                                           "(default: all)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"),
+                   help="stablehlo: the weights' and activations' dtype (default float32; bfloat16: the bf16 mode, "
+                        "compile_inference(dtype=jnp.bfloat16)'s program, float32 in and out)")
     p.add_argument("--platforms", help="stablehlo: the backends to lower for, separated by ',' (cpu, cuda, rocm, "
                                        "tpu; default: this machine's)")
     _flag(p, "phase", type=_phase, default=1, help="TRAIN or TEST (default TEST)")
@@ -794,12 +797,12 @@ def export(args) -> int:
         batch_inputs = [name.strip() for name in args.batch_inputs.split(",") if name.strip()] \
             if args.batch_inputs else None
         exported = export_stablehlo(net, args.output, batch=args.batch, batch_inputs=batch_inputs,
-                                    platforms=platforms)
+                                    dtype=args.dtype or "float32", platforms=platforms)
         log.info("Wrote StableHLO for %s to %s", ", ".join(exported.platforms), args.output)
     else:
-        if args.batch is not None or args.batch_inputs or args.platforms:
-            raise CaffejaxError("--batch, --batch-inputs and --platforms apply to --format stablehlo only (a Flax "
-                                "module takes any batch and runs where JAX runs)")
+        if args.batch is not None or args.batch_inputs or args.dtype or args.platforms:
+            raise CaffejaxError("--batch, --batch-inputs, --dtype and --platforms apply to --format stablehlo only (a "
+                                "Flax module takes any batch, holds the weights as they are and runs where JAX runs)")
         save_flax_state(to_flax(net), args.output)
         log.info("Wrote the Flax module's variables (msgpack) to %s", args.output)
     return 0

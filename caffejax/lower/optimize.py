@@ -856,8 +856,9 @@ def paired_concatenate(arrays: Sequence[jax.Array], axis: int) -> jax.Array:
     cores). An earlier build had measured every Concat paired at 1.05 and 1.02."""
     arrays = tuple(arrays)
     dtype = arrays[0].dtype
+    # (A symbolic batch, an export's: XLA cannot refine a bitcast of a dynamic shape.)
     if (dtype.itemsize != 2 or arrays[0].ndim == 0 or any(a.dtype != dtype for a in arrays)
-            or any(a.shape[-1] % 2 for a in arrays)):
+            or any(a.shape[-1] % 2 for a in arrays) or any(is_symbolic(d) for d in arrays[0].shape)):
         return jnp.concatenate(arrays, axis)
     return _paired_concatenate(arrays, axis % arrays[0].ndim)
 
