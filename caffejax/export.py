@@ -84,7 +84,7 @@ def export_stablehlo(net, path: str, *, batch: int | str | None = None, batch_in
     (JAX compiles it for each size it is called with). ``batch_inputs``: the fed blobs whose first axis
     ``batch`` sets (default: all of them; name fewer where an input's first axis is not the batch).
     ``passes``: the optimisation passes the program is built with, as ``compile_inference``'s (default: its
-    ones for ``dtype``; ``()`` exports Caffe's rules unchanged). ``dtype``: the weights' and activations' dtype,
+    ones for ``dtype`` and ``inner_product_nhwc``; ``()`` exports Caffe's rules unchanged). ``dtype``: the weights' and activations' dtype,
     as ``compile_inference``'s (``jnp.bfloat16``: the bf16 mode); the program takes and returns float32 either
     way. ``platforms`` (e.g. ``("cpu", "cuda")``) lowers for those backends instead of the default one.
     """
@@ -115,7 +115,7 @@ def export_stablehlo(net, path: str, *, batch: int | str | None = None, batch_in
     dtype = jnp.dtype(dtype)
     if not jnp.issubdtype(dtype, jnp.floating):
         raise CaffejaxError(f"export_stablehlo needs a floating dtype, got {dtype}")
-    passes = default_passes(dtype) if passes is None else tuple(passes)
+    passes = default_passes(dtype) + ("inner_product_nhwc",) if passes is None else tuple(passes)
     check_passes(passes)
     plan = optimize(make_plan(graph, net.param_arrays()), passes)
     params = prepare_params(plan, dtype)

@@ -348,6 +348,28 @@ def test_a_symbolic_batch_takes_one_size_per_call(tmp_path):
         model(a=ones[:, :2], b=ones)
 
 
+def test_an_exported_classifier_reads_channels_last_values_as_they_are(tmp_path):
+    """Export adds inner_product_nhwc: the weights are constants there, and a transpose of the activations back
+    to NCHW before the product was folded by XLA into the constant weight as it compiled (AlexNet's fc6: 1.5 s,
+    logged as a slow operation)."""
+    from caffejax.runtime.inference import default_passes
+
+    n = caffejax.NetSpec()
+    n.data = L.Input(shape=dict(dim=[2, 3, 8, 8]))
+    n.conv = L.Convolution(n.data, num_output=4, kernel_size=3, weight_filler=dict(type="gaussian", std=0.3))
+    n.pool = L.Pooling(n.conv, kernel_size=2, stride=2)
+    n.fc = L.InnerProduct(n.pool, num_output=5, weight_filler=dict(type="gaussian", std=0.3),
+                          bias_filler=dict(type="gaussian", std=0.1))
+    net = caffejax.Net(n.to_proto(), caffejax.TEST)
+    inputs = inputs_for({"data": (2, 3, 8, 8)})
+    expected = forward_at(net, inputs)
+    back_to_nchw = "dims = [0, 3, 1, 2]"
+    for passes, transposed in ((None, False), (default_passes(jnp.float32), True)):
+        exported = export_stablehlo(net, str(tmp_path / "fc.stablehlo"), passes=passes)
+        assert (back_to_nchw in exported.mlir_module()) == transposed
+        assert_outputs_close(load_stablehlo(str(tmp_path / "fc.stablehlo"))(**inputs), expected)
+
+
 def test_export_runs_the_optimisation_passes(tmp_path):
     """By default the program is compile_inference's: a BatchNorm and Scale after a convolution are folded into its
     filters (no square root left to compute); ``passes=()`` keeps Caffe's rules."""

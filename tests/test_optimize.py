@@ -219,7 +219,7 @@ def test_convolutions_split_by_group_have_xla_grouped_convolutions_gradients(gro
 
 
 @pytest.mark.parametrize("passes", [("fold_batchnorm",), ("nhwc",), ("nhwc", "conv_gemm"), ("nhwc", "winograd"),
-                                    ("nhwc", "winograd_medium"), ("nhwc", "widen"),
+                                    ("nhwc", "winograd_medium"), ("nhwc", "widen"), ("nhwc", "inner_product_nhwc"),
                                     optimize.DEFAULT_PASSES, tuple(optimize.PASSES)])
 def test_pass_keeps_outputs(zoo, passes):
     net, x, reference = zoo
@@ -318,7 +318,7 @@ def test_every_rewrite_and_kernel_is_exercised(zoo):
     assert kernels["a"] == "conv_winograd_f2x2_3x3_unrounded" and kernels["a_relu"] == "elementwise_rounding"
     # widen wraps the direct convolutions, poolings and LRN (float32 compute under bfloat16 storage)
     assert kernels["dw"] == kernels["dw2"] == kernels["gd"] == "conv_nhwc_widened"
-    assert "fc" not in kernels and "fct" not in kernels  # Caffe's rule on their input moved back to NCHW
+    assert kernels["fc"] == kernels["fct"] == "inner_product_nhwc"  # on the channels-last value, weights permuted
     assert kernels["maxp"] == kernels["avep"] == kernels["gpool"] == "pool_nhwc_widened"
     assert kernels["lrn"] == "lrn_nhwc_widened" and kernels["cat"] == "concat_nhwc"
     assert kernels["p_bn"] == "per_channel_nhwc"

@@ -27,6 +27,8 @@ per layer (sharing resolved, BatchNorm folded) and the kernel chosen for each la
 - ``defer_rounding``: a product whose output only widened convolutions and poolings read (through element-wise
   layers) keeps its float32 sum; the widened kernel rounds once. One read by a plain ReLU alone keeps it too,
   and the ReLU rounds (the same bits); so does a sum of two values (an Eltwise SUM without coefficients).
+- ``inner_product_nhwc``: an InnerProduct reads a channels-last value as it is, its weight's columns permuted
+  once (StableHLO exports, where the weights are constants; not a default of compile_inference).
 
 Grouped and depthwise convolutions run as Caffe's rule runs them (one convolution per group; depthwise as
 shifted multiply-adds: ``vision.grouped_convolution``), in either layout.
@@ -1236,6 +1238,45 @@ def defer_rounding(plan: Plan) -> Plan:
     return dataclasses.replace(plan, kernels=kernels)
 
 
+# ---- an InnerProduct reading channels-last values -------------------------------------------------------------
+
+def inner_product_nhwc(plan: Plan) -> Plan:
+    """An InnerProduct over a 4-D channels-last value (a classifier after the last convolution or pooling) reads
+    it as it is, its weight's columns permuted once from Caffe's (C, H, W) order to (H, W, C). Not a default of
+    compile_inference, whose programs read the net's own weights (a permuted copy held AlexNet's fc6, 151 MB,
+    twice, for forwards within 2%: tests/test_optimize.py); caffejax.export runs it, its weights being constants of
+    the program anyway: there XLA folded the activations' transpose into the constant weight as it compiled
+    (AlexNet's fc6: 1.5 s, logged as a slow operation)."""
+    graph = plan.graph
+    kernels = dict(plan.kernels)
+    layouts = value_layouts(graph, kernels)
+    for layer in graph.layers:
+        if (layer.type == "InnerProduct" and layer.name not in kernels and len(layer.bottom_values) == 1
+                and layouts.get(layer.bottom_values[0]) == NHWC
+                and canonical_axis(layer.name, layer.proto.inner_product_param.axis, 4) == 1):
+            kernels[layer.name] = _inner_product_nhwc_kernel(_shape(graph, layer.bottom_values[0]),
+                                                             layer.proto.inner_product_param.transpose)
+    return dataclasses.replace(plan, kernels=kernels)
+
+
+def _inner_product_nhwc_kernel(shape: Sequence[int], transpose: bool) -> Kernel:
+    _, channels, height, width = shape
+
+    def prepare(params: ParamArrays) -> ParamArrays:
+        weight = params[0]
+        if transpose:  # (C*H*W, outputs)
+            permuted = weight.reshape(channels, height, width, -1).transpose(1, 2, 0, 3).reshape(weight.shape)
+        else:  # (outputs, C*H*W)
+            permuted = weight.reshape(-1, channels, height, width).transpose(0, 2, 3, 1).reshape(weight.shape)
+        return [permuted, *params[1:]]
+
+    def forward(ctx, bottoms, params):
+        (x,) = bottoms
+        return get_rule("InnerProduct").forward(ctx, [x.reshape(x.shape[0], -1)], params)
+
+    return Kernel("inner_product_nhwc", forward, NHWC, prepare)
+
+
 PASSES: dict[str, Callable[[Plan], Plan]] = {
     "fold_batchnorm": fold_batchnorm,
     "merge_concat_convolutions": merge_concat_convolutions,
@@ -1247,6 +1288,7 @@ PASSES: dict[str, Callable[[Plan], Plan]] = {
     "winograd_medium": winograd_medium,
     "widen": widen,
     "defer_rounding": defer_rounding,
+    "inner_product_nhwc": inner_product_nhwc,
 }
 # conv_gemm is not a default for inference. Its products go to YNNPACK with the element-wise work around them
 # (the forward programs' compiler option); left as convolutions, XLA rewrites 1x1 convolutions into plain dots
@@ -1257,8 +1299,10 @@ PASSES: dict[str, Callable[[Plan], Plan]] = {
 # (layout_kernels(differentiated=False), Net._net_program).
 # conv_im2col, winograd_medium, widen and defer_rounding pay only with bfloat16 values
 # (caffejax.runtime.inference.default_passes).
+# inner_product_nhwc: caffejax.export's (see the pass).
 DEFAULT_PASSES: tuple[str, ...] = tuple(name for name in PASSES if name not in (
-    "merge_concat_convolutions", "conv_gemm", "winograd_medium", "conv_im2col", "widen", "defer_rounding"))
+    "merge_concat_convolutions", "conv_gemm", "winograd_medium", "conv_im2col", "widen", "defer_rounding",
+    "inner_product_nhwc"))
 
 
 def check_passes(passes: Sequence[str]) -> None:
