@@ -138,6 +138,11 @@ def test_one_file_takes_every_batch_size(name, tmp_path):
         inputs = inputs_for({"data": (n, *row)}, seed=n)
         assert_outputs_close(model(**inputs), forward_at(net, inputs))
     assert model.compile_count == 3  # once for each batch size
+    assert model.warm_up(*({"data": (n, *row)} for n in (2, 3, 8))) == 2 and model.compile_count == 5
+    model(**inputs_for({"data": (8, *row)}))
+    assert model.compile_count == 5
+    with pytest.raises(CaffejaxError, match=r"warm_up: shapes for \['image'\] do not match"):
+        model.warm_up({"image": (1, *row)})
 
 
 def test_the_loader_compiles_with_caffejaxs_options_for_the_work_at_each_size(tmp_path, monkeypatch):
