@@ -117,9 +117,16 @@ def layer_error(cls: type[CaffejaxError], layer_name: str, layer_type: str, mess
 
 def at_location(error: CaffejaxError, where: str) -> CaffejaxError:
     """The same kind of error with ``where`` (``file:line``) in front of its message."""
-    located = type(error)(f"{where}: {error}")
-    located.layer, located.located = error.layer, True
+    located = prefixed(error, where)
+    located.located = True
     return located
+
+
+def prefixed(error: CaffejaxError, prefix: str) -> CaffejaxError:
+    """The same kind of error with ``prefix`` in front of its message, naming the same layer."""
+    made = type(error)(f"{prefix}: {error}")
+    made.layer = error.layer
+    return made
 
 
 class InputArraysError(DataError, RuntimeError):

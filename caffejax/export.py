@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from caffejax.errors import CaffejaxError, ShapeError, UnsupportedError
+from caffejax.errors import CaffejaxError, ShapeError, UnsupportedError, prefixed
 from caffejax.fileio import atomic_write, read_bytes
 from caffejax.lower.optimize import check_passes, make_plan, optimize, prepare_params
 from caffejax.lower.python_layer import calls_back
@@ -84,9 +84,10 @@ def export_stablehlo(net, path: str, *, batch: int | str | None = None, batch_in
     (JAX compiles it for each size it is called with). ``batch_inputs``: the fed blobs whose first axis
     ``batch`` sets (default: all of them; name fewer where an input's first axis is not the batch).
     ``passes``: the optimisation passes the program is built with, as ``compile_inference``'s (default: its
-    ones for ``dtype`` and ``inner_product_nhwc``; ``()`` exports Caffe's rules unchanged). ``dtype``: the weights' and activations' dtype,
-    as ``compile_inference``'s (``jnp.bfloat16``: the bf16 mode); the program takes and returns float32 either
-    way. ``platforms`` (e.g. ``("cpu", "cuda")``) lowers for those backends instead of the default one.
+    ones for ``dtype`` and ``inner_product_nhwc``; ``()`` exports Caffe's rules unchanged). ``dtype``: the
+    weights' and activations' dtype, as ``compile_inference``'s (``jnp.bfloat16``: the bf16 mode); the program
+    takes and returns float32 either way. ``platforms`` (e.g. ``("cpu", "cuda")``) lowers for those backends
+    instead of the default one.
     """
     graph = net.graph
     python = [layer.name for layer in graph.layers if calls_back(layer)]
@@ -99,7 +100,7 @@ def export_stablehlo(net, path: str, *, batch: int | str | None = None, batch_in
         raise CaffejaxError("cannot export a net without inputs (no Input or data layer)")
     batched = _batched_inputs(fed, batch, batch_inputs)
     rows = None  # the rows of the batched inputs at the net's shapes, which the recorded work is counted at
-    dim = jax.export.symbolic_shape(batch)[0] if isinstance(batch, str) else batch
+    dim = jax.export.symbolic_shape(batch)[0] if isinstance(batch, str) else None if batch is None else int(batch)
     specs = {}
     for name in fed:
         shape = graph.blob_shape(name)
@@ -135,7 +136,7 @@ def export_stablehlo(net, path: str, *, batch: int | str | None = None, batch_in
     except CaffejaxError as e:
         if not isinstance(batch, str):
             raise
-        raise _with_prefix(e, f"cannot export with the symbolic batch '{batch}' of inputs {sorted(batched)}") from None
+        raise prefixed(e, f"cannot export with the symbolic batch '{batch}' of inputs {sorted(batched)}") from None
     try:
         data = exported.serialize()
     except ImportError as e:  # jax's serializer needs the flatbuffers package
@@ -165,13 +166,6 @@ def _batched_inputs(fed: Mapping[str, str], batch, batch_inputs: Sequence[str] |
     if unknown:
         raise CaffejaxError(f"batch_inputs {unknown} are not inputs of the net; its inputs are {list(fed)}")
     return list(dict.fromkeys(batch_inputs))
-
-
-def _with_prefix(error: CaffejaxError, prefix: str) -> CaffejaxError:
-    """The same kind of error, ``prefix`` in front of its message (the layer it names kept)."""
-    prefixed = type(error)(f"{prefix}: {error}")
-    prefixed.layer = getattr(error, "layer", None)
-    return prefixed
 
 
 # The name export_stablehlo gives the program: its dtype and the work of its products (matmul_flops), in all or
