@@ -56,7 +56,9 @@ def _forward_fn(graph, program):
                                 + (f" (missing {sorted(missing)})" if missing else "")
                                 + (f" (unknown {sorted(unknown)})" if unknown else ""))
         env = {fed[name]: jnp.asarray(array) for name, array in inputs.items()}
-        env, updates = program.run_layers(graph.layers, params, env, key, masks=masks)
+        # The layout kernels training uses (channels-last, Convolution -> BatchNorm chains): a module's forward
+        # is differentiated as often as not.
+        env, updates = program.run_layers(graph.layers, params, env, key, masks=masks, kernels=program.kernels)
         return {blob: env[graph.blob_value[blob]] for blob in outputs}, env, updates
 
     return forward
