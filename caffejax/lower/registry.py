@@ -341,4 +341,4 @@ def is_symbolic(dim) -> bool:
 def count(shape: Sequence[int], start: int = 0, end: int | None = None) -> int:
     """Caffe's Blob::count(start, end): product of the dims in [start, end). A symbolic dim (an export's
     batch, jax.export.symbolic_shape) stays symbolic in the product."""
-    return math.prod(int(dim) if isinstance(dim, (int, np.integer)) else dim for dim in shape[start:end])
+    return math.prod(dim if is_symbolic(dim) else int(dim) for dim in shape[start:end])
