@@ -17,6 +17,7 @@ from caffejax.runtime.mode import log_info as log  # pycaffe's caffe.log
 from caffejax.runtime.debug_nans import find_first_nan
 from caffejax.runtime.inference import compile_inference
 from caffejax.runtime.net import Net
+from caffejax.runtime.xla_options import xla_options_for
 from caffejax.runtime.solver import (AdaDeltaSolver, AdaGradSolver, AdamSolver, NesterovSolver, RMSPropSolver,
                                      SGDSolver, get_solver)
 from caffejax import io  # pycaffe's caffe.io
@@ -36,4 +37,4 @@ __all__ = ["Net", "TRAIN", "TEST", "CaffejaxError", "ParseError", "SchemaError",
            "params", "to_proto", "io", "Classifier", "Detector", "compile_inference", "NumericalError",
            "OutOfMemoryError", "TopsSizedByData", "register_layer", "find_first_nan", "Layer", "layer_type_list",
            "Timer", "log", "init_log", "NCCL", "has_nccl", "solver_count", "set_solver_count", "solver_rank",
-           "set_solver_rank", "set_multiprocess"]
+           "set_solver_rank", "set_multiprocess", "xla_options_for"]

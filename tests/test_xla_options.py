@@ -168,3 +168,30 @@ def test_a_ynnpack_dot_of_a_broadcast_is_found_in_the_compiled_program():
     assert not found(lambda x: jnp.maximum(x, 0.2) @ jnp.zeros((32, 1024)).T + 1, x, options={})
     assert not found(lambda x, w: jnp.maximum(x, 0.2) @ w.T + 1, x, w)  # (the maximum's 0.2 is a broadcast too)
     assert not xla_options.ynn_multiplies_a_broadcast("")
+
+
+def test_xla_options_for_a_net_are_its_programs_and_jit_takes_them():
+    """caffejax.xla_options_for(net): the options caffejax's own programs of the net get, for programs a user jits
+    (caffejax.value_and_grad, a Flax step); the values are the same under either."""
+    n = caffejax.NetSpec()
+    n.data = caffejax.layers.Input(shape=dict(dim=[4, 1, 12, 12]))
+    n.label = caffejax.layers.Input(shape=dict(dim=[4]))
+    n.conv = caffejax.layers.Convolution(n.data, num_output=8, kernel_size=3,
+                                         weight_filler=dict(type="gaussian", std=0.3))
+    n.ip = caffejax.layers.InnerProduct(n.conv, num_output=3, weight_filler=dict(type="gaussian", std=0.1))
+    n.loss = caffejax.layers.SoftmaxWithLoss(n.ip, n.label)
+    net = caffejax.Net(n.to_proto(), caffejax.TRAIN)
+    assert caffejax.xla_options_for(net, backward=True) == xla_options.compiler_options(net.graph, backward=True)
+    assert caffejax.xla_options_for(net) == xla_options.compiler_options(net.graph)
+    if jax.default_backend() == "cpu":
+        assert caffejax.xla_options_for(net, backward=True) == {xla_options.YNN_OPTION: xla_options.YNN_DOT_AND_REDUCE}
+    rng = np.random.default_rng(0)
+    batch = {"data": rng.random((4, 1, 12, 12), dtype=np.float32), "label": np.array([0, 1, 2, 1], np.float32)}
+    f = caffejax.value_and_grad(net)
+    loss, grads = jax.jit(f, compiler_options=caffejax.xla_options_for(net, backward=True))(net.param_arrays(), batch)
+    want_loss, want = jax.jit(f)(net.param_arrays(), batch)
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
+    assert float(loss) > 0
+    for layer in want:
+        for got, expected in zip(grads[layer], want[layer]):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-7, err_msg=layer)

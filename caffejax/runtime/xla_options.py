@@ -108,6 +108,15 @@ def compiler_options(graph: Graph, backward: bool = False, dtype=jnp.float32) ->
     return forward_options(matmul_flops(graph), dtype)
 
 
+def xla_options_for(net, backward: bool = False, dtype=jnp.float32) -> dict[str, str]:
+    """The XLA options caffejax compiles ``net``'s programs with (:func:`compiler_options`), for programs a user
+    jits: ``jax.jit(caffejax.value_and_grad(net), compiler_options=caffejax.xla_options_for(net, backward=True))``,
+    or a Flax training step jitted through ``nnx.split``/``nnx.merge`` (``nnx.jit`` takes no options). Empty off
+    the CPU. Under ``jax.jit``'s defaults SqueezeNet v1.1's value_and_grad at batch 16 took 445 against 364 ms
+    (2 AMD EPYC cores)."""
+    return compiler_options(net.graph, backward=backward, dtype=dtype)
+
+
 def forward_options(flops: float, dtype=jnp.float32) -> dict[str, str]:
     """The options for a forward program of ``flops`` (:func:`matmul_flops`) in ``dtype``: also those a loaded
     StableHLO export (caffejax.export) is compiled with, from the count the export recorded."""
