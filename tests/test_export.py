@@ -448,8 +448,8 @@ def small_train_net():
 
 def test_flax_module_runs_the_layout_kernels_training_uses(cases):
     """The module's forward runs the net's training kernels (channels-last convolutions, Convolution -> BatchNorm
-    chains), which its differentiated uses take: SqueezeNet v1.1's Flax training step at batch 16 took 639 -> 462
-    ms (2 AMD EPYC cores; 506 -> 292 ms under XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=dot,reduce)."""
+    chains), which its differentiated uses take: SqueezeNet v1.1's Flax training step at batch 16 took 661 -> 413
+    ms (nnx.jit, A/B in one process, 2 AMD EPYC cores)."""
     pytest.importorskip("flax")
     net, inputs, expected, _, _ = cases["lenet"]
     model = to_flax(net)
