@@ -321,6 +321,38 @@ def test_a_bfloat16_export_takes_every_batch_size(tmp_path, monkeypatch):
         export_stablehlo(net, str(tmp_path / "int.stablehlo"), dtype=jnp.int32)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name,dtype", [("googlenet", "float32"), ("resnet50", "float32"), ("inception_v3", "float32"),
+                                        ("densenet121", "float32"), ("mobilenet_v2", "bfloat16"),
+                                        ("squeezenet", "bfloat16")])
+def test_published_nets_export_with_a_symbolic_batch(name, dtype, tmp_path):
+    """A published prototxt (random weights of realistic scale) exported with a symbolic batch gives
+    compile_inference's outputs at batch 1 and 3: float32 within 1e-4 of the largest output, bfloat16 within 3e-2
+    (the symbolic program joins 16-bit values plainly and XLA fuses it otherwise)."""
+    import pathlib
+
+    from test_batch_sizes import PUBLISHED
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+    from bench.nets import randomize_weights
+
+    if not PUBLISHED[name].exists():
+        pytest.skip(f"{PUBLISHED[name]} is not here")
+    net = caffejax.Net(str(PUBLISHED[name]), caffejax.TEST)
+    randomize_weights(net)
+    export_stablehlo(net, str(tmp_path / "net.stablehlo"), batch="batch", dtype=jnp.dtype(dtype))
+    model = load_stablehlo(str(tmp_path / "net.stablehlo"))
+    infer = caffejax.compile_inference(net, dtype=jnp.dtype(dtype))
+    blob = net.inputs[0]
+    tolerance = 1e-4 if dtype == "float32" else 3e-2
+    for rows in (1, 3):
+        inputs = inputs_for({blob: (rows, *net.blobs[blob].data.shape[1:])}, seed=rows)
+        got, expected = model(**inputs), infer(inputs)
+        for output, want in expected.items():
+            want = np.asarray(want)
+            np.testing.assert_allclose(np.asarray(got[output]), want, rtol=0,
+                                       atol=tolerance * float(np.abs(want).max()), err_msg=output)
+
+
 @pytest.mark.parametrize("batch,batch_inputs,message", [
     ("2x", None, "batch must be a whole number or the name of a symbolic dimension"),
     (0, None, "batch must be a positive whole number"),
