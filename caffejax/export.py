@@ -211,7 +211,7 @@ class StableHLOModel:
         Returns how many programs that compiled (none already there)."""
         before = self.compile_count
         for shape in shapes:
-            if set(shape) != set(self.input_shapes):
+            if shape.keys() != self.input_shapes.keys():
                 raise CaffejaxError(f"warm_up: shapes for {sorted(shape)} do not match the exported net's inputs "
                                     f"{sorted(self.input_shapes)}")
             jax.block_until_ready(self(**{name: np.zeros(tuple(dims), self._avals[name].dtype)
@@ -219,14 +219,13 @@ class StableHLOModel:
         return self.compile_count - before
 
     def __call__(self, **inputs) -> dict[str, jax.Array]:
-        if set(inputs) != set(self.input_shapes):
+        if inputs.keys() != self.input_shapes.keys():
             raise CaffejaxError(f"the exported net takes inputs {sorted(self.input_shapes)}; got {sorted(inputs)}")
-        sizes = self._symbol_sizes({name: tuple(np.shape(x)) for name, x in inputs.items()})
+        signature = tuple(sorted((name, tuple(np.shape(x))) for name, x in inputs.items()))
         arrays = {name: _input_array(x, self._avals[name].dtype) for name, x in inputs.items()}
-        signature = tuple(sorted((name, x.shape) for name, x in arrays.items()))
         compiled = self._compiled.get(signature)
-        if compiled is None:
-            compiled = self._compiled[signature] = self._compile(arrays, sizes)
+        if compiled is None:  # shapes not seen before: checked, then compiled (a checked signature stays valid)
+            compiled = self._compiled[signature] = self._compile(arrays, self._symbol_sizes(dict(signature)))
         program, inputs_to_device_first = compiled
         return program(_inputs_to_device(arrays) if inputs_to_device_first else arrays)
 
