@@ -291,8 +291,8 @@ def test_fork_layers_export_with_a_symbolic_batch(case, tmp_path, isolated_regis
 
 def test_a_bfloat16_export_takes_every_batch_size(tmp_path, monkeypatch):
     """The bf16 mode exported: compile_inference(dtype=bfloat16)'s program (float32 in and out), with a symbolic
-    batch; a join of two bfloat16 convolutions (paired as 32-bit values, optimize.paired_concatenate, where no
-    bitcast of a symbolic shape would refine) among its layers."""
+    batch; a join of two bfloat16 convolutions (paired as 32-bit values on integer views,
+    optimize.paired_concatenate, where no bitcast of a symbolic shape would refine) among its layers."""
     import caffejax.export as export
 
     n = caffejax.NetSpec()
@@ -328,7 +328,7 @@ def test_a_bfloat16_export_takes_every_batch_size(tmp_path, monkeypatch):
 def test_published_nets_export_with_a_symbolic_batch(name, dtype, tmp_path):
     """A published prototxt (random weights of realistic scale) exported with a symbolic batch gives
     compile_inference's outputs at batch 1 and 3: float32 within 1e-4 of the largest output, bfloat16 within 3e-2
-    (the symbolic program joins 16-bit values plainly and XLA fuses it otherwise)."""
+    (XLA fuses the symbolic program otherwise)."""
     import pathlib
 
     from test_batch_sizes import PUBLISHED

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -491,6 +492,27 @@ def test_paired_concatenate_moves_bfloat16_in_pairs_with_the_same_bits_and_gradi
                           argnums=tuple(range(3)))(*finite)
     for g, w in zip(grads, want_grads):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+@pytest.mark.parametrize("axis", [0, 1, -1])
+def test_paired_concatenate_pairs_a_symbolic_batch_with_integer_views(axis):
+    """With a symbolic batch (an export's), where the bitcast of 16-bit pairs to 32 bits does not refine, the
+    pairs are packed and unpacked on same-width views: the join itself moves uint32 values, the exported program
+    refines at any batch and gives jnp.concatenate's bits, NaNs and signed zeros included."""
+    batch, = jax.export.symbolic_shape("b")
+    shapes = {0: [(3, 4)] * 3, 1: [(1, 4), (2, 4), (3, 4)], -1: [(3, 2), (3, 4), (3, 6)]}[axis]
+    specs = [jax.ShapeDtypeStruct((batch,) + shape, jnp.bfloat16) for shape in shapes]
+    exported = jax.export.export(jax.jit(lambda *a: optimize.paired_concatenate(a, axis)))(*specs)
+    joins = re.findall(r"stablehlo\.concatenate .*tensor<\?x.*", exported.mlir_module())  # not the shapes' own
+    assert any("xui32>" in join for join in joins) and not any("bf16" in join for join in joins), joins
+    rng = np.random.default_rng(1)
+    for rows in (1, 3):
+        arrays = [jnp.asarray(rng.normal(size=(rows,) + s.shape[1:]), jnp.bfloat16) for s in specs]
+        arrays[0] = arrays[0].at[0, 0, 0].set(jnp.nan).at[0, 0, 1].set(-0.0)
+        got = exported.call(*arrays)
+        want = jnp.concatenate(arrays, axis)
+        assert got.dtype == jnp.bfloat16 and got.shape == want.shape
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
 
 
 def test_paired_concatenate_leaves_odd_and_wide_arrays_to_jnp():
