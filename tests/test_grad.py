@@ -109,12 +109,41 @@ def test_hessian_vector_product_by_jvp(setup):
         np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-3)
 
 
+def test_masks_given_at_the_call_are_values_of_one_compiled_program(setup):
+    """A sweep over masks (each layer frozen in turn, a pruning mask changed) compiles once: masks given at the
+    call are the program's arguments, not constants of a new function. They give the gradients masks given
+    at construction give, and scale a gradient both name by both."""
+    net, params, inputs = setup
+    traced = []
+    fn = caffejax.value_and_grad(net, masks={"layers": {"ip1": 0.5}})
+    jitted = jax.jit(lambda *args, **kwargs: traced.append(1) or fn(*args, **kwargs))
+    prune = (np.random.default_rng(2).random((3, 8)) > 0.5).astype(np.float32)
+    for frozen in ("ip1", "ip2"):
+        masks = {"layers": {name: float(name != frozen) for name in ("ip1", "ip2")},
+                 "params": {("ip2", 0): prune}, "blobs": {"h": np.full((6, 8), 0.25, np.float32)}}
+        loss, grads = jitted(params, inputs, masks=masks)
+        fixed = {"layers": {"ip1": 0.5 * masks["layers"]["ip1"], "ip2": masks["layers"]["ip2"]},
+                 "params": masks["params"], "blobs": masks["blobs"]}
+        want_loss, want = caffejax.value_and_grad(net, masks=fixed)(params, inputs)
+        np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+        for layer in want:
+            for got, expected in zip(grads[layer], want[layer]):
+                np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
+        assert not np.any(grads[frozen][0])
+    assert len(traced) == 1
+    with pytest.raises(caffejax.CaffejaxError, match="nope"):
+        fn(params, inputs, masks={"layers": {"nope": 0.0}})
+
+
 def test_bad_masks_are_reported(setup):
     net, _, _ = setup
     with pytest.raises(caffejax.CaffejaxError, match="nope"):
         caffejax.value_and_grad(net, masks={"blobs": {"nope": 0.0}})
     with pytest.raises(caffejax.CaffejaxError, match="shape"):
         caffejax.value_and_grad(net, masks={"params": {("ip1", 0): np.ones((2, 2))}})
+    fn = caffejax.value_and_grad(net, masks={"blobs": {"h": np.ones((3, 3))}})
+    with pytest.raises(caffejax.ShapeError, match=r"layer 'ip1'.*top 'h' has shape \(3, 3\).*\(6, 8\)"):
+        fn(*setup[1:])
 
 
 CONV_NET = """

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from caffejax.errors import GraphError, UnsupportedError, layer_error
+from caffejax.errors import GraphError, ShapeError, UnsupportedError, layer_error
 from caffejax.frontend.ir import Graph, Layer, reads_after_host
 from caffejax.lower.optimize import Layouts
 from caffejax.lower.registry import LayerContext, get_rule
@@ -122,7 +122,7 @@ class NetProgram:
                 if perturb is not None and value in perturb:
                     top = top + perturb[value]
                 if blob_masks is not None and value in blob_masks:
-                    top = _scale_gradient(top, blob_masks[value])
+                    top = _scale_gradient(top, _blob_mask(blob_masks[value], top, layer, value))
                 env[value] = top
             for i, new in ctx.param_updates.items():
                 owner, j = layer.params[i].storage
@@ -333,6 +333,20 @@ def _no_gradient(x):
 def _dtype_of(params: Params, inputs: Values):
     leaves = [x for x in jax.tree.leaves((params, inputs)) if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
     return jnp.result_type(*leaves) if leaves else jnp.float32
+
+
+def _blob_mask(mask, top: jax.Array, layer: Layer, value: str):
+    """A blob's gradient mask, checked: it must broadcast to the top's shape and keep it."""
+    shape = np.shape(mask)
+    try:
+        fits = np.broadcast_shapes(shape, top.shape) == top.shape
+    except ValueError:
+        fits = False
+    if not fits:
+        raise layer_error(ShapeError, layer.name, layer.type,
+                          f"the gradient mask of its top '{value}' has shape {shape}, which does not broadcast to "
+                          f"the top's shape {top.shape}")
+    return mask
 
 
 @jax.custom_vjp
