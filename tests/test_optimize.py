@@ -1675,6 +1675,32 @@ def test_gradient_masks_reach_the_layers_inside_a_chain():
     assert not np.any(fast_grads["a_scale"][0]) and not np.any(fast_grads["a"][0][prune == 0])
 
 
+def test_blob_masks_run_with_the_layout_kernels():
+    """caffejax.value_and_grad's blob masks keep the layout kernels (channels-last convolutions, chains): a mask
+    given in Caffe's NCHW layout scales the gradient of a value made channels-last, and a chain whose inner value
+    is masked runs layer by layer. The same loss and gradients as the NCHW net's."""
+    import jax
+
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(2, 6, 7, 7)).astype(np.float32)
+    masks = {"blobs": {"a": rng.uniform(0, 2, (1, 8, 1, 1)).astype(np.float32),  # inside the chain a -> a_relu
+                       "d": rng.uniform(0, 2, 7).astype(np.float32),  # inside the visible chain d -> d_bn, by W
+                       "sum": rng.uniform(0, 2, (2, 8, 7, 7)).astype(np.float32), "m": 0.5}}
+    results, texts = [], []
+    for channels_last in (False, True):
+        net = _chain_net(channels_last)
+        fn = caffejax.value_and_grad(net, masks=masks)
+        inputs = {"data": x, "label": np.array([2, 0], np.float32)}
+        texts.append(str(jax.make_jaxpr(fn)(net.param_arrays(), inputs)))
+        results.append(jax.jit(fn)(net.param_arrays(), inputs))
+    (loss, grads), (fast_loss, fast_grads) = results
+    assert "lhs_spec=(0, 1, 2, 3)" not in texts[1] and "lhs_spec=(0, 1, 2, 3)" in texts[0]  # NHWC convolutions
+    assert_close(fast_loss, loss, FORWARD_RTOL, FORWARD_ATOL, "loss")
+    _assert_gradients_close(fast_grads, grads)
+    _, unmasked = caffejax.value_and_grad(_chain_net(False))(_chain_net(False).param_arrays(), inputs)
+    assert not np.allclose(grads["a"][0], unmasked["a"][0], rtol=1e-3)  # the masks changed what they reach
+
+
 def test_a_solver_step_folds_visible_chains_and_keeps_caffes_weights(monkeypatch):
     """A Solver iteration hands back only the loss (one pass, one device), so it folds the visible chain too;
     its convolution's blob is made when read. Weights after two SGD steps and the blobs equal a solver's

@@ -23,7 +23,7 @@ import numpy as np
 
 from caffejax.errors import GraphError, ShapeError, UnsupportedError, layer_error
 from caffejax.frontend.ir import Graph, Layer, reads_after_host
-from caffejax.lower.optimize import Layouts
+from caffejax.lower.optimize import NCHW, Layouts, to_layout
 from caffejax.lower.registry import LayerContext, get_rule
 
 Params = dict[str, list[jax.Array]]      # owner layer name -> its learnable blobs (owners only)
@@ -38,8 +38,9 @@ class NetProgram:
     run those layers channels-last; values move between layouts where a reader needs the other one (each
     move made once) and every value leaves ``run_layers`` in Caffe's layout; a kernel with a ``chain`` computes
     its layer and the ones after it as one where the run allows (:meth:`_chain`). Forward and
-    ``loss_and_grads`` use them; paths that put per-value masks or perturbations on values (Net.backward's
-    diffs, caffejax.grad's blob masks) run Caffe's layout throughout, as those have Caffe's shapes.
+    ``loss_and_grads`` use them, caffejax.grad's blob masks too (a mask, given in Caffe's layout, moves to its
+    value's; a chain hiding a masked value runs layer by layer); a backward handing on the diffs of values
+    inside its range perturbs them (``perturb``) and runs Caffe's layout throughout, as those have Caffe's shapes.
     ``forward_kernels`` (default: ``kernels``) are the ones for programs that only run forward (Net.forward
     without a pullback, and the recomputes of its values): the kernels fastest without a backward.
     """
@@ -67,7 +68,8 @@ class NetProgram:
         values (its gradient is that value's diff). ``blob_masks`` multiplies the gradient flowing into a
         value by a mask (0 stops it); ``param_masks`` ((layer name, blob index) -> mask) multiplies the gradient
         a layer sends to one of its learnable blobs: research hooks, see caffejax.grad.
-        ``kernels`` run the named layers their way (see the class docstring); not with ``perturb``/``blob_masks``.
+        ``kernels`` run the named layers their way (see the class docstring); not with ``perturb``. With
+        ``blob_masks`` a chain runs one layer at a time where it would hide a masked value.
         With kernels, ``layouts`` says which values of ``env`` are not in NCHW, and ``restore_layout=False``
         leaves every value in the layout it was made in (one layer timed as it runs inside the net);
         ``fold_visible`` runs the chains whose inner values blobs hold too (the caller hands none of them back).
@@ -80,12 +82,12 @@ class NetProgram:
         env = dict(env)
         updates: Updates = {}
         dtype = _dtype_of(params, env)
-        if kernels and (perturb or blob_masks):
-            raise ValueError("run_layers: kernels change values' layouts; perturb and blob_masks need Caffe's")
+        if kernels and perturb:
+            raise ValueError("run_layers: kernels change values' layouts; perturb needs Caffe's")
         tracked = Layouts(env, layouts) if kernels else None
         prepared = prepared or {}
         check_one_program(layers)
-        for index, layer, kernel, chain in self._computed_layers(layers, kernels, masks, fold_visible):
+        for index, layer, kernel, chain in self._computed_layers(layers, kernels, masks, fold_visible, blob_masks):
             rule = self.rules[index]
             layout = tracked.layout_for(kernel, layer.bottom_values) if tracked else None
             bottoms = [tracked.fetch(v, layout) for v in layer.bottom_values] if tracked else \
@@ -122,7 +124,9 @@ class NetProgram:
                 if perturb is not None and value in perturb:
                     top = top + perturb[value]
                 if blob_masks is not None and value in blob_masks:
-                    top = _scale_gradient(top, _blob_mask(blob_masks[value], top, layer, value))
+                    layout = tracked.layout.get(value, NCHW) if tracked else NCHW
+                    mask = _blob_mask(blob_masks[value], top, layout, chain[-1] if chain else layer, value)
+                    top = _scale_gradient(top, mask)
                 env[value] = top
             for i, new in ctx.param_updates.items():
                 owner, j = layer.params[i].storage
@@ -148,7 +152,7 @@ class NetProgram:
         return prepared
 
     def _computed_layers(self, layers: Sequence[Layer], kernels: Mapping[str, Any] | None, masks: bool,
-                         fold_visible: bool):
+                         fold_visible: bool, blob_masks: Mapping[str, Any] | None = None):
         """(index, layer, kernel or None, chain) of each layer a run of ``layers`` computes, in order: not the
         fed ones, those run on the host (after the program: run_host_layers), nor those a chain before them
         computes (:meth:`_chain`)."""
@@ -158,7 +162,7 @@ class NetProgram:
             if layer.is_input or layer.runs_on_host or layer.name in absorbed:
                 continue
             kernel = kernels.get(layer.name) if kernels else None
-            chain = self._chain(layer, kernel, running, masks, fold_visible)
+            chain = self._chain(layer, kernel, running, masks, fold_visible, blob_masks)
             absorbed.update(link.name for link in chain)
             yield self.position[id(layer)], layer, kernel, chain
 
@@ -174,17 +178,21 @@ class NetProgram:
                      for i, p in enumerate(blobs)]
         return blobs
 
-    def _chain(self, layer: Layer, kernel, running: set[str], masks: bool, fold_visible: bool) -> list[Layer]:
+    def _chain(self, layer: Layer, kernel, running: set[str], masks: bool, fold_visible: bool,
+               blob_masks: Mapping[str, Any] | None = None) -> list[Layer]:
         """The layers after ``layer`` its kernel's chain computes with it in this run, or none (run one by one).
 
         A chain runs when all its layers do (and, if visible, when ``fold_visible``), and, under Caffe's masks
         (a backward pass), when it is ``differentiated`` and the gradient passes every link or none: the folded
-        form cannot stop a gradient in the middle (propagate_down: false on a link)."""
+        form cannot stop a gradient in the middle (propagate_down: false on a link), nor scale it by a mask of a
+        value inside the chain (``blob_masks``)."""
         chain = kernel.chain if kernel is not None else None
         if (chain is None or not running.issuperset(chain.layers) or (chain.visible and not fold_visible)
                 or (masks and not chain.differentiated)):
             return []
         links = [self.graph.layer(name) for name in chain.layers]
+        if blob_masks and any(value in blob_masks for link in [layer] + links[:-1] for value in link.top_values):
+            return []
         if masks:
             passes = [link.need_backward and link.bottom_need_backward[0] for link in links]
             if not (all(passes) if layer.need_backward else not any(passes)):
@@ -253,7 +261,7 @@ class NetProgram:
         def objective(params):
             env, updates = self.run_layers(self.graph.layers, params, inputs, key, masks=True,
                                            blob_masks=blob_masks, param_masks=param_masks,
-                                           kernels=None if blob_masks else self.kernels, fold_visible=fold_visible)
+                                           kernels=self.kernels, fold_visible=fold_visible)
             return self.loss(env), (env, updates)
 
         (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(params)
@@ -335,18 +343,22 @@ def _dtype_of(params: Params, inputs: Values):
     return jnp.result_type(*leaves) if leaves else jnp.float32
 
 
-def _blob_mask(mask, top: jax.Array, layer: Layer, value: str):
-    """A blob's gradient mask, checked: it must broadcast to the top's shape and keep it."""
+def _blob_mask(mask, top: jax.Array, layout: str, layer: Layer, value: str):
+    """A blob's gradient mask, given in Caffe's layout, checked (it must broadcast to the blob's shape and keep it)
+    and moved to the layout of the ``top`` its layer made."""
     shape = np.shape(mask)
+    caffe_shape = top.shape if layout == NCHW or top.ndim != 4 else tuple(top.shape[i] for i in (0, 3, 1, 2))
     try:
-        fits = np.broadcast_shapes(shape, top.shape) == top.shape
+        fits = np.broadcast_shapes(shape, caffe_shape) == caffe_shape
     except ValueError:
         fits = False
     if not fits:
         raise layer_error(ShapeError, layer.name, layer.type,
                           f"the gradient mask of its top '{value}' has shape {shape}, which does not broadcast to "
-                          f"the top's shape {top.shape}")
-    return mask
+                          f"the top's shape {caffe_shape}")
+    if layout == NCHW or top.ndim != 4 or not shape:
+        return mask
+    return to_layout(jnp.reshape(mask, (1,) * (4 - len(shape)) + shape), NCHW, layout)
 
 
 @jax.custom_vjp
