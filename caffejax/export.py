@@ -37,7 +37,8 @@ from caffejax.fileio import atomic_write, read_bytes
 from caffejax.lower.optimize import check_passes, make_plan, optimize, prepare_params
 from caffejax.lower.python_layer import calls_back
 from caffejax.lower.registry import is_symbolic
-from caffejax.runtime.inference import _in_dtype, _inputs_to_device, _maps_afresh_on_a_worker, default_passes
+from caffejax.runtime.inference import (_first_rows, _host_view, _in_dtype, _inputs_to_device, _joined,
+                                        _maps_afresh_on_a_worker, _padded_rows, default_passes, rows_mixed)
 from caffejax.runtime.xla_options import forward_options, matmul_flops, ynn_multiplies_a_broadcast
 
 __all__ = ["export_stablehlo", "load_stablehlo", "StableHLOModel", "to_flax", "save_flax_state", "load_flax_state"]
@@ -127,10 +128,12 @@ def export_stablehlo(net, path: str, *, batch: int | str | None = None, batch_in
     def program(inputs):
         return function(params, {fed[name]: x for name, x in inputs.items()})
 
-    # The work it does and its dtype, for the XLA options load_stablehlo compiles it with (forward_options), in
-    # its name.
+    # The work it does and its dtype, for the XLA options load_stablehlo compiles it with (forward_options), and
+    # with a symbolic batch whether every layer computes each row apart (load_stablehlo's batch_sizes), in its name.
     flops = matmul_flops(graph) / max(rows or 1, 1)
-    program.__name__ = (f"caffejax_{dtype.name}_forward_flops_{round(flops)}_per_row" if isinstance(batch, str) else
+    program.__name__ = (f"caffejax_{dtype.name}_forward_flops_{round(flops)}_per_row"
+                        + ("_rows_apart" if not rows_mixed(graph, with_shapes=False) else "")
+                        if isinstance(batch, str) else
                         f"caffejax_{dtype.name}_forward_flops_"
                         f"{round(flops * (batch if batch is not None else rows or 1))}")
     try:
@@ -171,8 +174,8 @@ def _batched_inputs(fed: Mapping[str, str], batch, batch_inputs: Sequence[str] |
 
 
 # The name export_stablehlo gives the program: its dtype and the work of its products (matmul_flops), in all or
-# per row.
-_RECORDED_WORK = re.compile(r"caffejax_(float32|bfloat16|float16|float64)_forward_flops_(\d+)(_per_row)?")
+# per row, and whether its layers compute each row of a symbolic batch apart.
+_RECORDED_WORK = re.compile(r"caffejax_(float32|bfloat16|float16|float64)_forward_flops_(\d+)(_per_row)?(_rows_apart)?")
 
 
 class StableHLOModel:
@@ -181,9 +184,12 @@ class StableHLOModel:
     ``input_shapes`` gives each input's shape, a symbolic batch by its name (``("batch", 3, 227, 227)``).
     Each new set of input shapes compiles the program once (``compile_count``), on the CPU with the XLA options
     caffejax gives its own forward programs of that much work (caffejax.runtime.xla_options.forward_options).
+    ``batch_sizes`` (a file with a symbolic batch whose layers compute each row apart): as compile_inference's,
+    a call runs the program of the smallest of them that holds its rows, the batched inputs padded and the
+    outputs that carry the batch cut back; more rows than the largest run in parts of that size.
     """
 
-    def __init__(self, exported: jax.export.Exported):
+    def __init__(self, exported: jax.export.Exported, batch_sizes: Sequence[int] | None = None):
         self.exported = exported
         args, kwargs = jax.tree.unflatten(exported.in_tree, exported.in_avals)
         if kwargs or len(args) != 1 or not isinstance(args[0], dict):
@@ -195,6 +201,32 @@ class StableHLOModel:
         self._work = None if recorded is None else (jnp.dtype(recorded[1]), int(recorded[2]), bool(recorded[3]))
         self._call = jax.jit(exported.call)
         self._compiled: dict[tuple, Any] = {}
+        # The inputs and outputs whose axis 0 is the symbolic batch: padded and cut with batch_sizes.
+        self._batched = [name for name, shape in self.input_shapes.items() if shape and isinstance(shape[0], str)]
+        outputs = jax.tree.unflatten(exported.out_tree, exported.out_avals)
+        self._cut = {name for name, aval in outputs.items() if aval.shape and is_symbolic(aval.shape[0])}
+        self.batch_sizes = None if batch_sizes is None else self._checked_batch_sizes(
+            batch_sizes, recorded is not None and bool(recorded[4]))
+
+    def _checked_batch_sizes(self, batch_sizes: Sequence[int], rows_apart: bool) -> tuple[int, ...]:
+        """``batch_sizes`` sorted, once they are positive whole numbers and the file can be padded with rows."""
+        try:
+            sizes = [] if isinstance(batch_sizes, (str, bytes)) else sorted(set(batch_sizes))
+        except TypeError:
+            sizes = []
+        if not sizes or any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 1 for s in sizes):
+            raise CaffejaxError(f"batch_sizes must be a non-empty list of positive whole numbers, got {batch_sizes!r}")
+        symbols = {d for shape in self.input_shapes.values() for d in shape if isinstance(d, str)}
+        if len(symbols) != 1 or any(isinstance(d, str) for shape in self.input_shapes.values() for d in shape[1:]):
+            raise UnsupportedError(f"batch_sizes pads the symbolic batch of a file exported with one (axis 0 of its "
+                                   f"inputs, export_stablehlo(batch='batch')); this one takes {self.input_shapes}")
+        if not rows_apart:
+            raise UnsupportedError(
+                "batch_sizes pads a batch with rows, which needs every layer to compute each row of its tops from the "
+                "same row of its bottoms alone; export_stablehlo records that in the file, and this one does not "
+                "say so (a layer mixes rows, or another tool wrote it). Leave batch_sizes out to compile a program "
+                "per batch size")
+        return tuple(int(s) for s in sizes)
 
     @property
     def input_names(self) -> list[str]:
@@ -207,8 +239,12 @@ class StableHLOModel:
     def warm_up(self, *shapes: Mapping[str, Sequence[int]]) -> int:
         """Compile and run once on zeros, before the first calls, the program for each set of input ``shapes``
         (input name -> shape; a symbolic batch given a size), as compile_inference's ``warm_up``: a server fed
-        batches of 1, 8 and 32 calls ``model.warm_up(*({"data": (n, 3, 227, 227)} for n in (1, 8, 32)))``.
-        Returns how many programs that compiled (none already there)."""
+        batches of 1, 8 and 32 calls ``model.warm_up(*({"data": (n, 3, 227, 227)} for n in (1, 8, 32)))``; with
+        ``batch_sizes`` and no shapes, one for each of those sizes. Returns how many programs that compiled (none
+        already there)."""
+        if not shapes and self.batch_sizes is not None:
+            shapes = tuple({name: (size, *shape[1:]) if name in self._batched else shape
+                            for name, shape in self.input_shapes.items()} for size in self.batch_sizes)
         before = self.compile_count
         for shape in shapes:
             if shape.keys() != self.input_shapes.keys():
@@ -221,6 +257,30 @@ class StableHLOModel:
     def __call__(self, **inputs) -> dict[str, jax.Array]:
         if inputs.keys() != self.input_shapes.keys():
             raise CaffejaxError(f"the exported net takes inputs {sorted(self.input_shapes)}; got {sorted(inputs)}")
+        return self._run(inputs) if self.batch_sizes is None else self._in_batches(inputs)
+
+    def _in_batches(self, inputs: Mapping[str, Any]) -> dict[str, jax.Array]:
+        """The outputs for ``inputs``' rows from the program of the smallest of ``batch_sizes`` that holds them
+        (compile_inference's ``_in_batches``, over the inputs and outputs that carry the symbolic batch)."""
+        rows = {name: np.shape(inputs[name])[0] if np.ndim(inputs[name]) else None for name in self._batched}
+        if None in rows.values() or len(set(rows.values())) != 1:
+            raise ShapeError(f"batch_sizes: the inputs {self._batched} must have the same number of rows (axis 0) to "
+                             f"pad them; their shapes are { {name: np.shape(inputs[name]) for name in self._batched} }")
+        n, largest = next(iter(rows.values())), self.batch_sizes[-1]
+        if n > largest:
+            inputs = {name: _host_view(x) if name in self._batched else x for name, x in inputs.items()}
+            parts = [self._in_batches({name: x[i:i + largest] if name in self._batched else x
+                                       for name, x in inputs.items()}) for i in range(0, n, largest)]
+            return {blob: _joined([part[blob] for part in parts]) if blob in self._cut else parts[0][blob]
+                    for blob in parts[0]}
+        size = next(s for s in self.batch_sizes if s >= n)
+        if size == n:
+            return self._run(inputs)
+        outputs = self._run({name: _padded_rows(_host_view(x), size) if name in self._batched else x
+                             for name, x in inputs.items()})
+        return {blob: _first_rows(y, n) if blob in self._cut else y for blob, y in outputs.items()}
+
+    def _run(self, inputs: Mapping[str, Any]) -> dict[str, jax.Array]:
         signature = tuple(sorted((name, tuple(np.shape(x))) for name, x in inputs.items()))
         arrays = {name: _input_array(x, self._avals[name].dtype) for name, x in inputs.items()}
         compiled = self._compiled.get(signature)
@@ -273,8 +333,9 @@ def _input_array(x, dtype):
     return np.asarray(x, dtype)
 
 
-def load_stablehlo(path: str) -> StableHLOModel:
-    """Load a file written by :func:`export_stablehlo`. Needs only JAX (``jax.export.deserialize``)."""
+def load_stablehlo(path: str, batch_sizes: Sequence[int] | None = None) -> StableHLOModel:
+    """Load a file written by :func:`export_stablehlo`. Needs only JAX (``jax.export.deserialize``).
+    ``batch_sizes``: see :class:`StableHLOModel`."""
     data = read_bytes(path)
     try:
         exported = jax.export.deserialize(bytearray(data))
@@ -284,9 +345,9 @@ def load_stablehlo(path: str) -> StableHLOModel:
     except Exception as e:  # flatbuffers raises assorted errors on a file that is not an export
         raise CaffejaxError(f"{path}: not a caffejax StableHLO export ({type(e).__name__}: {e})") from None
     try:
-        return StableHLOModel(exported)
+        return StableHLOModel(exported, batch_sizes)
     except CaffejaxError as e:
-        raise CaffejaxError(f"{path}: {e}") from None
+        raise prefixed(e, path) from None
 
 
 # ---- Flax NNX ---------------------------------------------------------------------------------------------

@@ -289,6 +289,41 @@ def test_fork_layers_export_with_a_symbolic_batch(case, tmp_path, isolated_regis
         assert_outputs_close(model(**inputs), forward_at(net, inputs))
 
 
+def test_a_loaded_file_pads_batches_to_its_batch_sizes(tmp_path):
+    """load_stablehlo(batch_sizes=...) as compile_inference's: a call runs the program of the smallest size that
+    holds its rows, the batched inputs padded and the outputs that carry the batch cut back, more rows than the
+    largest in parts; a file whose layers mix rows, or one without a symbolic batch, is refused by name."""
+    from caffejax.errors import UnsupportedError
+
+    prototxt, weights, _ = NETS["lenet"]
+    net = caffejax.Net(str(prototxt), str(weights), caffejax.TEST)
+    export_stablehlo(net, str(tmp_path / "any.stablehlo"), batch="batch")
+    plain = load_stablehlo(str(tmp_path / "any.stablehlo"))
+    model = load_stablehlo(str(tmp_path / "any.stablehlo"), batch_sizes=(4, 2))
+    assert model.batch_sizes == (2, 4) and model.warm_up() == 2
+    for n in (1, 2, 3, 4, 9):
+        inputs = inputs_for({"data": (n, 1, 28, 28)}, seed=n)
+        got = model(**inputs)
+        assert got["prob"].shape == (n, 10)
+        np.testing.assert_allclose(np.asarray(got["prob"]), np.asarray(plain(**inputs)["prob"]), rtol=1e-5, atol=1e-6)
+    assert model.compile_count == 2  # 9 rows ran as 4, 4 and 1 padded to 2
+    with pytest.raises(ShapeError, match="same number of rows"):
+        model(data=np.zeros((), np.float32))
+
+    n = caffejax.NetSpec()
+    n.data = L.Input(shape=dict(dim=[2, 3]))
+    n.total = L.Reduction(n.data, axis=0)  # one sum over every row: padding would change it
+    mixed = caffejax.Net(n.to_proto(), caffejax.TEST)
+    export_stablehlo(mixed, str(tmp_path / "mixed.stablehlo"), batch="batch")
+    with pytest.raises(UnsupportedError, match="each row"):
+        load_stablehlo(str(tmp_path / "mixed.stablehlo"), batch_sizes=(2,))
+    export_stablehlo(net, str(tmp_path / "fixed.stablehlo"), batch=2)
+    with pytest.raises(UnsupportedError, match="symbolic batch"):
+        load_stablehlo(str(tmp_path / "fixed.stablehlo"), batch_sizes=(2,))
+    with pytest.raises(CaffejaxError, match="positive whole numbers"):
+        load_stablehlo(str(tmp_path / "any.stablehlo"), batch_sizes=(0,))
+
+
 def test_a_bfloat16_export_takes_every_batch_size(tmp_path, monkeypatch):
     """The bf16 mode exported: compile_inference(dtype=bfloat16)'s program (float32 in and out), with a symbolic
     batch; a join of two bfloat16 convolutions (paired as 32-bit values on integer views,
