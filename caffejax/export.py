@@ -37,8 +37,8 @@ from caffejax.fileio import atomic_write, read_bytes
 from caffejax.lower.optimize import check_passes, make_plan, optimize, prepare_params
 from caffejax.lower.python_layer import calls_back
 from caffejax.lower.registry import is_symbolic
-from caffejax.runtime.inference import (_first_rows, _host_view, _in_dtype, _inputs_to_device, _joined,
-                                        _maps_afresh_on_a_worker, _padded_rows, default_passes, rows_mixed)
+from caffejax.runtime.inference import (_in_dtype, _inputs_to_device, _maps_afresh_on_a_worker, default_passes,
+                                        in_batches, rows_mixed, sorted_batch_sizes)
 from caffejax.runtime.xla_options import forward_options, matmul_flops, ynn_multiplies_a_broadcast
 
 __all__ = ["export_stablehlo", "load_stablehlo", "StableHLOModel", "to_flax", "save_flax_state", "load_flax_state"]
@@ -131,11 +131,11 @@ def export_stablehlo(net, path: str, *, batch: int | str | None = None, batch_in
     # The work it does and its dtype, for the XLA options load_stablehlo compiles it with (forward_options), and
     # with a symbolic batch whether every layer computes each row apart (load_stablehlo's batch_sizes), in its name.
     flops = matmul_flops(graph) / max(rows or 1, 1)
-    program.__name__ = (f"caffejax_{dtype.name}_forward_flops_{round(flops)}_per_row"
-                        + ("_rows_apart" if not rows_mixed(graph, with_shapes=False) else "")
-                        if isinstance(batch, str) else
-                        f"caffejax_{dtype.name}_forward_flops_"
-                        f"{round(flops * (batch if batch is not None else rows or 1))}")
+    if isinstance(batch, str):
+        program.__name__ = (f"caffejax_{dtype.name}_forward_flops_{round(flops)}_per_row"
+                            + ("" if rows_mixed(graph, with_shapes=False) else "_rows_apart"))
+    else:
+        program.__name__ = f"caffejax_{dtype.name}_forward_flops_{round(flops * (batch or rows or 1))}"
     try:
         exported = jax.export.export(jax.jit(program), platforms=platforms)(specs)
     except CaffejaxError as e:
@@ -210,12 +210,7 @@ class StableHLOModel:
 
     def _checked_batch_sizes(self, batch_sizes: Sequence[int], rows_apart: bool) -> tuple[int, ...]:
         """``batch_sizes`` sorted, once they are positive whole numbers and the file can be padded with rows."""
-        try:
-            sizes = [] if isinstance(batch_sizes, (str, bytes)) else sorted(set(batch_sizes))
-        except TypeError:
-            sizes = []
-        if not sizes or any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 1 for s in sizes):
-            raise CaffejaxError(f"batch_sizes must be a non-empty list of positive whole numbers, got {batch_sizes!r}")
+        sizes = sorted_batch_sizes(batch_sizes, "")
         symbols = {d for shape in self.input_shapes.values() for d in shape if isinstance(d, str)}
         if len(symbols) != 1 or any(isinstance(d, str) for shape in self.input_shapes.values() for d in shape[1:]):
             raise UnsupportedError(f"batch_sizes pads the symbolic batch of a file exported with one (axis 0 of its "
@@ -226,7 +221,7 @@ class StableHLOModel:
                 "same row of its bottoms alone; export_stablehlo records that in the file, and this one does not "
                 "say so (a layer mixes rows, or another tool wrote it). Leave batch_sizes out to compile a program "
                 "per batch size")
-        return tuple(int(s) for s in sizes)
+        return sizes
 
     @property
     def input_names(self) -> list[str]:
@@ -257,28 +252,9 @@ class StableHLOModel:
     def __call__(self, **inputs) -> dict[str, jax.Array]:
         if inputs.keys() != self.input_shapes.keys():
             raise CaffejaxError(f"the exported net takes inputs {sorted(self.input_shapes)}; got {sorted(inputs)}")
-        return self._run(inputs) if self.batch_sizes is None else self._in_batches(inputs)
-
-    def _in_batches(self, inputs: Mapping[str, Any]) -> dict[str, jax.Array]:
-        """The outputs for ``inputs``' rows from the program of the smallest of ``batch_sizes`` that holds them
-        (compile_inference's ``_in_batches``, over the inputs and outputs that carry the symbolic batch)."""
-        rows = {name: np.shape(inputs[name])[0] if np.ndim(inputs[name]) else None for name in self._batched}
-        if None in rows.values() or len(set(rows.values())) != 1:
-            raise ShapeError(f"batch_sizes: the inputs {self._batched} must have the same number of rows (axis 0) to "
-                             f"pad them; their shapes are { {name: np.shape(inputs[name]) for name in self._batched} }")
-        n, largest = next(iter(rows.values())), self.batch_sizes[-1]
-        if n > largest:
-            inputs = {name: _host_view(x) if name in self._batched else x for name, x in inputs.items()}
-            parts = [self._in_batches({name: x[i:i + largest] if name in self._batched else x
-                                       for name, x in inputs.items()}) for i in range(0, n, largest)]
-            return {blob: _joined([part[blob] for part in parts]) if blob in self._cut else parts[0][blob]
-                    for blob in parts[0]}
-        size = next(s for s in self.batch_sizes if s >= n)
-        if size == n:
+        if self.batch_sizes is None:
             return self._run(inputs)
-        outputs = self._run({name: _padded_rows(_host_view(x), size) if name in self._batched else x
-                             for name, x in inputs.items()})
-        return {blob: _first_rows(y, n) if blob in self._cut else y for blob, y in outputs.items()}
+        return in_batches(self._run, inputs, self.batch_sizes, "batch_sizes", self._batched, self._cut)
 
     def _run(self, inputs: Mapping[str, Any]) -> dict[str, jax.Array]:
         signature = tuple(sorted((name, tuple(np.shape(x))) for name, x in inputs.items()))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Container, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -105,7 +105,7 @@ class InferenceFunction:
     the data layers' tops, ``inputs``) to the net's output blobs (float32). ``compile_count`` counts the
     programs built (one per input-shape signature; a net run in stages, one per stage and the shapes it
     reads: :class:`_Stages`). With ``batch_sizes`` a call runs the program of the smallest of them that holds
-    its rows (:meth:`_in_batches`)."""
+    its rows (:func:`in_batches`)."""
 
     def __init__(self, net, passes: Sequence[str] | None, dtype, devices=None, blobs: Sequence[str] = (),
                  batch_sizes: Sequence[int] | None = None):
@@ -146,23 +146,17 @@ class InferenceFunction:
     def _checked_batch_sizes(self, batch_sizes: Sequence[int]) -> tuple[int, ...]:
         """``batch_sizes`` sorted, once they are positive whole numbers (multiples of the devices splitting each
         batch) and the net computes every row of a batch apart from the others (:func:`rows_mixed`)."""
-        try:
-            sizes = [] if isinstance(batch_sizes, (str, bytes)) else sorted(set(batch_sizes))
-        except TypeError:  # not iterable, or sizes that do not compare
-            sizes = []
-        if not sizes or not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) and s > 0 for s in sizes):
-            raise CaffejaxError(f"compile_inference: batch_sizes must be a non-empty list of positive whole numbers, "
-                                f"got {batch_sizes!r}")
+        sizes = sorted_batch_sizes(batch_sizes, "compile_inference: ")
         if self._mesh is not None:
             from caffejax.runtime.distributed import devices_of_this_process
 
             devices = len(devices_of_this_process(self._mesh))
             if any(s % devices for s in sizes):
-                raise CaffejaxError(f"compile_inference: batch_sizes {sizes} must be multiples of the {devices} "
+                raise CaffejaxError(f"compile_inference: batch_sizes {list(sizes)} must be multiples of the {devices} "
                                     "devices each batch is split over")
         _refuse_mixed_rows(self._net.graph.name, rows_mixed(self._net.graph, with_shapes=False) + (
             ["layers run on the host between programs"] if self._stages is not None else []))
-        return tuple(int(s) for s in sizes)
+        return sizes
 
     def _in_stages(self) -> "_Stages":
         if self._mesh is not None:
@@ -206,29 +200,12 @@ class InferenceFunction:
     def __call__(self, inputs: Mapping[str, Any]) -> dict[str, jax.Array]:
         if inputs.keys() != self._input_names:
             raise CaffejaxError(f"inputs {sorted(inputs)} do not match the net's inputs {self.inputs}")
-        return self._call(inputs) if self.batch_sizes is None else self._in_batches(inputs)
-
-    def _in_batches(self, inputs: Mapping[str, Any]) -> dict[str, jax.Array]:
-        """The outputs for ``inputs``' rows, from the program of the smallest of ``batch_sizes`` that holds them, the
-        inputs padded (:func:`_padded_rows`) and the outputs cut back to their rows; more rows than the largest
-        size run in parts of that size. A serving process fed every batch size from 1 to 64 compiles 7 programs
-        with batch_sizes (1, 2, 4, ..., 64), not 64 (ResNet-50's take 0.8-2.5 s each on 2 cores; the weights'
-        prepared forms are kept once for all, ``SharedWeights``)."""
-        rows = {name: np.shape(x)[0] if np.ndim(x) else None for name, x in inputs.items()}
-        if None in rows.values() or len(set(rows.values())) != 1:
-            raise ShapeError(f"compile_inference(batch_sizes=...): the inputs must have the same number of rows (axis "
-                             f"0) to pad them; their shapes are { {name: np.shape(x) for name, x in inputs.items()} }")
-        n, largest = next(iter(rows.values())), self.batch_sizes[-1]
-        if n > largest:
-            inputs = {name: _host_view(x) for name, x in inputs.items()}
-            parts = [self._in_batches({name: x[i:i + largest] for name, x in inputs.items()})
-                     for i in range(0, n, largest)]
-            return {blob: _joined([part[blob] for part in parts]) for blob in parts[0]}
-        size = next(s for s in self.batch_sizes if s >= n)
-        if size == n:
+        if self.batch_sizes is None:
             return self._call(inputs)
-        outputs = self._call({name: _padded_rows(_host_view(x), size) for name, x in inputs.items()})
-        return {blob: _first_rows(y, n) for blob, y in outputs.items()}
+        # A serving process fed every batch size from 1 to 64 compiles 7 programs with batch_sizes (1, 2, 4, ...,
+        # 64), not 64 (ResNet-50's take 0.8-2.5 s each on 2 cores; the weights' prepared forms are kept once for
+        # all, SharedWeights).
+        return in_batches(self._call, inputs, self.batch_sizes, "compile_inference(batch_sizes=...)")
 
     def _call(self, inputs: Mapping[str, Any]) -> dict[str, jax.Array]:
         if self._stages is not None:
@@ -539,10 +516,49 @@ def _refuse_mixed_rows(net_name: str, mixed: Sequence[str]) -> None:
             "batch_sizes out to compile a program per batch size")
 
 
-# Padding and cutting batches (InferenceFunction._in_batches). Arrays in host memory go through NumPy views: an
+# Padding and cutting batches (in_batches). Arrays in host memory go through NumPy views: an
 # eager jnp slice, repeat or concatenate compiles a program for every new number of rows, and a server's first
 # request of each size paid it (LeNet on 2 AMD EPYC cores: 30-80 ms for the outputs' slice, 110-190 ms to pad a
 # device array, against a forward of 1-2 ms).
+
+def sorted_batch_sizes(batch_sizes: Sequence[int], who: str) -> tuple[int, ...]:
+    """``batch_sizes`` sorted, once they are a non-empty collection of positive whole numbers (else a
+    CaffejaxError, its message after ``who``)."""
+    try:
+        sizes = [] if isinstance(batch_sizes, (str, bytes)) else sorted(set(batch_sizes))
+    except TypeError:  # not iterable, or sizes that do not compare
+        sizes = []
+    if not sizes or not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) and s > 0 for s in sizes):
+        raise CaffejaxError(f"{who}batch_sizes must be a non-empty list of positive whole numbers, got {batch_sizes!r}")
+    return tuple(int(s) for s in sizes)
+
+
+def in_batches(run: Callable[[Mapping[str, Any]], Mapping[str, Any]], inputs: Mapping[str, Any],
+               batch_sizes: Sequence[int], who: str, batched: Sequence[str] | None = None,
+               cut: Container[str] | None = None) -> dict[str, Any]:
+    """``run``'s outputs for ``inputs``' rows, from the program of the smallest of ``batch_sizes`` (sorted) that
+    holds them: the ``batched`` inputs (default: all) padded (:func:`_padded_rows`) and the ``cut`` outputs
+    (default: all) cut back to their rows; more rows than the largest size run in parts of that size, their
+    ``cut`` outputs joined and the others taken from the first part. ``who`` heads the ShapeError of inputs
+    whose rows differ."""
+    batched = list(inputs) if batched is None else batched
+    rows = {name: np.shape(inputs[name])[0] if np.ndim(inputs[name]) else None for name in batched}
+    if None in rows.values() or len(set(rows.values())) != 1:
+        raise ShapeError(f"{who}: the inputs must have the same number of rows (axis 0) to pad them; their shapes "
+                         f"are { {name: np.shape(inputs[name]) for name in batched} }")
+    n, largest = next(iter(rows.values())), batch_sizes[-1]
+    if n > largest:
+        inputs = {name: _host_view(x) if name in rows else x for name, x in inputs.items()}
+        parts = [in_batches(run, {name: x[i:i + largest] if name in rows else x for name, x in inputs.items()},
+                            batch_sizes, who, batched, cut) for i in range(0, n, largest)]
+        return {blob: _joined([part[blob] for part in parts]) if cut is None or blob in cut else parts[0][blob]
+                for blob in parts[0]}
+    size = next(s for s in batch_sizes if s >= n)
+    if size == n:
+        return run(inputs)
+    outputs = run({name: _padded_rows(_host_view(x), size) if name in rows else x for name, x in inputs.items()})
+    return {blob: _first_rows(y, n) if cut is None or blob in cut else y for blob, y in outputs.items()}
+
 
 def _host_view(x):
     """A device array in host memory as a NumPy view of it; anything else as it is."""
