@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import re
+import threading
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -37,8 +38,8 @@ from caffejax.fileio import atomic_write, read_bytes
 from caffejax.lower.optimize import check_passes, make_plan, optimize, prepare_params
 from caffejax.lower.python_layer import calls_back
 from caffejax.lower.registry import is_symbolic
-from caffejax.runtime.inference import (_in_dtype, _inputs_to_device, _maps_afresh_on_a_worker, default_passes,
-                                        in_batches, rows_mixed, sorted_batch_sizes)
+from caffejax.runtime.inference import (_in_dtype, _inputs_to_device, _maps_afresh_on_a_worker, built_once,
+                                        default_passes, in_batches, rows_mixed, sorted_batch_sizes)
 from caffejax.runtime.xla_options import forward_options, matmul_flops, ynn_multiplies_a_broadcast
 
 __all__ = ["export_stablehlo", "load_stablehlo", "StableHLOModel", "to_flax", "save_flax_state", "load_flax_state"]
@@ -201,6 +202,7 @@ class StableHLOModel:
         self._work = None if recorded is None else (jnp.dtype(recorded[1]), int(recorded[2]), bool(recorded[3]))
         self._call = jax.jit(exported.call)
         self._compiled: dict[tuple, Any] = {}
+        self._compiling = threading.RLock()  # (several threads may call the model at once: built_once)
         # The inputs and outputs whose axis 0 is the symbolic batch: padded and cut with batch_sizes.
         self._batched = [name for name, shape in self.input_shapes.items() if shape and isinstance(shape[0], str)]
         outputs = jax.tree.unflatten(exported.out_tree, exported.out_avals)
@@ -259,10 +261,10 @@ class StableHLOModel:
     def _run(self, inputs: Mapping[str, Any]) -> dict[str, jax.Array]:
         signature = tuple(sorted((name, tuple(np.shape(x))) for name, x in inputs.items()))
         arrays = {name: _input_array(x, self._avals[name].dtype) for name, x in inputs.items()}
-        compiled = self._compiled.get(signature)
-        if compiled is None:  # shapes not seen before: checked, then compiled (a checked signature stays valid)
-            compiled = self._compiled[signature] = self._compile(arrays, self._symbol_sizes(dict(signature)))
-        program, inputs_to_device_first = compiled
+        # Shapes not seen before: checked, then compiled (a checked signature stays valid).
+        program, inputs_to_device_first = built_once(
+            self._compiled, signature, self._compiling,
+            lambda: self._compile(arrays, self._symbol_sizes(dict(signature))))
         return program(_inputs_to_device(arrays) if inputs_to_device_first else arrays)
 
     def _symbol_sizes(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, int]:

@@ -1100,6 +1100,32 @@ def test_a_python_layer_sizing_its_tops_by_the_data_runs_on_the_host(layers_modu
     assert counts.forwards == 9
 
 
+def test_threads_calling_an_inference_function_run_in_stages_each_get_their_own_tops(layers_module):
+    """The layer's object (and its top blobs) is one for all calls: calls from several threads at once run the
+    stages one call at a time, each its own pass, its forward once a call."""
+    import threading
+
+    net = caffejax.Net(SIZED_BY_DATA, caffejax.TEST, allow_python_layers=True)
+    counts = sys.modules["caffejax_test_pylayers"].KeepsPositives
+    counts.forwards = 0
+    infer = caffejax.compile_inference(net)
+    inputs = [_positives(*range(1, n + 1)) for n in (1, 2, 3, 4, 5, 6, 2, 4)]
+    got, start = [None] * len(inputs), threading.Barrier(len(inputs))
+
+    def work(i):
+        start.wait()
+        got[i] = [np.asarray(infer({"x": inputs[i]})["doubled"]) for _ in range(3)]
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(inputs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for x, tops in zip(inputs, got):
+        for top in tops:
+            np.testing.assert_array_equal(top, 2 * x[x > 0])
+    assert counts.forwards == 3 * len(inputs)  # (the tops of the first, in the program, that found it kept)
+
+
 def test_two_python_layers_sizing_their_tops_in_one_pass(layers_module):
     """The second layer sized by the data shows itself in the stage after the first: that stage runs again,
     split around it, in Net.forward and in an inference function, each layer's forward once a pass."""

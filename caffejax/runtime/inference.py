@@ -11,7 +11,8 @@ per input-shape signature::
     fast = caffejax.compile_inference(net, dtype=jnp.bfloat16)  # opt-in: bf16 storage, float32 sums
     served = caffejax.compile_inference(net, batch_sizes=(1, 4, 16))  # 3 programs for any batch size
 
-Later changes to the net's weights are not seen: compile again after net surgery. The function is pure:
+Later changes to the net's weights are not seen: compile again after net surgery. Several threads may call the
+function at once (each program is compiled once; a net with Python layers runs one call at a time). It is pure:
 RNN/LSTM layers without expose_hidden start every call from a zero state (``Net.forward`` carries it over
 between calls, as Caffe does); feed h_0/c_0 through expose_hidden to carry it yourself.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from typing import Any, Callable, Container, Mapping, Sequence
 
 import jax
@@ -31,6 +33,7 @@ from caffejax.frontend.ir import Graph, stage_interface
 from caffejax.lower.optimize import (DEFAULT_PASSES, Plan, adopted_by_device, aligned_copy, check_passes, make_plan,
                                      optimize, prepare_params, run_plan)
 from caffejax.lower.program import check_one_program, run_host_layers
+from caffejax.lower.python_layer import calls_back
 from caffejax.lower.registry import get_rule
 from caffejax.runtime.blob import bits_digest, same_bits
 from caffejax.runtime.memory import DeviceMemoryErrors, garbage_collection_paused
@@ -38,6 +41,21 @@ from caffejax.runtime.program_cache import compile_program, describe_graph
 from caffejax.runtime.xla_options import bf16_matrix_programs, compiler_options, ynn_multiplies_a_broadcast
 
 Shapes = tuple[tuple[str, tuple[int, ...]], ...]
+
+
+def built_once(built: dict, key, lock: threading.RLock, build: Callable[[], Any]) -> Any:
+    """``built[key]``, made by ``build()`` under ``lock`` where it is not there yet: threads calling a compiled
+    function at once (a threaded server's first requests) wait for one thread's build of a program, instead of
+    each compiling its own (four threads' first calls of SqueezeNet v1.1 at one shape compiled it four times) and
+    adopting the weights each time over (SharedWeights). Looked up without the lock once built."""
+    value = built.get(key)
+    if value is None:
+        with lock:
+            value = built.get(key)
+            if value is None:
+                with garbage_collection_paused():
+                    value = built[key] = build()
+    return value
 
 
 class SharedWeights:
@@ -121,6 +139,12 @@ class InferenceFunction:
         # the device can take as its own (prepare_params).
         self._weights = {owner: [_kept_weight(a) for a in arrays] for owner, arrays in net.param_arrays().items()}
         self._programs: dict[Shapes, _Program] = {}
+        # The function may be called from several threads at once. Each program is built once (built_once, under
+        # the lock). A net with Python layers runs one call at a time: a layer's object, and its top blobs, are one
+        # for all calls, and a layer found to size its tops by the data rebuilds the net (TopsSizedByData).
+        self._lock = threading.RLock()
+        self._one_call_at_a_time = (self._lock if any(calls_back(layer) for layer in net.graph.layers)
+                                    else contextlib.nullcontext())
         # The caller gives the batch a data layer would read (a Python data layer is not run either).
         self.inputs = list(net.graph.fed)
         self._input_names, self._sorted_inputs = frozenset(self.inputs), sorted(self.inputs)
@@ -208,13 +232,17 @@ class InferenceFunction:
         return in_batches(self._call, inputs, self.batch_sizes, "compile_inference(batch_sizes=...)")
 
     def _call(self, inputs: Mapping[str, Any]) -> dict[str, jax.Array]:
+        with self._one_call_at_a_time:
+            return self._call_program(inputs)
+
+    def _call_program(self, inputs: Mapping[str, Any]) -> dict[str, jax.Array]:
         if self._stages is not None:
             try:
                 return self._stages(inputs)
             except TopsSizedByData:  # a Python layer learnt at a build (_graph): the stages are built anew
                 self._net.reshape()
                 self._stages = self._in_stages()
-                return self._call(inputs)
+                return self._call_program(inputs)
         # _signature's key, made without its int() of every dim: np.shape gives Python ints. At LeNet's batch 1
         # the Python around the program call is a tenth of the call.
         signature = tuple((name, np.shape(inputs[name])) for name in self._sorted_inputs)
@@ -233,7 +261,7 @@ class InferenceFunction:
             self._net.reshape()
             if self._net.graph.staging_layers:
                 self._stages = self._in_stages()
-            return self._call(inputs)
+            return self._call_program(inputs)
         return (_finished_on_host(program.plan.graph, outputs, self._net._python_layers) if program.host_layers
                 else outputs)
 
@@ -241,11 +269,7 @@ class InferenceFunction:
         return tuple((name, tuple(int(d) for d in shapes[name])) for name in sorted(shapes))
 
     def _program(self, signature: Shapes) -> _Program:
-        program = self._programs.get(signature)
-        if program is None:
-            with garbage_collection_paused():
-                program = self._programs[signature] = self._build_program(signature)
-        return program
+        return built_once(self._programs, signature, self._lock, lambda: self._build_program(signature))
 
     def _optimized_plan(self, graph: Graph) -> Plan:
         """``graph``'s plan from the kept weights, through this function's passes."""
@@ -352,11 +376,8 @@ class _Stages:
     def _graph(self, shapes: Mapping[str, tuple[int, ...]]) -> Graph:
         """The net's graph at these input and host-made shapes, built once: a build of VGG16's Faster R-CNN
         takes 0.1-0.2 s, a tenth of its forward at 300 x 400."""
-        key = tuple(sorted(shapes.items()))
-        graph = self._graphs.get(key)
-        if graph is None:
-            graph = self._graphs[key] = self.owner._graph(shapes)
-        return graph
+        return built_once(self._graphs, tuple(sorted(shapes.items())), self.owner._lock,
+                          lambda: self.owner._graph(shapes))
 
     def __call__(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
         owner = self.owner
@@ -408,11 +429,7 @@ class _Stages:
     def _program(self, graph: Graph, begin: int, end: int, values: Mapping[str, Any]) -> _StageProgram:
         layers, reads, needed = stage_interface(graph, begin, end, {graph.blob_value[b] for b in graph.outputs})
         key = (begin, end, tuple((v, tuple(np.shape(values[v]))) for v in reads))
-        program = self.programs.get(key)
-        if program is None:
-            with garbage_collection_paused():
-                program = self.programs[key] = self._build(graph, layers, reads, needed)
-        return program
+        return built_once(self.programs, key, self.owner._lock, lambda: self._build(graph, layers, reads, needed))
 
     def _build(self, graph: Graph, layers, reads: list[str], needed: set[str]) -> _StageProgram:
         """The optimised program of one stage (:func:`stage_interface`): a graph of its compiled layers that
