@@ -38,8 +38,9 @@ from caffejax.fileio import atomic_write, read_bytes
 from caffejax.lower.optimize import check_passes, make_plan, optimize, prepare_params
 from caffejax.lower.python_layer import calls_back
 from caffejax.lower.registry import is_symbolic
-from caffejax.runtime.inference import (_in_dtype, _inputs_to_device, _maps_afresh_on_a_worker, built_once,
-                                        default_passes, in_batches, rows_mixed, sorted_batch_sizes)
+from caffejax.runtime.inference import (_as_input, _in_dtype, _inputs_to_device, _maps_afresh_on_a_worker,
+                                        built_once, default_device, default_passes, in_batches, rows_mixed,
+                                        sorted_batch_sizes)
 from caffejax.runtime.xla_options import forward_options, matmul_flops, ynn_multiplies_a_broadcast
 
 __all__ = ["export_stablehlo", "load_stablehlo", "StableHLOModel", "to_flax", "save_flax_state", "load_flax_state"]
@@ -260,11 +261,11 @@ class StableHLOModel:
 
     def _run(self, inputs: Mapping[str, Any]) -> dict[str, jax.Array]:
         signature = tuple(sorted((name, tuple(np.shape(x))) for name, x in inputs.items()))
-        arrays = {name: _input_array(x, self._avals[name].dtype) for name, x in inputs.items()}
-        # Shapes not seen before: checked, then compiled (a checked signature stays valid).
-        program, inputs_to_device_first = built_once(
-            self._compiled, signature, self._compiling,
-            lambda: self._compile(arrays, self._symbol_sizes(dict(signature))))
+        # Shapes not seen before: checked, then compiled for the default device (a checked signature stays valid).
+        program, inputs_to_device_first, device = built_once(
+            self._compiled, signature, self._compiling, lambda: self._compile(signature))
+        # As compile_inference's inputs: device arrays elsewhere move to the program's device.
+        arrays = {name: _as_input(x, self._avals[name].dtype, device) for name, x in inputs.items()}
         return program(_inputs_to_device(arrays) if inputs_to_device_first else arrays)
 
     def _symbol_sizes(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, int]:
@@ -287,8 +288,12 @@ class StableHLOModel:
                                      f"{shapes[seen[1]]} and {shape})")
         return {w: n for w, (n, _) in sizes.items()}
 
-    def _compile(self, arrays: Mapping[str, jax.Array], sizes: Mapping[str, int]):
-        lowered = self._call.lower(arrays)
+    def _compile(self, signature: tuple[tuple[str, tuple[int, ...]], ...]):
+        """The program for inputs of these shapes on the default device, whether its host inputs go to the device
+        first, and that device."""
+        sizes = self._symbol_sizes(dict(signature))
+        lowered = self._call.lower({name: jax.ShapeDtypeStruct(shape, self._avals[name].dtype)
+                                    for name, shape in signature})
         options = {}
         if self._work is not None and len(sizes) <= 1:
             dtype, flops, per_row = self._work
@@ -300,15 +305,8 @@ class StableHLOModel:
             compiled = lowered.compile()
         # As compile_inference's programs: host inputs of a program with big buffers go to the device first, so
         # that it runs on the calling thread (MobileNet v2 at batch 16: 160 -> 132 ms a call, 2 AMD EPYC cores).
-        return compiled, jax.default_backend() == "cpu" and _maps_afresh_on_a_worker(compiled)
-
-
-def _input_array(x, dtype):
-    """``x`` in ``dtype``: a host array goes to the compiled program as it is, which moves it in C++ (see
-    runtime.inference._as_input)."""
-    if isinstance(x, jax.Array):
-        return x if x.dtype == dtype else x.astype(dtype)
-    return np.asarray(x, dtype)
+        device = default_device()
+        return compiled, device.platform == "cpu" and _maps_afresh_on_a_worker(compiled), device
 
 
 def load_stablehlo(path: str, batch_sizes: Sequence[int] | None = None) -> StableHLOModel:

@@ -450,3 +450,24 @@ def test_compile_inference_takes_inputs_from_any_device_and_runs_on_the_default_
     # sum in another order: the probabilities within a few ulps of their logits)
     np.testing.assert_allclose(np.asarray(there), expected, rtol=1e-5)
     assert len(list(tmp_path.glob("*.program"))) == 1  # the program for device 3 was compiled, not cached
+
+
+@needs_four
+def test_a_loaded_export_takes_inputs_from_any_device_and_runs_on_the_default_one(tmp_path):
+    from caffejax.export import export_stablehlo, load_stablehlo
+    from conftest import BUNDLED
+
+    net = caffejax.Net(str(BUNDLED / "lenet/lenet.prototxt"), str(BUNDLED / "lenet/lenet_iter_10000.caffemodel"),
+                       caffejax.TEST)
+    export_stablehlo(net, str(tmp_path / "lenet.stablehlo"), batch="batch")
+    x = np.random.default_rng(1).random((2, 1, 28, 28), dtype=np.float32)
+    model = load_stablehlo(str(tmp_path / "lenet.stablehlo"))
+    expected = np.asarray(model(data=x)["prob"])
+    for elsewhere in (jax.device_put(x, jax.devices()[2]), jax.device_put(x, jax.devices()[1])):
+        got = model(data=elsewhere)["prob"]  # (the same program: one per input shape)
+        assert got.devices() == {jax.devices()[0]} and model.compile_count == 1
+        np.testing.assert_array_equal(np.asarray(got), expected)
+    with jax.default_device(jax.devices()[3]):
+        there = load_stablehlo(str(tmp_path / "lenet.stablehlo"))(data=jax.device_put(x, jax.devices()[2]))["prob"]
+    assert there.devices() == {jax.devices()[3]}
+    np.testing.assert_allclose(np.asarray(there), expected, rtol=1e-6)

@@ -302,7 +302,7 @@ class InferenceFunction:
         feeds = list(plan.graph.fed.items())
         fed = {value: jax.ShapeDtypeStruct(plan.graph.value_shapes[value], self._feed_dtype) for _, value in feeds}
         params, run = _compiled(plan, self.dtype, params, fed, _describe(plan, self.passes))
-        device = next(iter(jax.device_put(np.zeros((), self.dtype)).sharding.device_set))  # as params'
+        device = default_device()  # (where prepare_params put the weights)
         return _Program(plan, params, run, feeds, device,
                         inputs_to_device_first=device.platform == "cpu" and _maps_afresh_on_a_worker(run))
 
@@ -604,6 +604,11 @@ def _joined(parts: Sequence[jax.Array]) -> jax.Array:
     if all(_in_host_memory(part) for part in parts):
         return adopted_by_device(np.concatenate([np.asarray(part) for part in parts]), parts[0].dtype)
     return jnp.concatenate(parts)
+
+
+def default_device() -> jax.Device:
+    """The device a program built now runs on: JAX's default one (``jax.default_device``'s where set)."""
+    return next(iter(jax.device_put(np.zeros((), np.float32)).sharding.device_set))
 
 
 def _as_input(x, dtype, device):
