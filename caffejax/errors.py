@@ -129,6 +129,11 @@ def prefixed(error: CaffejaxError, prefix: str) -> CaffejaxError:
     return made
 
 
+class InputValueError(CaffejaxError, ValueError):
+    """An input a net's forward cannot read as an array of numbers (strings, ragged nested lists), named by its
+    blob. Also a ValueError, which is what NumPy's conversion raised."""
+
+
 class InputArraysError(DataError, RuntimeError):
     """Arrays net.set_input_arrays cannot take: not NumPy arrays, not float32, not C contiguous. Also a
     RuntimeError, which is what pycaffe's set_input_arrays raised (boost.python's std::runtime_error)."""

@@ -39,8 +39,8 @@ from caffejax.lower.optimize import check_passes, make_plan, optimize, prepare_p
 from caffejax.lower.python_layer import calls_back
 from caffejax.lower.registry import is_symbolic
 from caffejax.runtime.inference import (_as_input, _in_dtype, _inputs_to_device, _maps_afresh_on_a_worker,
-                                        built_once, default_device, default_passes, in_batches, rows_mixed,
-                                        sorted_batch_sizes)
+                                        InputValueErrors, built_once, default_device, default_passes, in_batches,
+                                        rows_mixed, sorted_batch_sizes)
 from caffejax.runtime.xla_options import forward_options, matmul_flops, ynn_multiplies_a_broadcast
 
 __all__ = ["export_stablehlo", "load_stablehlo", "StableHLOModel", "to_flax", "save_flax_state", "load_flax_state"]
@@ -255,9 +255,10 @@ class StableHLOModel:
     def __call__(self, **inputs) -> dict[str, jax.Array]:
         if inputs.keys() != self.input_shapes.keys():
             raise CaffejaxError(f"the exported net takes inputs {sorted(self.input_shapes)}; got {sorted(inputs)}")
-        if self.batch_sizes is None:
-            return self._run(inputs)
-        return in_batches(self._run, inputs, self.batch_sizes, "batch_sizes", self._batched, self._cut)
+        with InputValueErrors(inputs):
+            if self.batch_sizes is None:
+                return self._run(inputs)
+            return in_batches(self._run, inputs, self.batch_sizes, "batch_sizes", self._batched, self._cut)
 
     def _run(self, inputs: Mapping[str, Any]) -> dict[str, jax.Array]:
         signature = tuple(sorted((name, tuple(np.shape(x))) for name, x in inputs.items()))

@@ -479,6 +479,26 @@ def test_stablehlo_checks_inputs(cases, tmp_path):
         load_stablehlo(str(tmp_path / "missing"))
 
 
+@pytest.mark.parametrize("bad, message", [
+    (np.full((2, 1, 28, 28), "a"), "could not convert string to float"),
+    ([[[[0.5]]], [[[0.5, 0.5]]]], "inhomogeneous shape"),  # ragged
+])
+def test_inputs_that_are_no_arrays_of_numbers_are_named(cases, bad, message):
+    """Net.forward, compile_inference (with and without batch_sizes) and a loaded export alike: an InputValueError
+    (also a ValueError, NumPy's own) naming the input, not NumPy's bare error."""
+    from caffejax.errors import InputValueError
+
+    net, _, _, _, model = cases["lenet"]
+    calls = {"Net.forward": lambda: net.forward(data=bad),
+             "compile_inference": lambda: caffejax.compile_inference(net)({"data": bad}),
+             "batch_sizes": lambda: caffejax.compile_inference(net, batch_sizes=(2,))({"data": bad}),
+             "load_stablehlo": lambda: model(data=bad)}
+    for who, call in calls.items():
+        with pytest.raises(InputValueError, match=f"input 'data' is not an array of numbers: .*{message}") as caught:
+            call()
+        assert isinstance(caught.value, ValueError), who
+
+
 @pytest.mark.parametrize("name", sorted(NETS))
 def test_flax_module_reproduces_forward(cases, name, tmp_path):
     nnx = pytest.importorskip("flax.nnx")

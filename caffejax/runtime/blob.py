@@ -22,7 +22,7 @@ import sys
 import jax
 import numpy as np
 
-from caffejax.errors import OutOfMemoryError, ShapeError
+from caffejax.errors import InputValueError, OutOfMemoryError, ShapeError
 from caffejax.lower.registry import legacy_4d
 
 # sys.getrefcount of a slot's host array that only the slot holds: the slot's reference and the call's own.
@@ -37,6 +37,15 @@ def _zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         gib = math.prod(shape) * dtype.itemsize / 2 ** 30
         raise OutOfMemoryError(f"an array of shape {shape} ({dtype}) needs {gib:.3g} GiB, more than the host "
                                f"could allocate; is a dim mistyped?") from None
+
+
+def as_numbers(name: str, x, dtype) -> np.ndarray:
+    """The input ``x`` of blob ``name`` as a NumPy array of ``dtype``; an InputValueError naming the blob where it
+    is no array of numbers."""
+    try:
+        return np.asarray(x, dtype)
+    except (ValueError, TypeError) as error:
+        raise InputValueError(f"input '{name}' is not an array of numbers: {error}") from None
 
 
 def same_bits(a: np.ndarray, b: np.ndarray, chunk: int = 1 << 18) -> bool:

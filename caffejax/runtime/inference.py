@@ -35,7 +35,7 @@ from caffejax.lower.optimize import (DEFAULT_PASSES, Plan, adopted_by_device, al
 from caffejax.lower.program import check_one_program, run_host_layers
 from caffejax.lower.python_layer import calls_back
 from caffejax.lower.registry import get_rule
-from caffejax.runtime.blob import bits_digest, same_bits
+from caffejax.runtime.blob import as_numbers, bits_digest, same_bits
 from caffejax.runtime.memory import DeviceMemoryErrors, garbage_collection_paused
 from caffejax.runtime.program_cache import compile_program, describe_graph
 from caffejax.runtime.xla_options import bf16_matrix_programs, compiler_options, ynn_multiplies_a_broadcast
@@ -224,12 +224,13 @@ class InferenceFunction:
     def __call__(self, inputs: Mapping[str, Any]) -> dict[str, jax.Array]:
         if inputs.keys() != self._input_names:
             raise CaffejaxError(f"inputs {sorted(inputs)} do not match the net's inputs {self.inputs}")
-        if self.batch_sizes is None:
-            return self._call(inputs)
-        # A serving process fed every batch size from 1 to 64 compiles 7 programs with batch_sizes (1, 2, 4, ...,
-        # 64), not 64 (ResNet-50's take 0.8-2.5 s each on 2 cores; the weights' prepared forms are kept once for
-        # all, SharedWeights).
-        return in_batches(self._call, inputs, self.batch_sizes, "compile_inference(batch_sizes=...)")
+        with InputValueErrors(inputs):
+            if self.batch_sizes is None:
+                return self._call(inputs)
+            # A serving process fed every batch size from 1 to 64 compiles 7 programs with batch_sizes (1, 2, 4,
+            # ..., 64), not 64 (ResNet-50's take 0.8-2.5 s each on 2 cores; the weights' prepared forms are kept
+            # once for all, SharedWeights).
+            return in_batches(self._call, inputs, self.batch_sizes, "compile_inference(batch_sizes=...)")
 
     def _call(self, inputs: Mapping[str, Any]) -> dict[str, jax.Array]:
         with self._one_call_at_a_time:
@@ -604,6 +605,27 @@ def _joined(parts: Sequence[jax.Array]) -> jax.Array:
     if all(_in_host_memory(part) for part in parts):
         return adopted_by_device(np.concatenate([np.asarray(part) for part in parts]), parts[0].dtype)
     return jnp.concatenate(parts)
+
+
+class InputValueErrors:
+    """Calls of a compiled net inside it (``with InputValueErrors(inputs):``): NumPy's ValueError or TypeError for an
+    input it cannot read as numbers (strings, ragged lists) comes out as the InputValueError naming that input
+    (blob.as_numbers); other errors pass as they are. A class with ``__exit__``, as PythonLayers is."""
+
+    __slots__ = ("inputs",)
+
+    def __init__(self, inputs: Mapping[str, Any]):
+        self.inputs = inputs
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if kind is not None and issubclass(kind, (ValueError, TypeError)) and not issubclass(kind, CaffejaxError):
+            for name, x in self.inputs.items():
+                if not isinstance(x, jax.Array):
+                    as_numbers(name, x, np.float32)  # (raises, naming it, for the first input it cannot read)
+        return False
 
 
 def default_device() -> jax.Device:

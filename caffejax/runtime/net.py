@@ -36,7 +36,7 @@ from caffejax.lower.program import NetProgram, host_backward, run_host_layers
 from caffejax.lower.python_layer import HostDataLayer, PythonLayers, calls_back
 from caffejax.lower.registry import TRAIN, TEST, count, get_rule
 from caffejax.runtime import mode
-from caffejax.runtime.blob import ArraySlot, Blob, bits_digest
+from caffejax.runtime.blob import ArraySlot, Blob, as_numbers, bits_digest
 from caffejax.runtime.debug_info import log_backward, log_forward, log_inputs
 from caffejax.runtime.memory import DeviceMemoryErrors
 from caffejax.runtime.net_init_log import log_net_init
@@ -1427,7 +1427,7 @@ class Net:
             if set(kwargs) != set(self.inputs):
                 raise CaffejaxError(f"input blob arguments {sorted(kwargs)} do not match net inputs {self.inputs}")
             for name, array in kwargs.items():
-                array = np.asarray(array)
+                array = as_numbers(name, array, self._dtype)
                 expected = self.blobs[name].shape
                 if array.shape != expected and (array.ndim != len(expected) or array.shape[0] != expected[0]
                                                 or not _broadcasts(array.shape, expected)):
