@@ -129,6 +129,11 @@ def prefixed(error: CaffejaxError, prefix: str) -> CaffejaxError:
     return made
 
 
+class NetInUseError(CaffejaxError, RuntimeError):
+    """A Net's pass (forward, backward, reshape, a solver's step) called from one thread while another thread's
+    pass runs on the same Net, whose blobs both would fill."""
+
+
 class InputValueError(CaffejaxError, ValueError):
     """An input a net's forward cannot read as an array of numbers (strings, ragged nested lists), named by its
     blob. Also a ValueError, which is what NumPy's conversion raised."""

@@ -94,3 +94,32 @@ def test_a_loaded_export_compiles_once_for_threads_calling_at_once(lenet, tmp_pa
     exact = caffejax.compile_inference(lenet)
     for x, y in zip(xs, got):
         np.testing.assert_allclose(y, np.asarray(exact({"data": x})["prob"]), rtol=1e-5, atol=1e-7)
+
+
+def test_a_net_s_pass_from_a_second_thread_is_refused_while_one_runs():
+    """A Net holds one set of blobs, as Caffe's: a second thread's forward, backward or reshape while a pass runs
+    would fill them under it (and the arrays its forward returned), so it raises NetInUseError; the first pass
+    ends with its own outputs, and the net takes calls again once it has."""
+    from caffejax.errors import NetInUseError
+
+    net = caffejax.Net(*LENET, caffejax.TEST)
+    x, y = _images(64, 1), _images(64, 2)
+    expected = {"x": np.array(net.forward(data=x)["prob"]), "y": np.array(net.forward(data=y)["prob"])}
+    inside, release = threading.Event(), threading.Event()
+
+    def hold(index):  # (called after each layer, in the pass's thread)
+        if index == 0 and not release.is_set():
+            inside.set()
+            release.wait(30)
+    net.after_forward(hold)
+    got = {}
+    first = threading.Thread(target=lambda: got.update(x=np.array(net.forward(data=x)["prob"])))
+    first.start()
+    assert inside.wait(30)
+    for call in (lambda: net.forward(data=y), net.backward, net.reshape):
+        with pytest.raises(NetInUseError, match="running a pass in another thread"):
+            call()
+    release.set()
+    first.join()
+    np.testing.assert_array_equal(got["x"], expected["x"])
+    np.testing.assert_array_equal(net.forward(data=y)["prob"], expected["y"])

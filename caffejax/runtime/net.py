@@ -15,6 +15,7 @@ import functools
 import hashlib
 import logging
 import os
+import threading
 import weakref
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -22,9 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from caffejax.errors import (CaffejaxError, DataSourceUnavailable, GraphError, NumericalError, OutOfMemoryError,
-                             ShapeError, TopsSizedByData, UnknownBlobError, UnsupportedError, WeightsError,
-                             layer_error)
+from caffejax.errors import (CaffejaxError, DataSourceUnavailable, GraphError, NetInUseError, NumericalError,
+                             OutOfMemoryError, ShapeError, TopsSizedByData, UnknownBlobError, UnsupportedError,
+                             WeightsError, layer_error)
 from caffejax.fileio import atomic_write
 from caffejax.frontend.build import build_graph, load_net_param, may_size_tops_by_data
 from caffejax.frontend.caffemodel import encode_net, read_weights
@@ -256,6 +257,31 @@ def _same_arrays(arrays: list, tree) -> bool:
     return len(leaves) == len(arrays) and all(a is b for a, b in zip(arrays, leaves))
 
 
+class _OneThreadAtATime:
+    """A Net's passes run inside it (``with net._passes:``). A Net holds one set of blobs, as Caffe's does: a pass
+    from a second thread would fill them under the first one's feet (and the outputs it returned, which are the
+    blobs' arrays), so it raises NetInUseError instead of mixing the two silently. The thread running a pass may
+    enter again (a callback or a Python layer calling the net). A class with ``__exit__``, as PythonLayers is."""
+
+    __slots__ = ("_lock", "_net_name")
+
+    def __init__(self, net_name: str):
+        self._lock = threading.RLock()
+        self._net_name = net_name
+
+    def __enter__(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            raise NetInUseError(
+                f"net '{self._net_name}' is running a pass in another thread: a Net holds one set of blobs, as "
+                "Caffe's does, which this call would overwrite under it. Threads may share "
+                "caffejax.compile_inference(net)'s function instead, or each use a Net of its own, or hold a lock "
+                "around the net's calls")
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        self._lock.release()
+        return False
+
+
 @dataclasses.dataclass(frozen=True)
 class _PreparedWeights:
     """A forward range's prepared weights (Net._prepared_weights): the program and layers that made them, and the
@@ -334,6 +360,7 @@ class Net:
         self._phase, self._level, self._stages = phase, level, tuple(stages)
         self._allow_python = allow_python_layers
         self._python_layers = PythonLayers()  # this net's pycaffe layer objects, kept across rebuilds
+        self._passes = _OneThreadAtATime(self._net_param.name)
         self._dtype = np.dtype(dtype)
         if self._dtype.itemsize > 4 and not jax.config.jax_enable_x64:
             raise CaffejaxError(f"Net(dtype={self._dtype}) needs JAX's 64-bit mode: "
@@ -936,6 +963,10 @@ class Net:
 
     def reshape(self) -> None:
         """Re-infer every shape from the fed blobs' current shapes (Caffe's Net::Reshape)."""
+        with self._passes:
+            self._reshape()
+
+    def _reshape(self) -> None:
         self._set_graph(self._build(self._fed_shapes()))
         if any(slot.is_owner and slot.key not in self._param_blobs
                for layer in self._graph.layers for slot in layer.params):
@@ -1423,24 +1454,27 @@ class Net:
         else:
             end_ind = len(self._graph.layers) - 1
             outputs = set(self.outputs + blobs)
+        arrays = {}
         if kwargs:
             if set(kwargs) != set(self.inputs):
                 raise CaffejaxError(f"input blob arguments {sorted(kwargs)} do not match net inputs {self.inputs}")
             for name, array in kwargs.items():
-                array = as_numbers(name, array, self._dtype)
+                array = arrays[name] = as_numbers(name, array, self._dtype)
                 expected = self.blobs[name].shape
                 if array.shape != expected and (array.ndim != len(expected) or array.shape[0] != expected[0]
                                                 or not _broadcasts(array.shape, expected)):
                     raise ShapeError(f"input '{name}' has shape {array.shape}; the net expects {expected} "
                                      f"(reshape the blob first)")
+        with self._passes:
+            for name, array in arrays.items():
                 self.blobs[name].data[...] = array
-        with self._python_layers:
-            self._last_loss = (self._forward_layer_by_layer(start_ind, end_ind) if self._runs_layer_by_layer()
-                               else self._forward_in_stages(start_ind, end_ind) if self._staging
-                               else self._forward(start_ind, end_ind))
-        if self.debug_nans:
-            self._check_finite(outputs)
-        return {name: self.blobs[name].data for name in outputs}
+            with self._python_layers:
+                self._last_loss = (self._forward_layer_by_layer(start_ind, end_ind) if self._runs_layer_by_layer()
+                                   else self._forward_in_stages(start_ind, end_ind) if self._staging
+                                   else self._forward(start_ind, end_ind))
+            if self.debug_nans:
+                self._check_finite(outputs)
+            return {name: self.blobs[name].data for name in outputs}
 
     def _check_finite(self, blobs) -> None:
         """With debug_nans: raise NumericalError naming the first layer that made NaN/Inf, if any output has."""
@@ -1632,6 +1666,7 @@ class Net:
         else:
             end_ind = 0
             outputs = set(self.inputs + diffs)
+        diffs_given = {}
         if kwargs:
             if set(kwargs) != set(self.outputs):
                 raise CaffejaxError(f"top diff arguments {sorted(kwargs)} do not match net outputs {self.outputs}")
@@ -1640,18 +1675,19 @@ class Net:
                 expected = self.blobs[name].shape
                 if diff.shape != expected and (diff.shape[:1] != expected[:1] or not _broadcasts(diff.shape, expected)):
                     raise ShapeError(f"diff for '{name}' has shape {diff.shape}; the blob is {expected}")
+        with self._passes:
             for name, diff in diffs_given.items():
                 self.blobs[name].diff[...] = diff
-        # A fed blob resized since the last pass re-infers every shape here too, as it does for a forward.
-        self._sync_shapes()
-        with self._python_layers:
-            if self._runs_layer_by_layer():
-                self._backward_layer_by_layer(start_ind, end_ind)
-            elif self._host_layers:
-                self._backward_around_host(start_ind, end_ind, returned=outputs)
-            else:
-                self._backward_in_passes(start_ind, end_ind, returned=outputs)
-        return {name: self.blobs[name].diff for name in outputs}
+            # A fed blob resized since the last pass re-infers every shape here too, as it does for a forward.
+            self._sync_shapes()
+            with self._python_layers:
+                if self._runs_layer_by_layer():
+                    self._backward_layer_by_layer(start_ind, end_ind)
+                elif self._host_layers:
+                    self._backward_around_host(start_ind, end_ind, returned=outputs)
+                else:
+                    self._backward_in_passes(start_ind, end_ind, returned=outputs)
+            return {name: self.blobs[name].diff for name in outputs}
 
     def _batches(self, arrays: dict[str, np.ndarray]):
         """pycaffe's Net._batch: ``arrays`` (name -> N x ...) in batches of the net's batch size; the last

@@ -652,7 +652,7 @@ class Solver:
             self.net.debug_info = p.debug_info and self._displays(self.iter)
             rate = self._learning_rate()
             start_params = self.net.param_arrays() if self.debug_nans else None
-            with self.net._python_layers, DeviceMemoryErrors(self.net.graph):
+            with self.net._passes, self.net._python_layers, DeviceMemoryErrors(self.net.graph):
                 loss, norm = (self._train_iteration_by_passes(rate)
                               if self._callbacks or self.net._runs_layer_by_layer() else self._train_iteration(rate))
                 if any(calls_back(layer) for layer in self.net.graph.layers):
