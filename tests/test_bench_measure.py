@@ -261,3 +261,19 @@ def test_compile_ab_times_each_flag_setting_in_its_own_process(capsys):
     assert status == 1 and [row["flags"] for row in rows] == ["", "--xla_no_such_flag=1"]
     assert rows[0]["compile_s"] > 0 and rows[0]["step_ms"] > 0 and rows[0]["backend"] == jax.default_backend()
     assert "xla_no_such_flag" in rows[1]["error"] and "lenet batch 1, training step" in out
+
+
+def test_batch_sizes_bench_sends_the_stream_from_several_threads(tmp_path, capsys):
+    """`python -m bench.batch_sizes --threads N`: the stream dealt out to N threads at once, each mode in its own
+    process; the programs are one per size met (exact) or per padded size, however many threads ask at once."""
+    from bench import batch_sizes
+
+    assert batch_sizes.main(["--net", "lenet", "--max", "4", "--requests", "12", "--passes", "1", "--threads", "3",
+                             "--sizes", "2", "4", "--out", str(tmp_path / "b.json")]) == 0
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert report["threads"] == 3 and [row["threads"] for row in report["rows"]] == [3, 3]
+    exact, padded = report["rows"]
+    assert exact["programs"] == exact["distinct_sizes"] and padded["programs"] == 2
+    assert "from 3 thread(s)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        batch_sizes.main(["--threads", "0"])
