@@ -135,8 +135,8 @@ class NetInUseError(CaffejaxError, RuntimeError):
 
 
 class InputValueError(CaffejaxError, ValueError):
-    """An input a net's forward cannot read as an array of numbers (strings, ragged nested lists), named by its
-    blob. Also a ValueError, which is what NumPy's conversion raised."""
+    """An input (or a diff given to backward) a net cannot read as an array of numbers (strings, ragged nested
+    lists), named by its blob. Also a ValueError, which is what NumPy's conversion raised."""
 
 
 class InputArraysError(DataError, RuntimeError):

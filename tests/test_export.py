@@ -497,6 +497,9 @@ def test_inputs_that_are_no_arrays_of_numbers_are_named(cases, bad, message):
         with pytest.raises(InputValueError, match=f"input 'data' is not an array of numbers: .*{message}") as caught:
             call()
         assert isinstance(caught.value, ValueError), who
+    bad_diff = bad[:, :, 0, :2].reshape(2, 2) if isinstance(bad, np.ndarray) else [[0.5], [0.5, 0.5]]
+    with pytest.raises(InputValueError, match=f"diff for 'prob' is not an array of numbers: .*{message}"):
+        net.backward(prob=bad_diff)
 
 
 @pytest.mark.parametrize("name", sorted(NETS))

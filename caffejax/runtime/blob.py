@@ -39,13 +39,13 @@ def _zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
                                f"could allocate; is a dim mistyped?") from None
 
 
-def as_numbers(name: str, x, dtype) -> np.ndarray:
-    """The input ``x`` of blob ``name`` as a NumPy array of ``dtype``; an InputValueError naming the blob where it
-    is no array of numbers."""
+def as_numbers(name: str, x, dtype, what: str = "input") -> np.ndarray:
+    """The ``what`` (an input, a diff) ``x`` of blob ``name`` as a NumPy array of ``dtype``; an InputValueError
+    naming the blob where it is no array of numbers."""
     try:
         return np.asarray(x, dtype)
     except (ValueError, TypeError) as error:
-        raise InputValueError(f"input '{name}' is not an array of numbers: {error}") from None
+        raise InputValueError(f"{what} '{name}' is not an array of numbers: {error}") from None
 
 
 def same_bits(a: np.ndarray, b: np.ndarray, chunk: int = 1 << 18) -> bool:

@@ -1670,7 +1670,7 @@ class Net:
         if kwargs:
             if set(kwargs) != set(self.outputs):
                 raise CaffejaxError(f"top diff arguments {sorted(kwargs)} do not match net outputs {self.outputs}")
-            diffs_given = {name: np.asarray(diff) for name, diff in kwargs.items()}
+            diffs_given = {name: as_numbers(name, diff, self._dtype, "diff for") for name, diff in kwargs.items()}
             for name, diff in diffs_given.items():  # all checked before any is written
                 expected = self.blobs[name].shape
                 if diff.shape != expected and (diff.shape[:1] != expected[:1] or not _broadcasts(diff.shape, expected)):
