@@ -964,15 +964,12 @@ class Net:
     def reshape(self) -> None:
         """Re-infer every shape from the fed blobs' current shapes (Caffe's Net::Reshape)."""
         with self._passes:
-            self._reshape()
-
-    def _reshape(self) -> None:
-        self._set_graph(self._build(self._fed_shapes()))
-        if any(slot.is_owner and slot.key not in self._param_blobs
-               for layer in self._graph.layers for slot in layer.params):
-            # Shapes that were unknown (a data layer without its source, now fed by hand): their layers'
-            # learnable blobs are made and filled now, as Caffe's LayerSetUp would have.
-            self._init_params()
+            self._set_graph(self._build(self._fed_shapes()))
+            if any(slot.is_owner and slot.key not in self._param_blobs
+                   for layer in self._graph.layers for slot in layer.params):
+                # Shapes that were unknown (a data layer without its source, now fed by hand): their layers'
+                # learnable blobs are made and filled now, as Caffe's LayerSetUp would have.
+                self._init_params()
 
     # -- passes ---------------------------------------------------------------------------------------------
     def _data_source(self, layer):
