@@ -60,14 +60,14 @@ def test_compiles_once_per_shape(lenet):
     before = lenet.compile_count
     lenet.forward(data=digits(3))
     lenet.forward(data=digits(3, seed=1))
-    assert lenet.compile_count == before + 1
+    assert lenet.compile_count == before + 2  # the pass and its weights' preparation
     lenet.blobs["data"].reshape(5, 1, 28, 28)
     out = lenet.forward(data=digits(5))
     assert out["prob"].shape == (5, 10)
-    assert lenet.compile_count == before + 2
+    assert lenet.compile_count == before + 3  # the pass: the preparation computes the same
     lenet.blobs["data"].reshape(3, 1, 28, 28)  # back to a shape seen before: cached program
     lenet.forward(data=digits(3))
-    assert lenet.compile_count == before + 2
+    assert lenet.compile_count == before + 3
 
 
 def test_a_forward_works_out_its_pass_once_per_range_and_shapes(monkeypatch):
@@ -410,7 +410,7 @@ def test_backward_makes_the_other_blobs_diffs_when_read():
     net = caffejax.Net(param, str(LENET_WEIGHTS), caffejax.TEST)
     outputs = passed(net)
     assert list(outputs) == ["data"] and np.abs(outputs["data"]).max() > 0
-    assert net.compile_count == 2 and net.blobs["ip1"]._diff._pending is not None
+    assert net.compile_count == 3 and net.blobs["ip1"]._diff._pending is not None  # forward, preparation, backward
     diff_of_data, diff_of_w = outputs["data"].copy(), net.params["conv1"][0].diff.copy()
     net.blobs["prob"].diff[...] = 0  # the pass's own top diffs make the others, not the blob's later ones
     written = caffejax.Net(param, str(LENET_WEIGHTS), caffejax.TEST)
@@ -419,7 +419,7 @@ def test_backward_makes_the_other_blobs_diffs_when_read():
     for name in ("conv1", "pool1", "conv2", "pool2", "ip1", "ip2"):
         np.testing.assert_allclose(net.blobs[name].diff, written.blobs[name].diff, rtol=1e-6, atol=1e-9,
                                    err_msg=name)
-    assert net.compile_count == 3  # all made by one program, the first read
+    assert net.compile_count == 4  # all made by one program, the first read
     # Only the input's diff asked for, the pass runs the channels-last kernels; every diff, Caffe's layout. The
     # two programs sum in different orders: they agree to a few units in the last place of the largest diff.
     for got, want in [(written.blobs["data"].diff, diff_of_data), (written.params["conv1"][0].diff, diff_of_w)]:
@@ -774,7 +774,7 @@ def test_programs_of_big_nets_get_their_numpy_arguments_on_the_device_first(monk
     big.blobs["data"].reshape(1, 1, 28, 28)
     np.testing.assert_array_equal(big.forward(data=x)["prob"], expected)
     big.blobs["conv1"].data  # a deferred blob's recompute is another program
-    assert calls == [True, True]
+    assert calls == [True] * 3  # the weights' preparation, the forward, the recompute
 
 
 def test_compiled_inference_with_big_buffers_gets_its_numpy_inputs_on_the_device_first(monkeypatch):
@@ -950,7 +950,8 @@ def test_a_backward_after_a_forward_runs_from_its_pullback(monkeypatch):
         assert np.abs(net.blobs["x"].diff).max() > 0
         return list(ran)
 
-    assert both() == ["forward", "backward"]  # the first backward learns that one follows a forward
+    # The first backward learns that one follows a forward (which read its weights prepared apart: no pullback).
+    assert both() == ["forward", "prepare", "backward"]
     assert both() == ["forward-pullback", "backward-pullback"] == both()
     twice = lambda each: each.params["conv"][0].data.__imul__(2)  # noqa: E731
     assert both(twice) == ["forward-pullback", "backward"]  # the new weights

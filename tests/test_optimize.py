@@ -1116,8 +1116,7 @@ def test_a_net_forward_runs_the_inference_kernels_and_its_backward_the_training_
     with bfloat16 matrix instructions both multiply. The blobs a forward leaves (BatchNorm folded into Winograd's
     filters, in the forward or, ``prepared_apart``, in a program of their own) and the gradients a backward makes
     after it stay Caffe's."""
-    if prepared_apart:
-        monkeypatch.setattr(caffejax.runtime.net, "PREPARED_WEIGHTS_MIN_BYTES", 0)
+    monkeypatch.setattr(caffejax.runtime.net, "PREPARE_WEIGHTS_APART", prepared_apart)
     x = np.random.default_rng(1).normal(size=(2, 8, 9, 9)).astype(np.float32)
     plain, fast = (_zoo_net(TRAIN_ZOO, caffejax.TRAIN, channels_last) for channels_last in (False, True))
     program = fast._program
@@ -1555,7 +1554,6 @@ def test_a_forward_over_the_same_weights_prepares_them_once(monkeypatch):
 
     import caffejax.runtime.net as net_module
 
-    monkeypatch.setattr(net_module, "PREPARED_WEIGHTS_MIN_BYTES", 0)  # this net's filters are small
     x = np.random.default_rng(9).normal(size=(2, 6, 7, 7)).astype(np.float32)
     net, reference = _chain_net(), _chain_net(channels_last=False)
 
@@ -1603,7 +1601,7 @@ def test_a_forward_over_the_same_weights_prepares_them_once(monkeypatch):
     net.after_forward(lambda i: None)
     net.forward()
     assert net._prepared == {}
-    monkeypatch.undo()  # filters under PREPARED_WEIGHTS_MIN_BYTES: laid out in the forward itself
+    monkeypatch.setattr(net_module, "PREPARE_WEIGHTS_APART", False)  # laid out in the forward itself
     net, reference = _chain_net(), _chain_net(channels_last=False)
     forward_both()
     assert _prepared_of(net) == {}
@@ -1621,9 +1619,6 @@ def test_a_forward_at_other_input_shapes_takes_the_weights_prepared_alike(monkey
     preparation computes the same (Net._preparation_digest), without compiling a preparation of its own; where
     it differs it makes its own: from 6 images on the one-channel convolution runs as shifted multiply-adds
     (conv_taps), which read its filters as they are."""
-    import caffejax.runtime.net as net_module
-
-    monkeypatch.setattr(net_module, "PREPARED_WEIGHTS_MIN_BYTES", 0)  # this net's filters are small
     kinds = []
     jitted = caffejax.Net._jitted
     caffejax.set_random_seed(7)

@@ -35,7 +35,7 @@ from caffejax.lower.fillers import HostKey, fold_in
 from caffejax.lower.optimize import layout_kernels
 from caffejax.lower.program import NetProgram, host_backward, run_host_layers
 from caffejax.lower.python_layer import HostDataLayer, PythonLayers, calls_back
-from caffejax.lower.registry import TRAIN, TEST, count, get_rule
+from caffejax.lower.registry import TRAIN, TEST, get_rule
 from caffejax.runtime import mode
 from caffejax.runtime.blob import ArraySlot, Blob, as_numbers, bits_digest
 from caffejax.runtime.debug_info import log_backward, log_forward, log_inputs
@@ -164,10 +164,11 @@ def to_device(tree):
 DEVICE_ARGUMENTS_MIN_FLOPS = 100e6
 
 
-# Net.forward prepares its kernels' weights in a program of its own (Net._prepared_weights) where they are at least
-# this big: below, laying them out in every forward costs less than a program more to compile (LeNet's 100 KB of
-# filters: a few microseconds a forward).
-PREPARED_WEIGHTS_MIN_BYTES = 1 << 20
+# Net.forward prepares its kernels' weights in a program of its own (Net._prepared_weights), however small they
+# are: laid out in every forward instead, LeNet's 100 KB of filters cost its forward at batch 1 8% and MTCNN's det3
+# and det4 20% and 12%. The preparation costs a net's first forward 30-70 ms more to compile and its first at
+# another input shape less (that forward lays nothing out). False: laid out in the forward itself.
+PREPARE_WEIGHTS_APART = True
 
 
 def _with_device_arguments(program):
@@ -1119,11 +1120,10 @@ class Net:
         kept = self._prepared.get(range_key)
         if kept is not None and kept.program is program and kept.made_from(leaves):
             return kept.arrays
-        laid_out = sum(count(slot.shape) * self._dtype.itemsize for layer in layers
-                       if (kernel := program.forward_kernels.get(layer.name)) is not None
-                       and (kernel.prepares or kernel.chain is not None) for slot in layer.params)
+        lays_out = any(layer.params and (kernel := program.forward_kernels.get(layer.name)) is not None
+                       and (kernel.prepares or kernel.chain is not None) for layer in layers)
         prepared = {}
-        if laid_out >= PREPARED_WEIGHTS_MIN_BYTES:
+        if lays_out and PREPARE_WEIGHTS_APART:
             # Another program's (other input shapes) preparation of the range may compute the same: compared only
             # then, its arrays or its compiled program serve this one.
             digest = (self._preparation_digest(program, layers, range_key, params)
