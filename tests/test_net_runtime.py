@@ -950,7 +950,8 @@ def test_a_backward_after_a_forward_runs_from_its_pullback(monkeypatch):
         assert np.abs(net.blobs["x"].diff).max() > 0
         return list(ran)
 
-    # The first backward learns that one follows a forward (which read its weights prepared apart: no pullback).
+    # The first backward learns that one follows a forward; that forward, keeping no pullback, read its weights
+    # prepared apart.
     assert both() == ["forward", "prepare", "backward"]
     assert both() == ["forward-pullback", "backward-pullback"] == both()
     twice = lambda each: each.params["conv"][0].data.__imul__(2)  # noqa: E731
