@@ -1,0 +1,45 @@
+"""pyproject.toml's dependencies: what pip may resolve on each Python, and what this environment holds."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import pathlib
+import tomllib
+
+import pytest
+from packaging.requirements import Requirement
+
+PYPROJECT = pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml"
+
+
+def declared_dependencies() -> list[Requirement]:
+    return [Requirement(text) for text in tomllib.loads(PYPROJECT.read_text())["project"]["dependencies"]]
+
+
+def allowed(name: str, version: str, python: str) -> bool:
+    """Whether pip may install ``name`` at ``version`` for caffejax on Python ``python`` ("3.11")."""
+    environment = {"python_version": python, "python_full_version": f"{python}.0"}
+    return all(requirement.specifier.contains(version, prereleases=True) for requirement in declared_dependencies()
+               if requirement.name == name and (requirement.marker is None or requirement.marker.evaluate(environment)))
+
+
+def test_python_3_11_gets_an_ml_dtypes_its_numpy_imports_quickly():
+    # ml_dtypes 0.7 registers ufunc loops that NumPy < 2.5 adds in quadratic time (0.5-0.75 s at every import of
+    # JAX), and Python 3.11 gets no NumPy 2.5; 3.12 and later get NumPy 2.5, with which 0.7 imports quickly.
+    assert not allowed("ml_dtypes", "0.7.0", "3.11")
+    assert allowed("ml_dtypes", "0.6.0", "3.11")
+    assert allowed("ml_dtypes", "0.7.0", "3.12")
+    assert allowed("ml_dtypes", "0.7.0", "3.13")
+
+
+def test_the_installed_packages_satisfy_the_declared_dependencies():
+    for requirement in declared_dependencies():
+        if requirement.marker is not None and not requirement.marker.evaluate():
+            continue
+        try:
+            installed = importlib.metadata.version(requirement.name)
+        except importlib.metadata.PackageNotFoundError:
+            pytest.fail(f"{requirement.name} is not installed (pyproject.toml: {requirement})")
+        assert requirement.specifier.contains(installed, prereleases=True), (
+            f"{requirement.name} {installed} is installed; pyproject.toml asks {requirement} "
+            "(pip install -e . again)")
