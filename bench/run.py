@@ -359,7 +359,7 @@ def print_table(report: dict) -> None:
     print(f"\nmedian ms; ratios < 1 mean caffejax is faster. In-run GEMM ({label}): {gemm:.0f} GFLOP/s")
     header = ("net", "batch", "fwd ms", "OpenCV ms", "cj/OCV", "GFLOP/s", "%GEMM", "bf16 ms", "bf16 x", "top1",
               "train ms", "train/Caffe", "train/Caffe@here", "train %GEMM", "floor/Caffe", "Solver ms", "cold s",
-              "warm s", "start-up s", "read GB/s", "copy_from GB/s", "RSS MB")
+              "warm s", "start-up s", "import s", "read GB/s", "copy_from GB/s", "RSS MB")
     rows = [header]
     misses = []
     for name, result in report["nets"].items():
@@ -388,6 +388,8 @@ def print_table(report: dict) -> None:
             # (ResNet-50 at batch 16 computes for a second; no cache can start it in under one).
             second = b.get("warm", {}).get("second_call_s")
             startup = warm - second if warm is not None and second is not None else None
+            # What a fresh process spends before it can build a net: importing JAX and caffejax (bench/coldstart.py).
+            imported = b.get("warm", {}).get("import_s")
             rss = b.get("cold", {}).get("peak_rss_mb")
             load, copy = result["load"]["read_weights_gbs"], result["load"]["copy_from_gbs"]
             rows.append((name, batch_key, _fmt(fwd, ".1f"), _fmt(ocv, ".1f"), _fmt(ratio), _fmt(b["gflops"], ".0f"),
@@ -395,7 +397,7 @@ def print_table(report: dict) -> None:
                          _fmt(top1, ".3f"), _fmt(train, ".1f"), _fmt(train_ratio), _fmt(train_here),
                          _fmt(100 * train_gflops / gemm if train_gflops else None, ".0f"), _fmt(floor_ratio),
                          _fmt(b.get("solver", {}).get("median_ms"), ".1f"), _fmt(cold, ".1f"), _fmt(warm, ".2f"),
-                         _fmt(startup, ".2f"),
+                         _fmt(startup, ".2f"), _fmt(imported, ".2f"),
                          _fmt(load, ".2f"), _fmt(copy, ".2f"), _fmt(rss, ".0f")))
             limit = TARGET_FWD_RATIO.get(batch)
             if ratio is not None and limit is not None and ratio > limit:

@@ -277,3 +277,22 @@ def test_batch_sizes_bench_sends_the_stream_from_several_threads(tmp_path, capsy
     assert "from 3 thread(s)" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         batch_sizes.main(["--threads", "0"])
+
+
+def test_bench_table_shows_the_fresh_processes_import(capsys):
+    """The table's "import s": the warm-start process's import of JAX and caffejax before it builds the net (0.5-0.6
+    s on 2 AMD EPYC cores, 1.2-1.9 s while ml_dtypes 0.7 came with NumPy 2.4: pyproject.toml)."""
+    from bench import run
+
+    gemm = {"numpy_openblas": 200.0, "reference": "numpy_openblas", "n": 2048}
+    batch = {"fwd": {"median_ms": 0.1}, "gflops": 40.0, "cold": {"first_call_s": 0.18, "peak_rss_mb": 240.0},
+             "warm": {"first_call_s": 0.025, "second_call_s": 0.005, "import_s": 0.573}}
+    run.print_table({"gemm_gflops": gemm, "nets": {"lenet": {
+        "load": {"read_weights_gbs": 7.5, "copy_from_gbs": 3.1}, "batches": {"1": batch}}}})
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.lstrip().startswith("net"))
+    row = next(line for line in lines if line.lstrip().startswith("lenet"))
+    columns = re.split(r"\s{2,}", header.strip())
+    cells = row.split()
+    assert len(cells) == len(columns)
+    assert cells[columns.index("start-up s")] == "0.02" and cells[columns.index("import s")] == "0.57"
