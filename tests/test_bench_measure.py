@@ -280,8 +280,8 @@ def test_batch_sizes_bench_sends_the_stream_from_several_threads(tmp_path, capsy
 
 
 def test_bench_table_shows_the_fresh_processes_import(capsys):
-    """The table's "import s": the warm-start process's import of JAX and caffejax before it builds the net (0.5-0.6
-    s on 2 AMD EPYC cores, 1.2-1.9 s while ml_dtypes 0.7 came with NumPy 2.4: pyproject.toml)."""
+    """The table's "import s": the warm-start process's import of JAX and caffejax before it builds the net
+    (0.54-0.78 s on 2 AMD EPYC cores, 1.17-1.87 s while ml_dtypes 0.7 came with NumPy 2.4: pyproject.toml)."""
     from bench import run
 
     gemm = {"numpy_openblas": 200.0, "reference": "numpy_openblas", "n": 2048}
