@@ -38,15 +38,15 @@ ReLU): 3x3 on 56x56x64 102 against 180 GFLOP/s, AlexNet's conv1 86 against 168, 
 
 - ``xla_backend_optimization_level`` 1 (:data:`OPT_LEVEL_OPTION`; XLA's default is 3): float32 forward programs
   under :data:`QUICK_COMPILE_MAX_FLOPS`. Their time goes to library kernels (YNNPACK's, Eigen's) and a few small
-  loops, and LLVM's optimisation of those loops is a good part of their compile: fresh processes on 2 AMD EPYC cores, two rounds, the first Net.forward
-  (weights' preparation and the pass) at default / level 1: MTCNN's det1 at 1x3x48x64 0.45-0.50 / 0.32-0.36 s,
-  det2 at 8x3x24x24 0.67-0.75 / 0.49-0.57, det4 at 4x15x24x24 0.87-0.98 / 0.70-0.75, det3 at 8x3x48x48 0.67-0.69
-  / 0.61-0.65, LeNet at batch 1 0.25 / 0.23; compile_inference's first call det1 0.26-0.33 / 0.15-0.20 s, det2
-  0.50-0.62 / 0.34-0.39, det4 0.77-0.84 / 0.58-0.66. Their steady forwards, both programs in one process in
-  alternating blocks (10-14 rounds), level 1 over default: LeNet at batch 1 0.996 and 16 1.01, det2 0.90, det3
-  0.97, det4 0.94, det1 even; the same bits. Bigger programs keep level 3: SqueezeNet v1.1 at batch 1 (775
-  MFLOP) read 1.02 and other bits. bfloat16 programs too: their conversions are LLVM's loops (det2's bfloat16
-  forward 1.10 at level 1, LeNet's at batch 1 1.03).
+  loops, and LLVM's optimisation of those loops is a good part of their compile: fresh processes on 2 AMD EPYC
+  cores, two rounds, the first Net.forward (weights' preparation and the pass) at default / level 1: MTCNN's det1 at
+  1x3x48x64 0.45-0.50 / 0.32-0.36 s, det2 at 8x3x24x24 0.67-0.75 / 0.49-0.57, det4 at 4x15x24x24 0.87-0.98 /
+  0.70-0.75, det3 at 8x3x48x48 0.67-0.69 / 0.61-0.65, LeNet at batch 1 0.25 / 0.23; compile_inference's first call
+  det1 0.26-0.33 / 0.15-0.20 s, det2 0.50-0.62 / 0.34-0.39, det4 0.77-0.84 / 0.58-0.66. Their steady forwards, both
+  programs in one process in alternating blocks (10-14 rounds), level 1 over default: LeNet at batch 1 0.996 and 16
+  1.01, det2 0.90, det3 0.97, det4 0.94, det1 even; the same bits. Bigger programs keep level 3: SqueezeNet v1.1 at
+  batch 1 (775 MFLOP) read 1.02 and other bits. bfloat16 programs too: their conversions are LLVM's loops (det2's
+  bfloat16 forward 1.10 at level 1, LeNet's at batch 1 1.03).
 
 Options go through ``jax.jit(compiler_options=...)``; nothing process-wide changes. ``CAFFEJAX_XLA_YNN=0``
 in the environment turns YNNPACK off for every program (an empty fusion list, not XLA's default);
@@ -134,23 +134,22 @@ def xla_options_for(net, backward: bool = False, dtype=jnp.float32) -> dict[str,
 def forward_options(flops: float, dtype=jnp.float32) -> dict[str, str]:
     """The options for a forward program of ``flops`` (:func:`matmul_flops`) in ``dtype``: also those a loaded
     StableHLO export (caffejax.export) is compiled with, from the count the export recorded."""
+    quick = flops < QUICK_COMPILE_MAX_FLOPS and jnp.dtype(dtype) == jnp.float32
     if not (environment_switch(ENVIRONMENT) or flops >= YNN_MIN_FLOPS):
-        options = _options(None)
-    else:
-        options = _options(YNN_INDIVIDUAL_DOT if bf16_matrix_programs(dtype) else YNN_DOT)
-    if flops < QUICK_COMPILE_MAX_FLOPS and jnp.dtype(dtype) == jnp.float32 and jax.default_backend() == "cpu":
-        options[OPT_LEVEL_OPTION] = "1"
-    return options
+        return _options(None, quick)
+    return _options(YNN_INDIVIDUAL_DOT if bf16_matrix_programs(dtype) else YNN_DOT, quick)
 
 
-def _options(fusion_type: str | None) -> dict[str, str]:
+def _options(fusion_type: str | None, quick_compile: bool = False) -> dict[str, str]:
     """``fusion_type`` as the option on XLA:CPU (None: XLA's default), unless ``CAFFEJAX_XLA_YNN=0`` turns
-    YNNPACK off; no options on other backends."""
+    YNNPACK off, and with ``quick_compile`` the backend's optimisation level 1; no options on other backends."""
     if jax.default_backend() != "cpu":
         return {}
     if environment_switch(ENVIRONMENT) is False:
-        return {YNN_OPTION: YNN_OFF}
-    return {} if fusion_type is None else {YNN_OPTION: fusion_type}
+        options = {YNN_OPTION: YNN_OFF}
+    else:
+        options = {} if fusion_type is None else {YNN_OPTION: fusion_type}
+    return {**options, OPT_LEVEL_OPTION: "1"} if quick_compile else options
 
 
 # A YNNPACK fusion's call of its computation, in a compiled program's HLO text.
