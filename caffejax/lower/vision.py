@@ -974,20 +974,20 @@ def _row_major_scan_bwd(g, first_axis, differentiated_top_by_window, winner, cot
     JAX's own transpose of the window views (k*k padded arrays, summed) ran as one loop testing every offset's
     interior padding per element: about 10% of AlexNet's and GoogLeNet's training steps at batch 16.
 
-    Where windows do not overlap, every cell of a window reads its output's diff, and XLA:CPU fuses what makes
-    the diffs (LeNet's pool1: conv2's input gradient, a sum of 25 views) into each of those s*s reads. There the
-    residues are written out apart (:func:`caffejax.lower.common.unfused`), reading the diffs once: against
-    the diffs spread out by the stride (:func:`_spread_to_winners`, k*k masked views, which XLA made in four
-    passes), LeNet's training step took 0.94 of the time at batch 16 (2.49 -> 2.34 ms; outputs bit for bit
-    the same), 0.88 at batch 64 and the same at batch 1, a VGG-like one (3x3 convolutions, 2x2/2 pools,
-    112x112, batch 16) 0.98 (2 Sapphire Rapids cores). Overlapping windows' residues stay in the program:
-    written out apart, SqueezeNet v1.1's step at batch 16 took 1.03 of the time. Off the CPU, where
-    ``unfused`` is a plain call and nothing was measured, non-overlapping windows keep the spread form."""
+    Where windows do not overlap, every cell of a window reads its output's diff, and XLA:CPU fuses what makes the
+    diffs (LeNet's pool1: conv2's input gradient, a sum of 25 views) into each of those s*s reads. There the
+    residues are written out apart (:func:`caffejax.lower.common.unfused`; :func:`_residues_interleaved`), reading
+    the diffs once: against the diffs spread out by the stride (:func:`_spread_to_winners`, k*k masked views, which
+    XLA made in four passes), LeNet's training step took 0.94 of the time at batch 16 (2.49 -> 2.34 ms; outputs bit
+    for bit the same), 0.88 at batch 64 and the same at batch 1, a VGG-like one (3x3 convolutions, 2x2/2 pools,
+    112x112, batch 16) 0.98 (2 Sapphire Rapids cores). Overlapping windows' residues stay in the program: written
+    out apart, SqueezeNet v1.1's step at batch 16 took 1.03 of the time. Off the CPU, where ``unfused`` is a plain
+    call and nothing was measured, non-overlapping windows keep the spread form."""
     dtop = cotangents[0]
     if any(k > s for k, s in zip(g.kernel, g.stride)):
         dxpad = _residues_to_winners(g, first_axis, winner, dtop)
     elif jax.default_backend() == "cpu":  # (vmapped, the conditional's test is batched: both branches run)
-        dxpad = unfused(lambda d, w: _residues_to_winners(g, first_axis, w, d), dtop, winner)
+        dxpad = unfused(lambda d, w: _residues_interleaved(g, first_axis, w, d), dtop, winner)
     else:
         dxpad = _spread_to_winners(g, first_axis, winner, dtop)
     return (_pad(dxpad, first_axis, [(-lo, -hi) for lo, hi in g.padding()], 0),)
@@ -1027,6 +1027,30 @@ def _residues_to_winners(g: PoolGeometry, first_axis: int, winner: jax.Array, dt
         offset = offset.reshape(ones_lead + (1, sh, 1, sw) + ones_trailing)
         dx = dx + jnp.where(view(won, q) == offset, view(gradient, q), 0)
     dxpad = dx.reshape(lead + (cells[0] * sh, cells[1] * sw) + trailing)
+    return lax.slice(dxpad, [0] * dxpad.ndim, list(lead) + list(g.padded_size) + list(trailing))
+
+
+def _residues_interleaved(g: PoolGeometry, first_axis: int, winner: jax.Array, dtop: jax.Array) -> jax.Array:
+    """:func:`_residues_to_winners` for windows that do not overlap (kernel <= stride per axis), where each cell
+    takes at most one output's diff: one select per residue (r_h, r_w) of the stride at the outputs' own size,
+    the s*s of them stacked and interleaved into place. The same values, bit for bit.
+
+    :func:`_residues_to_winners` writes one select over (outputs, r_h, outputs, r_w, channels) whose innermost
+    loop is the channels. At LLVM's level 3 (XLA's default) a loop of 16-37 such iterations is unrolled whole
+    before the loop vectorizer runs, and on AVX2 (no mask registers) the unrolled int8 compare and float select
+    stay scalar. On 2 AMD EPYC (Zen 3, AVX2 only) cores, alone (in its conditional): LeNet's pool1 (16x24x24x20,
+    2x2/2) 0.20 -> 0.04 ms (minima; 0.07 at level 2), MTCNN-like 16x48x48x10 0.46 -> 0.09, 16x8x8x50 and VGG's
+    shapes (64-512 channels) even; LeNet's training step (one process, alternating, the same weights after
+    three steps, bit for bit) 0.88-0.90 of the time at batch 16, 0.91 at 64, 0.97 at 1. Not measured on
+    AVX-512 hosts, where the select is a smaller share (~0.07 of LeNet's ~2.1 ms step)."""
+    lead, trailing = dtop.shape[:first_axis], dtop.shape[first_axis + 2:]
+    (sh, sw), (kh, kw) = g.stride, g.kernel
+    parts = [jnp.where(winner == winner.dtype.type(rh * kw + rw), dtop, 0) if rh < kh and rw < kw
+             else jnp.zeros_like(dtop) for rh in range(sh) for rw in range(sw)]
+    stacked = jnp.stack(parts, axis=first_axis + 2).reshape(lead + tuple(g.out) + (sh, sw) + trailing)
+    a = first_axis  # lead, o_h, o_w, r_h, r_w, trailing -> lead, o_h, r_h, o_w, r_w, trailing
+    order = list(range(a)) + [a, a + 2, a + 1, a + 3] + list(range(a + 4, stacked.ndim))
+    dxpad = stacked.transpose(order).reshape(lead + (g.out[0] * sh, g.out[1] * sw) + trailing)
     return lax.slice(dxpad, [0] * dxpad.ndim, list(lead) + list(g.padded_size) + list(trailing))
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -219,6 +220,33 @@ def test_max_pool_gradient_of_windows_apart_reads_its_diffs_once():
             _, winner = vision._scan_with_winner(x, g, 1)
             spread = vision._spread_to_winners(g, 1, winner, a * b)[:, :x.shape[1], :x.shape[2]]  # the ceil row off
             np.testing.assert_array_equal(np.asarray(jax.jit(pullback)(x, a, b)), np.asarray(spread))
+
+
+@pytest.mark.parametrize("first_axis", [1, 2])
+def test_max_pool_windows_apart_route_by_one_select_per_residue(first_axis):
+    """Windows that do not overlap take their gradient as one select per residue of the stride, at the outputs'
+    size, interleaved into place (vision._residues_interleaved): bit for bit the general residues' values, for
+    kernels below the stride, padding and ceil-mode overhangs, in either layout; and no select over (outputs,
+    residue, outputs, residue, channels), whose channels loop XLA:CPU left scalar on AVX2 (LeNet's pool1 5x
+    slower there)."""
+    from caffejax.lower import vision
+
+    rng = np.random.default_rng(5)
+    for kernel, stride, pad, size in (((2, 2), (2, 2), (0, 0), (8, 8)), ((2, 2), (2, 2), (1, 0), (7, 9)),
+                                      ((1, 1), (2, 2), (0, 0), (7, 7)), ((2, 1), (3, 2), (1, 0), (10, 7)),
+                                      ((3, 3), (3, 3), (1, 1), (11, 11))):
+        g = vision.pooling_geometry(_pool_layer("MAX", kernel, stride, pad, "CEIL"), (2, 20) + size)
+        out = (2,) + g.out + (20,) if first_axis == 1 else (2, 20) + g.out
+        winner = rng.integers(-1, kernel[0] * kernel[1], out).astype(np.int8)
+        dtop = rng.normal(size=out).astype(np.float32)
+        dtop.flat[::7] = -0.0
+        routed = jax.jit(lambda w, d: vision._residues_interleaved(g, first_axis, w, d))
+        expected = jax.jit(lambda w, d: vision._residues_to_winners(g, first_axis, w, d))(winner, dtop)
+        np.testing.assert_array_equal(np.asarray(routed(winner, dtop)).view(np.int32),
+                                      np.asarray(expected).view(np.int32), err_msg=f"{kernel} {stride} {pad}")
+        if jax.default_backend() == "cpu":
+            hlo = routed.lower(winner, dtop).compile().as_text()
+            assert not re.search(r"pred\[\d+(,\d+){5}\]\S* compare\(", hlo), (kernel, stride, pad)
 
 
 def _ties_nan_and_minus_inf(shape, seed):
