@@ -1262,6 +1262,23 @@ def test_big_one_channel_convolution_runs_as_taps_and_keeps_outputs():
     assert optimize.layout_kernels(net.graph)["conv1"].name == "conv_taps"
 
 
+def test_colour_convolution_with_few_filters_runs_as_taps_and_keeps_outputs():
+    """MTCNN's det1 conv1 (3 channels, 3x3, 10 filters) on a big image takes the shifted multiply-adds, channels
+    first, in compile_inference and in the net's own programs; det2's (28 filters) keeps XLA's convolution; the
+    outputs are Caffe's rules' either way."""
+    for name, shape, kernel in (("det1", (1, 3, 240, 320), "conv_taps"), ("det2", (32, 3, 24, 24), "conv_nhwc")):
+        net = caffejax.Net(str(BUNDLED / f"mtcnn/{name}.prototxt"), caffejax.TEST,
+                           weights=str(BUNDLED / f"mtcnn/{name}.caffemodel"))
+        x = np.random.default_rng(3).random(shape, dtype=np.float32)
+        reference = caffejax.compile_inference(net, passes=())({"data": x})
+        infer = caffejax.compile_inference(net)
+        _check(infer({"data": x}), reference, name)
+        assert infer.plan({"data": shape}).kernels["conv1"].name == kernel, name
+        net.blobs["data"].reshape(*shape)
+        net.reshape()
+        assert optimize.layout_kernels(net.graph)["conv1"].name == kernel, name
+
+
 def test_big_one_channel_convolution_is_written_out_apart_from_the_pooling_reading_it():
     """LeNet's conv1 taps at batch 16 are computed in a conditional (common.unfused), so that pool1's loop reads
     them instead of computing each one again in every window: no computation of the program both multiplies

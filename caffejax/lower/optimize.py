@@ -745,13 +745,22 @@ def conv_gemm(plan: Plan) -> Plan:
 # 1 x 5x5 -> 16x24x24x20) 1.28-1.69 -> 1.13-1.39 ms (minimum 1.18-1.21 -> 0.97-1.04). Slower at batch 1
 # (11520 outputs; minimum 0.158 -> 0.185 ms) and for SqueezeNet v1.1's 3-channel conv1 (batch 16: 112 ->
 # 122-136 ms); MobileNet v2's 3-channel conv1 within noise.
+# Over up to TAPS_MAX_CHANNELS channels (a colour image) with at most TAPS_MAX_FILTERS filters, too: XLA's
+# convolution ran MTCNN's det1 conv1 (3 x 3x3 -> 10) at about 8 GFLOP/s. compile_inference, alternating
+# blocks, 2 AMD EPYC (Zen 3) cores, taps over XLA's convolution: det1 at 480x640 0.70 of the time (25.0 ->
+# 17.5 ms; OpenCV 4.14 23.0 ms), at 240x320 0.59, at 120x160 0.69; a 3 x 3x3 -> N conv, ReLU, 2x2 pool, 3x3 ->
+# 16 conv at 240x320: N = 8 0.46, 16 0.71, 24 1.00; at 16x48x48 N = 8 0.57, 16 0.84. With 28-32 filters on
+# small images they lost: det2 (32x24x24, 28 filters) 1.24, det3 (16x48x48, 32 filters) 1.10.
 TAPS_MAX_TERMS = 32
 TAPS_MIN_OUTPUTS = 1 << 16
+TAPS_MAX_CHANNELS = 3
+TAPS_MAX_FILTERS = 16
 
 
 def _taps_applies(conv: ConvShape) -> bool:
     outputs = conv.batch * math.prod(conv.out) * conv.num_output
-    return (conv.group == 1 and conv.channels == 1 and math.prod(conv.geometry.kernel) <= TAPS_MAX_TERMS
+    few = conv.channels == 1 or (conv.channels <= TAPS_MAX_CHANNELS and conv.num_output <= TAPS_MAX_FILTERS)
+    return (conv.group == 1 and few and math.prod(conv.geometry.kernel) * conv.channels <= TAPS_MAX_TERMS
             and outputs >= TAPS_MIN_OUTPUTS)
 
 
@@ -769,7 +778,8 @@ def _taps_conv_kernel(conv: ConvShape, rounded: bool = True) -> Kernel:
 
 
 def conv_taps(plan: Plan) -> Plan:
-    """Big convolutions over one input channel (a first layer on a gray image) as shifted multiply-adds."""
+    """Big convolutions over one input channel (a first layer on a gray image), or over a few with few filters
+    (MTCNN's det1 on a colour image), as shifted multiply-adds."""
     return _replace_conv_kernels(plan, lambda conv: _taps_conv_kernel(conv) if _taps_applies(conv) else None)
 
 
