@@ -122,11 +122,12 @@ def test_ynnpack_off_means_no_ynnpack_fusions(monkeypatch):
 
 
 def test_bfloat16_forwards_get_single_dots_where_the_cpu_multiplies_bfloat16(monkeypatch):
-    """A big bfloat16 forward on a CPU with bfloat16 matrix instructions sends each dot to YNNPACK alone (which
-    runs bfloat16 -> float32 products on them) and runs conv_gemm, conv_im2col, winograd_medium, widen and
-    defer_rounding besides the default passes. A small one keeps XLA's default, as a float32 one does (it
-    hands dots, and convolutions, to YNNPACK one by one). Elsewhere, and for float32 or a backward, nothing
-    changes."""
+    """A big bfloat16 forward sends each dot to YNNPACK alone: on a CPU with bfloat16 matrix instructions it
+    runs bfloat16 -> float32 products on them, and there the passes conv_gemm, conv_im2col, winograd_medium,
+    widen and defer_rounding run besides the default ones; elsewhere dot fusions would drop its roundings (see
+    test_ynnpack_fusions_keep_no_bfloat16_rounding). A small one keeps XLA's default, as a float32 one does
+    (it hands dots, and convolutions, to YNNPACK one by one). A 16-bit program with a backward takes single
+    dots and no reductions; float32 programs take dot (and reduction) fusions on either CPU."""
     from caffejax.lower.optimize import DEFAULT_PASSES
     from caffejax.runtime.inference import default_passes
 
@@ -139,10 +140,10 @@ def test_bfloat16_forwards_get_single_dots_where_the_cpu_multiplies_bfloat16(mon
     cpu = jax.default_backend() == "cpu"
     dots = {xla_options.YNN_OPTION: xla_options.YNN_DOT} if cpu else {}
     with_backward = {xla_options.YNN_OPTION: xla_options.YNN_DOT_AND_REDUCE} if cpu else {}
+    single = {xla_options.YNN_OPTION: xla_options.YNN_INDIVIDUAL_DOT} if cpu else {}
     for has in (True, False):
         monkeypatch.setattr(xla_options, "cpu_has_bf16_matrix_instructions", lambda has=has: has)
         matrix = has and cpu
-        single = {xla_options.YNN_OPTION: xla_options.YNN_INDIVIDUAL_DOT} if matrix else dots
         assert xla_options.bf16_matrix_programs(jnp.bfloat16) == matrix
         assert not xla_options.bf16_matrix_programs(jnp.float32)
         assert xla_options.compiler_options(big, dtype=jnp.bfloat16) == single
@@ -151,7 +152,9 @@ def test_bfloat16_forwards_get_single_dots_where_the_cpu_multiplies_bfloat16(mon
         assert xla_options.compiler_options(small, dtype=jnp.float32) == (
             {xla_options.OPT_LEVEL_OPTION: "1"} if cpu else {})
         for graph in (big, small):
-            assert xla_options.compiler_options(graph, backward=True, dtype=jnp.bfloat16) == with_backward
+            assert xla_options.compiler_options(graph, backward=True, dtype=jnp.bfloat16) == single
+            assert xla_options.compiler_options(graph, backward=True, dtype=jnp.float16) == single
+            assert xla_options.compiler_options(graph, backward=True) == with_backward
         assert default_passes(jnp.float32) == DEFAULT_PASSES
         assert default_passes(jnp.bfloat16) == (
             DEFAULT_PASSES + ("merge_concat_convolutions", "conv_gemm", "conv_im2col", "winograd_medium", "widen",
@@ -162,6 +165,31 @@ def test_bfloat16_forwards_get_single_dots_where_the_cpu_multiplies_bfloat16(mon
         monkeypatch.delenv(xla_options.ENVIRONMENT)
     monkeypatch.setenv(xla_options.ENVIRONMENT, "0")
     assert xla_options.compiler_options(small, dtype=jnp.bfloat16) == ({xla_options.YNN_OPTION: ""} if cpu else {})
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="an XLA:CPU option")
+def test_ynnpack_fusions_keep_no_bfloat16_rounding():
+    """The options a bfloat16 net's programs get keep every rounding to bfloat16 the program defines. Inside
+    YNNPACK's dot and reduction fusions XLA:CPU (jaxlib 0.10.2) dropped them on a CPU without bfloat16
+    instructions (2 AMD EPYC Zen 3 cores: x rounded to bfloat16 and widened, times the identity, came back as
+    x itself). A forward big enough for YNNPACK and a backward, each through caffejax's options for it."""
+    net = caffejax.Net(str(LENET), caffejax.TEST)
+    net.blobs["data"].reshape(64, 1, 28, 28)
+    net.reshape()
+    x = np.random.default_rng(6).standard_normal((64, 800)).astype(np.float32) * 10
+    rounded = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)
+
+    def forward(x, w):  # rounded in, rounded out, around a float32 product
+        y = jnp.asarray(x, jnp.bfloat16).astype(jnp.float32) @ w
+        return y.astype(jnp.bfloat16).astype(jnp.float32)
+
+    for backward in (False, True):
+        options = xla_options.compiler_options(net.graph, backward=backward, dtype=jnp.bfloat16)
+        np.testing.assert_array_equal(np.asarray(jax.jit(forward, compiler_options=options)(x, jnp.eye(800))),
+                                      rounded, err_msg=f"backward={backward}")
+    sums = jax.jit(lambda x: jnp.sum(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32), axis=0),
+                   compiler_options=xla_options.compiler_options(net.graph, backward=True, dtype=jnp.bfloat16))
+    np.testing.assert_allclose(np.asarray(sums(x)), rounded.sum(axis=0), rtol=1e-6, atol=1e-5)
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="an XLA:CPU option")

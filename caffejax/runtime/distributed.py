@@ -386,7 +386,7 @@ class DataParallel:
             on_device, mesh=self.mesh, check_vma=False,
             in_specs=(REPLICATED, REPLICATED, PER_DEVICE, PartitionSpec(None, AXIS), REPLICATED, REPLICATED),
             out_specs=(REPLICATED, REPLICATED, REPLICATED, REPLICATED, PER_DEVICE, REPLICATED, REPLICATED)),
-            compiler_options=compiler_options(one_device, backward=True))
+            compiler_options=compiler_options(one_device, backward=True, dtype=net._dtype))
         replicas = self._replicas
 
         def run(params, history, fed, pulled, key, scalars):

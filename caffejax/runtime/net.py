@@ -856,7 +856,7 @@ class Net:
             def counted(*args):
                 self.compile_count += 1
                 return build(*args)
-            options = compiler_options(self._graph, backward=kind.startswith("backward"))
+            options = compiler_options(self._graph, backward=kind.startswith("backward"), dtype=self._dtype)
             fn = jit_through_cache(counted, options=options,
                                    describe=lambda: self._cache_description(kind, start, end, variant))
             if matmul_flops(self._graph) >= DEVICE_ARGUMENTS_MIN_FLOPS:

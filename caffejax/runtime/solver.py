@@ -379,7 +379,8 @@ class Solver:
                 # It folds the pass count into the seed's key itself (net._folding_key): (params, history, fed,
                 # pulled, seed key, count, scalars, spare).
                 step = _folding_key(counted_step(net._program, returned=self._returned_blobs()), 4)
-                fn = jit_through_cache(_into_spare(step), options=compiler_options(net.graph, backward=True),
+                fn = jit_through_cache(_into_spare(step), options=compiler_options(net.graph, backward=True,
+                                                                                   dtype=net._dtype),
                                        describe=self._step_description, keep_unused=True,
                                        donate_argnums=(7,) if self._tops_may_be_sized_by_data else (1, 7))
             self._programs[cache_key] = fn

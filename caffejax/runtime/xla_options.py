@@ -16,25 +16,30 @@ ReLU): 3x3 on 56x56x64 102 against 180 GFLOP/s, AlexNet's conv1 86 against 168, 
   XLA's default, which there was fastest: LeNet at batch 1, 0.16 ms a forward, against 0.35-0.41 ms with
   dot fusions and 0.32-0.44 ms with YNNPACK off.
 - ``...,LIBRARY_FUSION_TYPE_REDUCE`` (:data:`YNN_DOT_AND_REDUCE`): every program with a backward pass (a
-  ``Net.backward``, a training step), whatever its size. A training step sums over batch and space for every
-  bias and depthwise-filter gradient, and XLA's own reductions that keep the minor (channel) axis run at 3-4
-  GB/s. Measured on 2 AVX2 cores, one training step at batch 16: MobileNet v2 5.0 -> 2.4 s, AlexNet 1.1 ->
-  0.85 s, SqueezeNet 0.99 -> 0.88 s, ResNet-50 4.5 -> 4.1 s, LeNet 7.3 -> 6.2 ms, GoogLeNet unchanged; LeNet
-  at batch 1, 1.26-1.28 ms against 1.39-1.64 ms under XLA's default and 1.47-1.91 ms with YNNPACK off.
-  Element-wise fusions through YNNPACK made every step slower.
+  ``Net.backward``, a training step), whatever its size, but for 16-bit nets' (single dots, below). A training step
+  sums over batch and space for every bias and depthwise-filter gradient, and XLA's own reductions that keep the
+  minor (channel) axis run at 3-4 GB/s. Measured on 2 AVX2 cores, one training step at batch 16: MobileNet v2 5.0 ->
+  2.4 s, AlexNet 1.1 -> 0.85 s, SqueezeNet 0.99 -> 0.88 s, ResNet-50 4.5 -> 4.1 s, LeNet 7.3 -> 6.2 ms, GoogLeNet
+  unchanged; LeNet at batch 1, 1.26-1.28 ms against 1.39-1.64 ms under XLA's default and 1.47-1.91 ms with YNNPACK
+  off. Element-wise fusions through YNNPACK made every step slower.
 
 - ``LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT`` (:data:`YNN_INDIVIDUAL_DOT`): bfloat16 forward programs
-  (``compile_inference(dtype=jnp.bfloat16)``) with at least :data:`YNN_MIN_FLOPS` on a CPU with bfloat16
-  matrix instructions (AVX512_BF16 or AMX-BF16, :func:`cpu_has_bf16_matrix_instructions`). YNNPACK takes each
-  bfloat16 x bfloat16 -> float32 dot on its own and runs it on those instructions; convolutions stay XLA's.
-  Measured on 2 Sapphire Rapids cores, a 2048^2 product: 570-980 GFLOP/s, against 140-200 inside dot fusions
-  (:data:`YNN_DOT`) and 240 for float32. On 2 AMD EPYC cores with AVX512_BF16 but no AMX, bfloat16 products
-  of ResNet-50's shapes ran at 240-360 GFLOP/s this way against 175-200 in dot fusions. XLA's default also
-  sends convolutions to YNNPACK, where a float32 3x3 one ran at 175 GFLOP/s against 220-250 under this
-  option. Smaller bfloat16 forwards keep XLA's default, as float32 ones do; it hands their bfloat16 dots to
-  YNNPACK one by one as well, and LeNet's 1-channel conv1 (widened to float32) runs faster there: LeNet's
-  bfloat16 forward at batch 1 took 0.21 ms against 0.25-0.26 ms under this option, at batch 4 0.35 against
-  0.43 ms (paired A/B, 2 AMD EPYC cores).
+  (``compile_inference(dtype=jnp.bfloat16)``) with at least :data:`YNN_MIN_FLOPS`. YNNPACK takes each dot on
+  its own; convolutions, and the roundings to bfloat16 around the dots, stay XLA's. On a CPU with bfloat16
+  matrix instructions (AVX512_BF16 or AMX-BF16, :func:`cpu_has_bf16_matrix_instructions`) each bfloat16 x
+  bfloat16 -> float32 dot runs on those. Measured on 2 Sapphire Rapids cores, a 2048^2 product: 570-980
+  GFLOP/s, against 140-200 inside dot fusions (:data:`YNN_DOT`) and 240 for float32. On 2 AMD EPYC cores with
+  AVX512_BF16 but no AMX, bfloat16 products of ResNet-50's shapes ran at 240-360 GFLOP/s this way against
+  175-200 in dot fusions. XLA's default also sends convolutions to YNNPACK, where a float32 3x3 one ran at 175
+  GFLOP/s against 220-250 under this option. On a CPU without them (AVX2), where a bfloat16 program widens its
+  values for float32 products, dot fusions are wrong for bfloat16: YNNPACK (jaxlib 0.10.2) drops the float32 ->
+  bfloat16 roundings it takes into a fusion, on the dot's operands and on its result, so that
+  ``x.astype(bfloat16).astype(float32) @ eye`` came back as ``x`` itself, and LeNet's bfloat16 forward gave 18
+  of its 160 probabilities other values than the rounding the program defines (2 AMD EPYC Zen 3 cores). Smaller
+  bfloat16 forwards keep XLA's default, as float32 ones do; it hands their dots to YNNPACK one by one as well,
+  and LeNet's 1-channel conv1 (widened to float32) runs faster there: LeNet's bfloat16 forward at batch 1 took
+  0.21 ms against 0.25-0.26 ms under this option, at batch 4 0.35 against 0.43 ms (paired A/B, 2 AMD EPYC
+  cores).
 
 - ``xla_backend_optimization_level`` 1 (:data:`OPT_LEVEL_OPTION`; XLA's default is 3): float32 forward programs
   under :data:`QUICK_COMPILE_MAX_FLOPS`. Their time goes to library kernels (YNNPACK's, Eigen's) and a few small
@@ -118,17 +123,17 @@ def compiler_options(graph: Graph, backward: bool = False, dtype=jnp.float32) ->
     """The options for one program running ``graph`` in ``dtype``: one forward, or with ``backward`` a
     program that also computes gradients (a backward pass, a training step)."""
     if backward:
-        return _options(YNN_DOT_AND_REDUCE)
+        return _options(YNN_INDIVIDUAL_DOT if _is_16_bit(dtype) else YNN_DOT_AND_REDUCE)
     return forward_options(matmul_flops(graph), dtype)
 
 
-def xla_options_for(net, backward: bool = False, dtype=jnp.float32) -> dict[str, str]:
-    """The XLA options caffejax compiles ``net``'s programs with (:func:`compiler_options`), for programs a user
-    jits: ``jax.jit(caffejax.value_and_grad(net), compiler_options=caffejax.xla_options_for(net, backward=True))``,
-    or a Flax training step jitted through ``nnx.split``/``nnx.merge`` (``nnx.jit`` takes no options). Empty off
-    the CPU. Under ``jax.jit``'s defaults SqueezeNet v1.1's value_and_grad at batch 16 took 445 against 364 ms
-    (2 AMD EPYC cores)."""
-    return compiler_options(net.graph, backward=backward, dtype=dtype)
+def xla_options_for(net, backward: bool = False, dtype=None) -> dict[str, str]:
+    """The XLA options caffejax compiles ``net``'s programs with (:func:`compiler_options`; ``dtype`` by default the
+    net's own), for programs a user jits: ``jax.jit(caffejax.value_and_grad(net),
+    compiler_options=caffejax.xla_options_for(net, backward=True))``, or a Flax training step jitted through
+    ``nnx.split``/``nnx.merge`` (``nnx.jit`` takes no options). Empty off the CPU. Under ``jax.jit``'s defaults
+    SqueezeNet v1.1's value_and_grad at batch 16 took 445 against 364 ms (2 AMD EPYC cores)."""
+    return compiler_options(net.graph, backward=backward, dtype=net._dtype if dtype is None else dtype)
 
 
 def forward_options(flops: float, dtype=jnp.float32) -> dict[str, str]:
@@ -137,7 +142,13 @@ def forward_options(flops: float, dtype=jnp.float32) -> dict[str, str]:
     quick = flops < QUICK_COMPILE_MAX_FLOPS and jnp.dtype(dtype) == jnp.float32
     if not (environment_switch(ENVIRONMENT) or flops >= YNN_MIN_FLOPS):
         return _options(None, quick)
-    return _options(YNN_INDIVIDUAL_DOT if bf16_matrix_programs(dtype) else YNN_DOT, quick)
+    return _options(YNN_INDIVIDUAL_DOT if _is_16_bit(dtype) else YNN_DOT, quick)
+
+
+def _is_16_bit(dtype) -> bool:
+    """Whether a program computing in ``dtype`` rounds its values to 16 bits (bfloat16, float16): YNNPACK's
+    fusions other than single dots drop those roundings (see the module's note on :data:`YNN_INDIVIDUAL_DOT`)."""
+    return jnp.dtype(dtype).itemsize == 2
 
 
 def _options(fusion_type: str | None, quick_compile: bool = False) -> dict[str, str]:
