@@ -121,7 +121,7 @@ def test_ynnpack_off_means_no_ynnpack_fusions(monkeypatch):
     assert "__ynn_fusion" in compiled_text(xla_options.compiler_options(graph))
 
 
-def test_bfloat16_forwards_get_single_dots_where_the_cpu_multiplies_bfloat16(monkeypatch):
+def test_bfloat16_programs_get_single_dots_and_bfloat16_passes_where_the_cpu_multiplies_bfloat16(monkeypatch):
     """A big bfloat16 forward sends each dot to YNNPACK alone: on a CPU with bfloat16 matrix instructions it
     runs bfloat16 -> float32 products on them, and there the passes conv_gemm, conv_im2col, winograd_medium,
     widen and defer_rounding run besides the default ones; elsewhere dot fusions would drop its roundings (see

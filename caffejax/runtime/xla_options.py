@@ -23,23 +23,23 @@ ReLU): 3x3 on 56x56x64 102 against 180 GFLOP/s, AlexNet's conv1 86 against 168, 
   unchanged; LeNet at batch 1, 1.26-1.28 ms against 1.39-1.64 ms under XLA's default and 1.47-1.91 ms with YNNPACK
   off. Element-wise fusions through YNNPACK made every step slower.
 
-- ``LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT`` (:data:`YNN_INDIVIDUAL_DOT`): bfloat16 forward programs
-  (``compile_inference(dtype=jnp.bfloat16)``) with at least :data:`YNN_MIN_FLOPS`. YNNPACK takes each dot on
-  its own; convolutions, and the roundings to bfloat16 around the dots, stay XLA's. On a CPU with bfloat16
-  matrix instructions (AVX512_BF16 or AMX-BF16, :func:`cpu_has_bf16_matrix_instructions`) each bfloat16 x
-  bfloat16 -> float32 dot runs on those. Measured on 2 Sapphire Rapids cores, a 2048^2 product: 570-980
-  GFLOP/s, against 140-200 inside dot fusions (:data:`YNN_DOT`) and 240 for float32. On 2 AMD EPYC cores with
-  AVX512_BF16 but no AMX, bfloat16 products of ResNet-50's shapes ran at 240-360 GFLOP/s this way against
-  175-200 in dot fusions. XLA's default also sends convolutions to YNNPACK, where a float32 3x3 one ran at 175
-  GFLOP/s against 220-250 under this option. On a CPU without them (AVX2), where a bfloat16 program widens its
-  values for float32 products, dot fusions are wrong for bfloat16: YNNPACK (jaxlib 0.10.2) drops the float32 ->
-  bfloat16 roundings it takes into a fusion, on the dot's operands and on its result, so that
-  ``x.astype(bfloat16).astype(float32) @ eye`` came back as ``x`` itself, and LeNet's bfloat16 forward gave 18
-  of its 160 probabilities other values than the rounding the program defines (2 AMD EPYC Zen 3 cores). Smaller
-  bfloat16 forwards keep XLA's default, as float32 ones do; it hands their dots to YNNPACK one by one as well,
-  and LeNet's 1-channel conv1 (widened to float32) runs faster there: LeNet's bfloat16 forward at batch 1 took
-  0.21 ms against 0.25-0.26 ms under this option, at batch 4 0.35 against 0.43 ms (paired A/B, 2 AMD EPYC
-  cores).
+- ``LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT`` (:data:`YNN_INDIVIDUAL_DOT`): 16-bit programs, bfloat16 forwards
+  (``compile_inference(dtype=jnp.bfloat16)``) with at least :data:`YNN_MIN_FLOPS` and every one with a backward (a
+  ``Net(dtype=jnp.bfloat16)``'s). YNNPACK takes each dot on its own; convolutions, and the roundings to bfloat16
+  around the dots, stay XLA's. On a CPU with bfloat16 matrix instructions (AVX512_BF16 or AMX-BF16,
+  :func:`cpu_has_bf16_matrix_instructions`) each bfloat16 x bfloat16 -> float32 dot runs on those. Measured on 2
+  Sapphire Rapids cores, a 2048^2 product: 570-980 GFLOP/s, against 140-200 inside dot fusions (:data:`YNN_DOT`)
+  and 240 for float32. On 2 AMD EPYC cores with AVX512_BF16 but no AMX, bfloat16 products of ResNet-50's shapes
+  ran at 240-360 GFLOP/s this way against 175-200 in dot fusions. XLA's default also sends convolutions to
+  YNNPACK, where a float32 3x3 one ran at 175 GFLOP/s against 220-250 under this option. On a CPU without them
+  (AVX2), where a bfloat16 program widens its values for float32 products, dot fusions are wrong for bfloat16:
+  YNNPACK (jaxlib 0.10.2) drops the float32 -> bfloat16 roundings it takes into a fusion, on the dot's operands
+  and on its result, so that ``x.astype(bfloat16).astype(float32) @ eye`` came back as ``x`` itself, and LeNet's
+  bfloat16 forward gave 18 of its 160 probabilities other values than the rounding the program defines (2 AMD EPYC
+  Zen 3 cores). Smaller bfloat16 forwards keep XLA's default, as float32 ones do; it hands their dots to YNNPACK
+  one by one as well, and LeNet's 1-channel conv1 (widened to float32) runs faster there: LeNet's bfloat16 forward
+  at batch 1 took 0.21 ms against 0.25-0.26 ms under this option, at batch 4 0.35 against 0.43 ms (paired A/B, 2
+  AMD EPYC cores).
 
 - ``xla_backend_optimization_level`` 1 (:data:`OPT_LEVEL_OPTION`; XLA's default is 3): float32 forward programs
   under :data:`QUICK_COMPILE_MAX_FLOPS`. Their time goes to library kernels (YNNPACK's, Eigen's) and a few small
