@@ -1263,10 +1263,12 @@ def test_big_one_channel_convolution_runs_as_taps_and_keeps_outputs():
 
 
 def test_colour_convolution_with_few_filters_runs_as_taps_and_keeps_outputs():
-    """MTCNN's det1 conv1 (3 channels, 3x3, 10 filters) on a big image takes the shifted multiply-adds, channels
-    first, in compile_inference and in the net's own programs; det2's (28 filters) keeps XLA's convolution; the
-    outputs are Caffe's rules' either way."""
-    for name, shape, kernel in (("det1", (1, 3, 240, 320), "conv_taps"), ("det2", (32, 3, 24, 24), "conv_nhwc")):
+    """MTCNN's det1 conv1 (3 channels, 3x3, 10 filters) takes the shifted multiply-adds, channels first, in
+    compile_inference and in the net's own programs, on a big image and on a small pyramid scale (16450 outputs,
+    below the one-channel threshold), but not on the smallest (3910 outputs); det2's (28 filters) keeps XLA's
+    convolution; the outputs are Caffe's rules' either way."""
+    for name, shape, kernel in (("det1", (1, 3, 240, 320), "conv_taps"), ("det1", (1, 3, 49, 37), "conv_taps"),
+                                ("det1", (1, 3, 25, 19), "conv_nhwc"), ("det2", (32, 3, 24, 24), "conv_nhwc")):
         net = caffejax.Net(str(BUNDLED / f"mtcnn/{name}.prototxt"), caffejax.TEST,
                            weights=str(BUNDLED / f"mtcnn/{name}.caffemodel"))
         x = np.random.default_rng(3).random(shape, dtype=np.float32)

@@ -751,17 +751,28 @@ def conv_gemm(plan: Plan) -> Plan:
 # 17.5 ms; OpenCV 4.14 23.0 ms), at 240x320 0.59, at 120x160 0.69; a 3 x 3x3 -> N conv, ReLU, 2x2 pool, 3x3 ->
 # 16 conv at 240x320: N = 8 0.46, 16 0.71, 24 1.00; at 16x48x48 N = 8 0.57, 16 0.84. With 28-32 filters on
 # small images they lost: det2 (32x24x24, 28 filters) 1.24, det3 (16x48x48, 32 filters) 1.10.
+# Those take the taps from TAPS_FEW_CHANNELS_MIN_OUTPUTS outputs: on small images XLA's convolution over 3
+# channels ran at 3-5 GFLOP/s (det1's conv1 at 1x3x49x37, 160-250 us), where the one-channel one is YNNPACK's.
+# det1's pyramid scales below 65536 outputs, compile_inference, alternating blocks, 2 AMD EPYC (Zen 3) cores,
+# taps over XLA's convolution: 52x69 (33500 outputs) 0.73, 37x49 (16450) 0.79, 30x40 (10640) 0.83, 26x35
+# (7920) 0.83-0.91, 24x31 (6380) 1.06-1.46, 22x29 (5400) 1.08-1.48; a forward and backward (a PReLU and a
+# 3x3 max pool after it, XLA's options for training): 1x3x49x37 0.64, 1x3x35x26 0.68, 16x3x12x12 (16000) 0.92,
+# 48x3x12x12 1.00, 64x3x12x12 1.08.
 TAPS_MAX_TERMS = 32
 TAPS_MIN_OUTPUTS = 1 << 16
+TAPS_FEW_CHANNELS_MIN_OUTPUTS = 1 << 13
 TAPS_MAX_CHANNELS = 3
 TAPS_MAX_FILTERS = 16
 
 
 def _taps_applies(conv: ConvShape) -> bool:
     outputs = conv.batch * math.prod(conv.out) * conv.num_output
-    few = conv.channels == 1 or (conv.channels <= TAPS_MAX_CHANNELS and conv.num_output <= TAPS_MAX_FILTERS)
-    return (conv.group == 1 and few and math.prod(conv.geometry.kernel) * conv.channels <= TAPS_MAX_TERMS
-            and outputs >= TAPS_MIN_OUTPUTS)
+    if conv.channels == 1:
+        enough = outputs >= TAPS_MIN_OUTPUTS
+    else:
+        enough = (conv.channels <= TAPS_MAX_CHANNELS and conv.num_output <= TAPS_MAX_FILTERS
+                  and outputs >= TAPS_FEW_CHANNELS_MIN_OUTPUTS)
+    return conv.group == 1 and enough and math.prod(conv.geometry.kernel) * conv.channels <= TAPS_MAX_TERMS
 
 
 def _taps_conv_kernel(conv: ConvShape, rounded: bool = True) -> Kernel:
