@@ -296,3 +296,31 @@ def test_bench_table_shows_the_fresh_processes_import(capsys):
     cells = row.split()
     assert len(cells) == len(columns)
     assert cells[columns.index("start-up s")] == "0.02" and cells[columns.index("import s")] == "0.57"
+
+
+def test_mtcnn_pyramid_is_detect_faces_scales():
+    """bench.mtcnn's P-Net levels are kpzhang93's detect_face's: 12/min_face x 0.709^k while the shorter side
+    stays >= 12 pixels, each ceil(h x scale) x ceil(w x scale), fed (1, 3, W, H)."""
+    from bench.mtcnn import pyramid_shapes
+
+    assert pyramid_shapes(480, 640) == [(1, 3, w, h) for h, w in [
+        (288, 384), (205, 273), (145, 194), (103, 137), (73, 98), (52, 69), (37, 49), (26, 35), (19, 25), (14, 18)]]
+    assert pyramid_shapes(40, 48) == [(1, 3, 29, 24), (1, 3, 21, 18), (1, 3, 15, 13)]
+    assert pyramid_shapes(19, 30) == []  # a face of 20 pixels does not fit
+
+
+def test_mtcnn_bench_times_each_stage_against_opencv(tmp_path, capsys):
+    pytest.importorskip("cv2")
+    from bench import mtcnn
+
+    out = tmp_path / "m.json"
+    assert mtcnn.main(["--height", "40", "--width", "48", "--crops", "det2:2,det3:0", "--repeats", "1",
+                       "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [row["net"] for row in report["rows"]] == ["det1"] * 3 + ["det2"]
+    assert report["rows"][-1]["shape"] == [2, 3, 24, 24]
+    assert all(row["max_abs_diff"] < 1e-4 and row["caffejax_ms"] > 0 and row["opencv_ms"] > 0
+               for row in report["rows"])
+    detection = report["totals"]["detection"]
+    assert detection["caffejax_ms"] == pytest.approx(sum(row["caffejax_ms"] for row in report["rows"]))
+    assert "pyramid" in capsys.readouterr().out

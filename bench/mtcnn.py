@@ -1,0 +1,121 @@
+"""MTCNN (kpzhang93's face detector, the bundled demo model) as a detector runs it on one photo: P-Net (det1)
+over an image pyramid, then R-Net (det2), O-Net (det3) and L-Net (det4) on batches of candidate crops. Each net
+runs through caffejax's ``compile_inference`` and through OpenCV DNN on the same prototxt and weights, in
+alternating blocks of the same run.
+
+    python -m bench.mtcnn                                # a 480 x 640 photo, faces from 20 pixels
+    python -m bench.mtcnn --height 720 --width 1280 --min-face 40 --json out.json
+
+The pyramid is detect_face's: scales 12/min_face x factor^k while the image's shorter side stays >= 12 pixels
+at that scale, each level ceil(h x scale) x ceil(w x scale), fed as MTCNN's authors fed it, (1, 3, W, H). The
+crops' counts depend on the photo; the defaults are a few faces' worth. Prints each program's median ms, its
+ratio to OpenCV's, the largest difference of its outputs from OpenCV's, and the totals: the pyramid, and the
+whole detection (pyramid and the three batches; the host work between the stages, non-maximum suppression and
+cropping, is not timed). The first photo pays one compile per new shape: its seconds are printed too. Inputs
+are random values in MTCNN's range, [-1, 1]. A benchmark, never a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import time
+
+import numpy as np
+
+MODELS = pathlib.Path(__file__).resolve().parent.parent / "caffejax" / "models" / "mtcnn"
+CROPS = {"det2": (3, 24, 24), "det3": (3, 48, 48), "det4": (15, 24, 24)}  # (C, W, H) of one crop
+
+
+def pyramid_shapes(height: int, width: int, min_face: int = 20, factor: float = 0.709) -> list[tuple[int, ...]]:
+    """det1's input shapes for a height x width photo, largest first: detect_face's scales, each level fed as
+    (1, 3, W, H)."""
+    shapes = []
+    scale, shorter = 12 / min_face, min(height, width) * 12 / min_face
+    while shorter >= 12:
+        shapes.append((1, 3, math.ceil(width * scale), math.ceil(height * scale)))
+        scale *= factor
+        shorter *= factor
+    return shapes
+
+
+def _programs(name: str, shapes, repeats: int, rng) -> list[dict]:
+    """Each shape of one net, caffejax against OpenCV (alternating blocks): medians, ratio, agreement."""
+    import cv2
+
+    import caffejax
+    from bench.measure import once, timed_alternating
+
+    prototxt, weights = MODELS / f"{name}.prototxt", MODELS / f"{name}.caffemodel"
+    infer = caffejax.compile_inference(caffejax.Net(str(prototxt), caffejax.TEST, weights=str(weights)))
+    dnn = cv2.dnn.readNetFromCaffe(str(prototxt), str(weights))
+    dnn.setPreferableBackend(cv2.dnn.DNN_BACKEND_OPENCV)
+    dnn.setPreferableTarget(cv2.dnn.DNN_TARGET_CPU)
+    rows = []
+    for shape in shapes:
+        x = rng.uniform(-1, 1, shape).astype(np.float32)
+        outputs, first = once(lambda: infer({"data": x}))
+        names = list(outputs)
+
+        def opencv():
+            dnn.setInput(x)
+            return dnn.forward(names)
+
+        difference = max(float(np.abs(np.asarray(outputs[n]) - o).max()) for n, o in zip(names, opencv()))
+        times = timed_alternating({"caffejax": lambda: infer({"data": x}), "opencv": opencv}, repeats,
+                                  min_seconds=0.2)
+        rows.append({"net": name, "shape": list(shape), "first_s": first, "max_abs_diff": difference,
+                     **{f"{k}_ms": v["median_ms"] for k, v in times.items()},
+                     "ratio": times["caffejax"]["median_ms"] / times["opencv"]["median_ms"]})
+        print(f"  {name} {'x'.join(map(str, shape)):>14}  caffejax {rows[-1]['caffejax_ms']:8.3f} ms  OpenCV "
+              f"{rows[-1]['opencv_ms']:8.3f} ms  ratio {rows[-1]['ratio']:5.2f}  first call {first:5.2f} s  "
+              f"max |diff| {difference:.1e}", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--height", type=int, default=480)
+    parser.add_argument("--width", type=int, default=640)
+    parser.add_argument("--min-face", type=int, default=20)
+    parser.add_argument("--factor", type=float, default=0.709)
+    parser.add_argument("--crops", default="det2:32,det3:8,det4:4",
+                        help="each later stage's batch of crops, net:count (count 0 leaves it out)")
+    parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--json", help="write the rows and totals here")
+    args = parser.parse_args(argv)
+    try:
+        import cv2
+    except ImportError:
+        raise SystemExit('OpenCV is not installed: pip install "opencv-python-headless>=4.10,<5"') from None
+    import jax
+
+    rng = np.random.default_rng(0)
+    shapes = pyramid_shapes(args.height, args.width, args.min_face, args.factor)
+    print(f"MTCNN on a {args.height} x {args.width} photo, faces from {args.min_face} px: {len(shapes)} pyramid "
+          f"levels; caffejax (JAX {jax.__version__}, {jax.default_backend()}) against OpenCV {cv2.__version__} "
+          f"({cv2.getNumThreads()} threads)")
+    rows = _programs("det1", shapes, args.repeats, rng)
+    for item in filter(None, args.crops.split(",")):
+        name, count = item.split(":")
+        if int(count):
+            rows += _programs(name, [(int(count),) + CROPS[name]], args.repeats, rng)
+    pyramid = [row for row in rows if row["net"] == "det1"]
+    totals = {}
+    for label, part in (("pyramid", pyramid), ("detection", rows)):
+        totals[label] = {key: sum(row[key] for row in part) for key in ("caffejax_ms", "opencv_ms", "first_s")}
+        totals[label]["ratio"] = totals[label]["caffejax_ms"] / totals[label]["opencv_ms"]
+        t = totals[label]
+        print(f"{label:>9}: caffejax {t['caffejax_ms']:8.3f} ms  OpenCV {t['opencv_ms']:8.3f} ms  ratio "
+              f"{t['ratio']:5.2f}  first photo {t['first_s']:5.2f} s (compiles included)")
+    if args.json:
+        report = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args), "jax": jax.__version__,
+                  "opencv": cv2.__version__, "rows": rows, "totals": totals}
+        pathlib.Path(args.json).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
