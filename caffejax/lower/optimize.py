@@ -752,7 +752,8 @@ def conv_gemm(plan: Plan) -> Plan:
 # 16 conv at 240x320: N = 8 0.46, 16 0.71, 24 1.00; at 16x48x48 N = 8 0.57, 16 0.84. With 28-32 filters on
 # small images they lost: det2 (32x24x24, 28 filters) 1.24, det3 (16x48x48, 32 filters) 1.10.
 # Those take the taps from TAPS_FEW_CHANNELS_MIN_OUTPUTS outputs: on small images XLA's convolution over 3
-# channels ran at 3-5 GFLOP/s (det1's conv1 at 1x3x49x37, 160-250 us), where the one-channel one is YNNPACK's.
+# channels ran at 3-5 GFLOP/s (det1's conv1 at 1x3x49x37, 160-250 us; LeNet's one-channel conv1 at batch 1,
+# which keeps TAPS_MIN_OUTPUTS, is a YNNPACK convolution in its program).
 # det1's pyramid scales below 65536 outputs, compile_inference, alternating blocks, 2 AMD EPYC (Zen 3) cores,
 # taps over XLA's convolution: 52x69 (33500 outputs) 0.73, 37x49 (16450) 0.79, 30x40 (10640) 0.83, 26x35
 # (7920) 0.83-0.91, 24x31 (6380) 1.06-1.46, 22x29 (5400) 1.08-1.48; a forward and backward (a PReLU and a
