@@ -25,7 +25,9 @@ import time
 
 import numpy as np
 
-MODELS = pathlib.Path(__file__).resolve().parent.parent / "caffejax" / "models" / "mtcnn"
+from bench.nets import ROOT
+
+MODELS = ROOT / "caffejax" / "models" / "mtcnn"
 CROPS = {"det2": (3, 24, 24), "det3": (3, 48, 48), "det4": (15, 24, 24)}  # (C, W, H) of one crop
 
 
@@ -43,16 +45,13 @@ def pyramid_shapes(height: int, width: int, min_face: int = 20, factor: float = 
 
 def _programs(name: str, shapes, repeats: int, rng) -> list[dict]:
     """Each shape of one net, caffejax against OpenCV (alternating blocks): medians, ratio, agreement."""
-    import cv2
-
     import caffejax
     from bench.measure import once, timed_alternating
+    from bench.run import opencv_net
 
     prototxt, weights = MODELS / f"{name}.prototxt", MODELS / f"{name}.caffemodel"
     infer = caffejax.compile_inference(caffejax.Net(str(prototxt), caffejax.TEST, weights=str(weights)))
-    dnn = cv2.dnn.readNetFromCaffe(str(prototxt), str(weights))
-    dnn.setPreferableBackend(cv2.dnn.DNN_BACKEND_OPENCV)
-    dnn.setPreferableTarget(cv2.dnn.DNN_TARGET_CPU)
+    dnn = opencv_net(prototxt, weights)
     rows = []
     for shape in shapes:
         x = rng.uniform(-1, 1, shape).astype(np.float32)
@@ -89,7 +88,9 @@ def main(argv=None) -> int:
     try:
         import cv2
     except ImportError:
-        raise SystemExit('OpenCV is not installed: pip install "opencv-python-headless>=4.10,<5"') from None
+        from bench.run import OPENCV_MISSING
+
+        raise SystemExit(OPENCV_MISSING) from None
     import jax
 
     rng = np.random.default_rng(0)

@@ -225,16 +225,28 @@ def _agreement(reference: dict, other: dict) -> dict:
     return {"top1_agree": agree, "top1_total": len(ref), "max_abs_diff": float(np.max(np.abs(ref - got)))}
 
 
+OPENCV_MISSING = 'OpenCV is not installed: pip install "opencv-python-headless>=4.10,<5"'
+
+
+def opencv_net(prototxt: pathlib.Path, weights: pathlib.Path):
+    """OpenCV DNN's net of a Caffe prototxt and caffemodel, on its own CPU backend (raises ImportError without
+    OpenCV)."""
+    import cv2
+
+    dnn = cv2.dnn.readNetFromCaffe(str(prototxt), str(weights))
+    dnn.setPreferableBackend(cv2.dnn.DNN_BACKEND_OPENCV)
+    dnn.setPreferableTarget(cv2.dnn.DNN_TARGET_CPU)
+    return dnn
+
+
 def opencv_forward(spec: BenchNet, weights: pathlib.Path, x: np.ndarray) -> dict:
     """OpenCV DNN on the same prototxt and weights: its ``forward`` (for timing beside caffejax's), output and
     version, or an ``error``."""
     try:
         import cv2
     except ImportError:
-        return {"error": 'OpenCV is not installed: pip install "opencv-python-headless>=4.10,<5"'}
-    dnn = cv2.dnn.readNetFromCaffe(str(spec.prototxt), str(weights))
-    dnn.setPreferableBackend(cv2.dnn.DNN_BACKEND_OPENCV)
-    dnn.setPreferableTarget(cv2.dnn.DNN_TARGET_CPU)
+        return {"error": OPENCV_MISSING}
+    dnn = opencv_net(spec.prototxt, weights)
 
     def forward():
         dnn.setInput(x)
