@@ -70,6 +70,25 @@ def test_compiles_once_per_shape(lenet):
     assert lenet.compile_count == before + 3
 
 
+def test_a_reshape_back_to_shapes_seen_before_builds_no_graph(monkeypatch):
+    """A pycaffe script that resizes its input for every scale of an image pyramid (MTCNN's detect_face) goes back
+    and forth between shapes: the net is built and shape-inferred once per shape, not at every reshape, and each
+    forward still runs at its own shapes."""
+    import caffejax.runtime.net as net_module
+
+    net = caffejax.Net(str(LENET), str(LENET_WEIGHTS), caffejax.TEST)
+    builds, build_graph = [], net_module.build_graph
+    monkeypatch.setattr(net_module, "build_graph",
+                        lambda *args, **kwargs: builds.append(kwargs["input_shapes"]) or build_graph(*args, **kwargs))
+    first = {}
+    for n in (2, 3, 2, 3, 1, 2):
+        net.blobs["data"].reshape(n, 1, 28, 28)
+        out = net.forward(data=digits(n, seed=n))["prob"]
+        assert out.shape == (n, 10) and net.blobs["ip1"].data.shape == (n, 500)
+        np.testing.assert_array_equal(out, first.setdefault(n, out.copy()))
+    assert [shapes["data"][0] for shapes in builds] == [2, 3, 1]
+
+
 def test_a_forward_works_out_its_pass_once_per_range_and_shapes(monkeypatch):
     """What a pass hands back and its program's range signature come from the graph alone: the first forward over
     a range works them out, later ones over the same shapes do not, and a reshape (a new graph) works them out
