@@ -89,6 +89,35 @@ def test_a_reshape_back_to_shapes_seen_before_builds_no_graph(monkeypatch):
     assert [shapes["data"][0] for shapes in builds] == [2, 3, 1]
 
 
+def test_shapes_fed_in_turn_keep_each_form_of_the_weights(monkeypatch):
+    """Input shapes whose kernels take the weights in other forms (a 3x3 convolution as Winograd over enough
+    tiles, as XLA's convolution over fewer) keep each form: fed in turn (ResNet-50 fed batches of 1 and 2, an image
+    pyramid's scales), no forward lays the weights out again, and each runs with its own form."""
+    net = caffejax.Net("""
+        input: "x" input_shape { dim: 1 dim: 4 dim: 8 dim: 8 }
+        layer { name: "c" type: "Convolution" bottom: "x" top: "y"
+                convolution_param { num_output: 8 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.1 }
+                                    bias_filler { type: "constant" value: 0.5 } } }
+    """, caffejax.TEST)
+    laid_out, jitted = [], caffejax.Net._jitted
+
+    def counting(self, kind, *args, **kwargs):
+        fn = jitted(self, kind, *args, **kwargs)
+        return (lambda *a: laid_out.append(self.blobs["x"].shape[0]) or fn(*a)) if kind == "prepare" else fn
+
+    monkeypatch.setattr(caffejax.Net, "_jitted", counting)
+    x = np.random.default_rng(0).standard_normal((4, 4, 8, 8)).astype(np.float32)
+    kernels, first = {}, {}
+    for n in (1, 4, 1, 4, 1):
+        net.blobs["x"].reshape(n, 4, 8, 8)
+        y = net.forward(x=x[:n])["y"]
+        kernels[n] = net._program.forward_kernels["c"].name
+        np.testing.assert_array_equal(y, first.setdefault(n, y.copy()))
+    assert kernels == {1: "conv_nhwc", 4: "conv_winograd_f2x2_3x3"}
+    assert laid_out == [1, 4]
+    np.testing.assert_allclose(first[4][:1], first[1], rtol=1e-5, atol=1e-5)
+
+
 def test_a_forward_works_out_its_pass_once_per_range_and_shapes(monkeypatch):
     """What a pass hands back and its program's range signature come from the graph alone: the first forward over
     a range works them out, later ones over the same shapes do not, and a reshape (a new graph) works them out

@@ -396,7 +396,7 @@ class Net:
         self._keep_every_pullback = False
         # The weights a forward's kernels read, prepared, and what from, by range (_prepared_weights); what each
         # program's preparation of a range computes (_preparation_digest).
-        self._prepared: dict[tuple[int, int, bool], _PreparedWeights] = {}
+        self._prepared: dict[tuple[int, int, bool], list[_PreparedWeights]] = {}
         self._preparation_digests: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._preparations: dict[bytes, Any] = {}  # compiled preparations by digest, for programs computing the same
         self._compiled: dict[Any, Any] = {}
@@ -1131,26 +1131,30 @@ class Net:
         The program for other input shapes takes them too where its preparation computes the same
         (:meth:`_preparation_digest`), and compiles none of its own. Made again on every forward where the shape
         changed, fed batches of 1 and 2 in turn ResNet-50 took 138-141 ms at batch 1 and 207 ms at batch 2,
-        now 92-107 and 146-176 ms; VGG16's Faster R-CNN fed 300x400 and 400x300 images in turn (py-faster-rcnn's
-        test feeds two orientations) 1037-1041 ms, now 988-1004 ms (2 AMD EPYC cores, alternating processes)."""
+        then 92-107 and 146-176 ms; VGG16's Faster R-CNN fed 300x400 and 400x300 images in turn (py-faster-rcnn's
+        test feeds two orientations) 1037-1041 ms, then 988-1004 ms (2 AMD EPYC cores, alternating processes).
+        Each form is kept (one entry per range and preparation): with one entry, ResNet-50's batches of 1 and 2 (3x3
+        layers as Winograd from batch 2) laid the weights out again at every switch, 106-133 and 145-197 ms, now
+        64-86 and 110-141 (2 AMD EPYC Zen 3 cores, alternating processes)."""
         program = self._program
         leaves = jax.tree.leaves(params)
         range_key = (start, end, fold_visible)
-        kept = self._prepared.get(range_key)
-        if kept is not None and kept.program is program and kept.made_from(leaves):
-            return kept.arrays
+        kept = self._prepared.get(range_key, [])
+        for entry in kept:
+            if entry.program is program and entry.made_from(leaves):
+                return entry.arrays
         lays_out = any(layer.params and (kernel := program.forward_kernels.get(layer.name)) is not None
                        and (kernel.prepares or kernel.chain is not None) for layer in layers)
         prepared = {}
         if lays_out and PREPARE_WEIGHTS_APART:
             # Another program's (other input shapes) preparation of the range may compute the same: compared only
             # then, its arrays or its compiled program serve this one.
-            digest = (self._preparation_digest(program, layers, range_key, params)
-                      if kept is not None and kept.program is not program else None)
-            if digest is not None and kept.arrays and kept.made_from(leaves) and digest == self._preparation_digest(
-                    kept.program, kept.layers, range_key, params):
-                self._prepared[range_key] = dataclasses.replace(kept, program=program, layers=layers)
-                return kept.arrays
+            digest = self._preparation_digest(program, layers, range_key, params) if kept else None
+            same = next((i for i, entry in enumerate(kept) if entry.arrays and entry.made_from(leaves) and digest
+                         == self._preparation_digest(entry.program, entry.layers, range_key, params)), None)
+            if same is not None:  # (an entry of its own, the same arrays: found at once next time)
+                kept.append(dataclasses.replace(kept[same], program=program, layers=layers))
+                return kept[same].arrays
             prepare = self._preparations.get(digest) if digest is not None else None
             if prepare is None:
                 prepare = self._jitted("prepare", start, end, lambda params: program.prepare_weights(
@@ -1158,11 +1162,14 @@ class Net:
                 if digest is not None:
                     self._preparations[digest] = prepare
             prepared = prepare(params)
-        # One entry per range (a net run in stages runs several, each stage a program of its own), none kept of
-        # weights since replaced.
-        self._prepared = {k: entry for k, entry in self._prepared.items() if entry.made_from(leaves)}
-        self._prepared[range_key] = _PreparedWeights(program, layers, [weakref.ref(leaf) for leaf in leaves],
-                                                     prepared)
+        # Per range (a net run in stages runs several, each stage a program of its own), one entry for each
+        # preparation that computes something else (MTCNN's det1 lays its conv1 out for the shifted multiply-adds
+        # on big pyramid scales and for XLA's convolution on small ones: kept apart, a pycaffe script's walk over
+        # the scales made each again at every switch), none kept of weights since replaced.
+        self._prepared = {k: [entry for entry in entries if entry.made_from(leaves)]
+                          for k, entries in self._prepared.items()}
+        self._prepared.setdefault(range_key, []).append(
+            _PreparedWeights(program, layers, [weakref.ref(leaf) for leaf in leaves], prepared))
         return prepared
 
     def _preparation_digest(self, program: NetProgram, layers, range_key: tuple[int, int, bool], params) -> bytes:
