@@ -13,6 +13,10 @@ ratio to OpenCV's, the largest difference of its outputs from OpenCV's, and the 
 whole detection (pyramid and the three batches; the host work between the stages, non-maximum suppression and
 cropping, is not timed). The first photo pays one compile per new shape: its seconds are printed too. Inputs
 are random values in MTCNN's range, [-1, 1]. A benchmark, never a test.
+
+Then the pyramid walked whole, level after level, three ways in alternating blocks: compile_inference, the
+pycaffe script's way (``net.blobs['data'].reshape(...)``, ``data[...] =``, ``net.forward()`` at each level, as
+detect_face runs it through ``import caffejax as caffe``), and OpenCV.
 """
 
 from __future__ import annotations
@@ -74,6 +78,54 @@ def _programs(name: str, shapes, repeats: int, rng) -> list[dict]:
     return rows
 
 
+def _pyramid_walks(shapes, repeats: int, rng) -> dict:
+    """det1 over every level in turn, per walk: compile_inference, Net.forward as a pycaffe script calls it
+    (reshaping its input blob at each level) and OpenCV, in alternating blocks; medians, ratios to OpenCV's, and
+    the largest difference of the pycaffe way's outputs from OpenCV's."""
+    import caffejax
+    from bench.measure import timed_alternating
+    from bench.run import opencv_net
+
+    prototxt, weights = MODELS / "det1.prototxt", MODELS / "det1.caffemodel"
+    infer = caffejax.compile_inference(caffejax.Net(str(prototxt), caffejax.TEST, weights=str(weights)))
+    net = caffejax.Net(str(prototxt), str(weights), caffejax.TEST)
+    dnn = opencv_net(prototxt, weights)
+    xs = [rng.uniform(-1, 1, shape).astype(np.float32) for shape in shapes]
+    names = ["conv4-2", "prob1"]
+
+    def compiled():
+        return [infer({"data": x}) for x in xs]
+
+    def pycaffe():
+        outputs = []
+        for x in xs:
+            net.blobs["data"].reshape(*x.shape)
+            net.blobs["data"].data[...] = x
+            out = net.forward()
+            outputs.append([out[name].copy() for name in names])
+        return outputs
+
+    def opencv():
+        outputs = []
+        for x in xs:
+            dnn.setInput(x)
+            outputs.append(dnn.forward(names))
+        return outputs
+
+    difference = max((float(np.abs(a - b).max()) for mine, theirs in zip(pycaffe(), opencv())
+                      for a, b in zip(mine, theirs)), default=0.0)
+    times = timed_alternating({"compile_inference": compiled, "net_forward": pycaffe, "opencv": opencv},
+                              repeats, min_seconds=0.5)
+    walk = {f"{k}_ms": v["median_ms"] for k, v in times.items()}
+    walk.update({f"{k}_ratio": walk[f"{k}_ms"] / walk["opencv_ms"] for k in ("compile_inference", "net_forward")})
+    walk["net_forward_max_abs_diff"] = difference
+    print(f"pyramid walked level after level: compile_inference {walk['compile_inference_ms']:8.3f} ms (ratio "
+          f"{walk['compile_inference_ratio']:5.2f})  Net.forward as pycaffe scripts call it "
+          f"{walk['net_forward_ms']:8.3f} ms (ratio {walk['net_forward_ratio']:5.2f}, max |diff| {difference:.1e})  "
+          f"OpenCV {walk['opencv_ms']:8.3f} ms")
+    return walk
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--height", type=int, default=480)
@@ -111,9 +163,10 @@ def main(argv=None) -> int:
         t = totals[label]
         print(f"{label:>9}: caffejax {t['caffejax_ms']:8.3f} ms  OpenCV {t['opencv_ms']:8.3f} ms  ratio "
               f"{t['ratio']:5.2f}  first photo {t['first_s']:5.2f} s (compiles included)")
+    walk = _pyramid_walks(shapes, max(1, args.repeats // 2), rng) if shapes else None
     if args.json:
         report = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args), "jax": jax.__version__,
-                  "opencv": cv2.__version__, "rows": rows, "totals": totals}
+                  "opencv": cv2.__version__, "rows": rows, "totals": totals, "pyramid_walk": walk}
         pathlib.Path(args.json).write_text(json.dumps(report, indent=1))
     return 0
 

@@ -323,4 +323,8 @@ def test_mtcnn_bench_times_each_stage_against_opencv(tmp_path, capsys):
                for row in report["rows"])
     detection = report["totals"]["detection"]
     assert detection["caffejax_ms"] == pytest.approx(sum(row["caffejax_ms"] for row in report["rows"]))
-    assert "pyramid" in capsys.readouterr().out
+    walk = report["pyramid_walk"]  # the pyramid walked whole: compile_inference, Net.forward as pycaffe, OpenCV
+    assert walk["net_forward_max_abs_diff"] < 1e-4
+    assert all(walk[f"{k}_ms"] > 0 for k in ("compile_inference", "net_forward", "opencv"))
+    assert walk["net_forward_ratio"] == pytest.approx(walk["net_forward_ms"] / walk["opencv_ms"])
+    assert "Net.forward as pycaffe scripts call it" in capsys.readouterr().out
