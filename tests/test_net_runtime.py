@@ -120,8 +120,9 @@ def test_shapes_fed_in_turn_keep_each_form_of_the_weights(monkeypatch):
 
 def test_a_forward_works_out_its_pass_once_per_range_and_shapes(monkeypatch):
     """What a pass hands back and its program's range signature come from the graph alone: the first forward over
-    a range works them out, later ones over the same shapes do not, and a reshape (a new graph) works them out
-    afresh."""
+    a range works them out, later ones over the same shapes do not, a reshape (a new graph) works them out
+    afresh, and a reshape back to shapes seen before does not (an image pyramid's scales walked image after
+    image)."""
     net = caffejax.Net(str(LENET), str(LENET_WEIGHTS), caffejax.TEST)
     calls = []
     returned_values, range_signature = caffejax.Net._returned_values, caffejax.Net._range_signature
@@ -140,6 +141,10 @@ def test_a_forward_works_out_its_pass_once_per_range_and_shapes(monkeypatch):
     out = net.forward(data=digits(3))["prob"]
     assert len(calls) > done and out.shape == (3, 10)
     np.testing.assert_allclose(out[:2], first, rtol=1e-5, atol=1e-7)  # digits(3) begins with digits(2)
+    done = len(calls)
+    net.blobs["data"].reshape(2, 1, 28, 28)  # back to shapes seen before: their pass is known
+    np.testing.assert_array_equal(net.forward(data=digits(2))["prob"], first)
+    assert len(calls) == done
 
 
 def test_blob_data_and_forward_kwargs_agree(lenet):

@@ -325,6 +325,17 @@ class _PassPlan:
 
 
 @dataclasses.dataclass
+class _GraphFacts:
+    """What Net works out from one graph and its program alone, kept with the program (by its signature) for when
+    a reshape comes back to its shapes: a pycaffe script walking an image pyramid adopts each scale's graph again
+    at every image."""
+
+    owned_params: list[tuple[str, tuple]]  # param_arrays' walk: see Net._set_graph
+    pass_plans: dict[tuple[int, int], _PassPlan] = dataclasses.field(default_factory=dict)  # Net._pass_plan
+    range_keys: dict[tuple[int, int], tuple] = dataclasses.field(default_factory=dict)  # Net._range_key
+
+
+@dataclasses.dataclass
 class _Pullback:
     """A forward pass's pullback (Net._wants_pullback): jax.vjp's function, from the diffs of the values seeding a
     backward over the pass's layers to the params' diffs and those of ``inputs``."""
@@ -385,6 +396,7 @@ class Net:
         # and shape-inferred the whole net again at each scale: det1 over a 480x640 photo's 10 scales through
         # Net.forward took 76-96 ms, now 22-27 (compile_inference 17-24; 2 AMD EPYC cores, alternating processes).
         self._graphs_by_fed_shapes: dict[tuple, Graph] = {}
+        self._graph_facts: dict[Any, _GraphFacts] = {}  # by program signature, as _programs
         self._blob_index_map: tuple[Any, dict[str, int]] = (None, {})  # (graph, blob name -> index)
         # pycaffe's net.before_forward(fn) ... after_backward(fn): called with each layer's index around it
         self._layer_callbacks: dict[str, list] = {when: [] for when in _CALLBACK_POINTS}
@@ -513,12 +525,15 @@ class Net:
         # Which value each blob's data came from (blob -> value id): a backward over part of the net recomputes
         # the inputs of its range whose blobs a layer in place has since overwritten (_recomputed_feed).
         self._blob_holds: dict[str, str] = dict(graph.blob_value)
-        self._pass_plans: dict[tuple[int, int], _PassPlan] = {}
-        self._range_keys: dict[tuple[int, int], tuple] = {}
-        # The layers owning learnable blobs, and each blob's key where the layer owns it (None where it shares
-        # another layer's): param_arrays' walk, fixed per graph.
-        self._owned_params = [(layer.name, tuple(slot.key if slot.is_owner else None for slot in layer.params))
-                              for layer in graph.layers if any(slot.is_owner for slot in layer.params)]
+        facts = self._graph_facts.get(signature)
+        if facts is None:
+            # The layers owning learnable blobs, and each blob's key where the layer owns it (None where it shares
+            # another layer's): param_arrays' walk, fixed per graph.
+            facts = self._graph_facts[signature] = _GraphFacts(
+                [(layer.name, tuple(slot.key if slot.is_owner else None for slot in layer.params))
+                 for layer in graph.layers if any(slot.is_owner for slot in layer.params)])
+        self._owned_params, self._pass_plans = facts.owned_params, facts.pass_plans
+        self._range_keys = facts.range_keys
         old = getattr(self, "blobs", {})
         self.blobs: collections.OrderedDict[str, Blob] = collections.OrderedDict()
         # A top of a layer run on the host keeps what its last forward made: that layer's forward reshapes it (as
@@ -530,8 +545,9 @@ class Net:
             blob = old.get(name)
             if blob is None:
                 blob = Blob(shape, self._dtype)
-            elif name not in made_on_host:
-                blob.reshape(shape)
+            elif name not in made_on_host and blob.shape != shape:
+                blob._data.reshape(shape)  # (the graph's shapes need none of Blob.reshape's checks of a user's)
+                blob._diff.reshape(shape)
             self.blobs[name] = blob
         # Caffe keeps a loss top's diff at its loss weight; backward starts from it.
         for layer in graph.layers:
@@ -929,6 +945,8 @@ class Net:
         that program is compiled again anyway; nor when a Python loss layer reads one: a layer run on the host
         carries no loss weight. Returns whether any was newly learnt (the caller rebuilds)."""
         graph = self._graph
+        if not any(layer.runs_on_host or calls_back(layer) for layer in graph.layers):
+            return False  # (no layer could be moved: the walk below, at every reshape, finds none)
         readers = readers_by_value(graph.layers)
 
         def reading(value: str) -> list:  # the layers reading a value, through Splits (which follow them)
@@ -982,7 +1000,10 @@ class Net:
             shapes = self._fed_shapes()
             key = tuple(sorted(shapes.items()))
             graph = self._graphs_by_fed_shapes.get(key)
-            self._set_graph(self._build(shapes) if graph is None else graph)
+            if graph is not None:  # (adopted before, its learnable blobs made then)
+                self._set_graph(graph)
+                return
+            self._set_graph(self._build(shapes))
             if _shaped_by_feeds_alone(self._graph):
                 self._graphs_by_fed_shapes[key] = self._graph
             if any(slot.is_owner and slot.key not in self._param_blobs
