@@ -1131,7 +1131,7 @@ def test_a_net_forward_runs_the_inference_kernels_and_its_backward_the_training_
         net.blobs["data"].data[...] = x
         net.blobs["label"].data[...] = [1, 3]
         net.forward()
-    assert bool(fast._prepared[(0, len(fast.layers) - 1, True)].arrays) == prepared_apart
+    assert bool(_prepared_of(fast)) == prepared_apart
     for name in plain.blobs:  # the blobs the forward did not hand back, recomputed when read, too
         assert_close(fast.blobs[name].data, plain.blobs[name].data, FORWARD_RTOL, FORWARD_ATOL, name)
     for net in (plain, fast):
@@ -1560,8 +1560,9 @@ def test_a_forward_folds_a_visible_chain_and_makes_its_blobs_when_read():
 
 
 def _prepared_of(net):
-    """The weights a net's whole forward read prepared (Net._prepared_weights)."""
-    return net._prepared[(0, len(net.layers) - 1, True)].arrays
+    """The weights a net's whole forward read prepared (Net._prepared_weights: the entry of its current program)."""
+    return next(entry.arrays for entry in net._prepared[(0, len(net.layers) - 1, True)]
+                if entry.program is net._program)
 
 
 def test_a_forward_over_the_same_weights_prepares_them_once(monkeypatch):
@@ -1611,7 +1612,8 @@ def test_a_forward_over_the_same_weights_prepares_them_once(monkeypatch):
         for n in (net, reference):
             n.forward(end="b_bn")
             n.forward(start="g")
-        parts.append([entry.arrays for (start, end, _), entry in net._prepared.items() if (start, end) != (0, last)])
+        parts.append([entry.arrays for (start, end, _), entries in net._prepared.items() if (start, end) != (0, last)
+                      for entry in entries])
     assert len(parts[0]) == 2 and all(a is b for a, b in zip(*parts))
     assert kinds.count("prepare") == 2
     for name in ("loss", "sum"):
@@ -1666,6 +1668,7 @@ def test_a_forward_at_other_input_shapes_takes_the_weights_prepared_alike(monkey
         assert_close(net.blobs["c"].data, reference.blobs["c"].data, FORWARD_RTOL, FORWARD_ATOL, f"batch {batch}")
         prepared.append(_prepared_of(net))
     assert prepared[1] is prepared[0] and prepared[4] is prepared[3]  # batch 2 takes batch 1's
+    assert prepared[3] is prepared[0] and prepared[5] is prepared[2]  # each form kept, not made again
     assert {"gray", "c"} <= set(prepared[0]) and set(prepared[2]) == {"c"}  # batch 8's conv_taps reads them as is
     assert kinds.count("prepare") == 2  # batch 1's and batch 8's: batch 2 compiled none
 
