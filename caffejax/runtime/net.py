@@ -1165,8 +1165,9 @@ class Net:
         ``plan.returned``, sorted): those of ``blobs`` and of the ``learnt`` blobs (read after the last two passes
         over its range), which it writes; and which of the latter to watch for a read (returned for as long as
         they are read). A script reading ``net.blobs['fc7'].data`` after each forward (feature extraction) had
-        every pass run twice, the second time writing every blob out: AlexNet at batch 1 took 86-92 ms so, and
-        forward(blobs=['fc7']) 97 ms, against 37-41 for the forward alone (2 AMD EPYC cores)."""
+        every pass run twice, the second time writing every blob out: AlexNet at batch 1 took 47-49 ms so, and
+        forward(blobs=['fc7']) 49-50 ms, against 23 for the forward alone; now 22-23 both (2 AMD EPYC cores,
+        alternating processes)."""
         final, returned = plan.writes[0], set(plan.returned)
         extra = {final[blob] for blob in (*blobs, *learnt) if blob in final} - returned
         return {blob for blob in learnt if final.get(blob) in extra} - set(blobs), sorted(extra)
