@@ -1403,15 +1403,14 @@ class Net:
     def _defer_blobs(self, start: int, end: int, deferred: Mapping[str, str], params, env, key: _PassKey) -> None:
         """Blobs (name -> value id) a pass over layers start..end computed without returning them: on the first
         read of any of them, the pass runs again over the same params, inputs and key (so the same Dropout
-        masks), and sets them all. Returning every blob makes a program write each one out."""
+        masks), and sets them all; the blob read is noted for the next pass (:meth:`_handed_back`). Returning
+        every blob makes a program write each one out."""
         if not deferred:
             return
         program = self._program
         layers = program.layers_between(start, end)
         all_values = self._jitted("forward-all", start, end, self._with_concrete(
             lambda params, env, key: program.run_layers(layers, params, env, key, kernels=program.forward_kernels)[0]))
-        read = self._blobs_read.setdefault((start, end), set())  # (see _handed_back)
-        loads = {top: functools.partial(_noting_read, read, top, lambda: materialize()) for top in deferred}
 
         def materialize():
             computed = all_values(params, env, key())
@@ -1419,6 +1418,8 @@ class Net:
                 if self.blobs[top]._data._pending is loads[top]:
                     self.blobs[top]._data.set(computed[value])
 
+        read = self._blobs_read.setdefault((start, end), set())  # (see _handed_back)
+        loads = {top: functools.partial(_noting_read, read, top, materialize) for top in deferred}
         for top, load in loads.items():
             self.blobs[top]._data.defer(load)
 
