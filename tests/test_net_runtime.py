@@ -164,13 +164,15 @@ def test_forward_hands_back_the_blobs_named_and_those_read_after_every_pass(monk
     x = digits(2, seed=5)
     named = net.forward(data=x, blobs=["ip1"])["ip1"].copy()
     assert recomputes == []
-    features = []
+    features, pooled = [], net.forward(data=x, blobs=["pool2"])["pool2"].copy()
+    assert recomputes == []
     for _ in range(5):
         net.forward(data=x)
-        features.append(net.blobs["ip1"].data.copy())
+        features.append((net.blobs["ip1"].data.copy(), net.blobs["pool2"].data.copy()))  # two blobs, each read
     assert len(recomputes) == 2  # after the first two passes
-    for read in features:
-        np.testing.assert_array_equal(read, named)
+    for ip1, pool2 in features:
+        np.testing.assert_array_equal(ip1, named)
+        np.testing.assert_array_equal(pool2, pooled)
     compiled, recomputed = net.compile_count, len(recomputes)
     for _ in range(3):  # no longer read: the pass that handed it back, then the plain one again
         net.forward(data=x)

@@ -429,7 +429,7 @@ def test_blobs_after_a_step_hold_its_forward(monkeypatch):
 
     lazy = solver()
     assert lazy._returned_blobs() == {"loss"}
-    monkeypatch.setattr(caffejax.SGDSolver, "_returned_blobs", lambda self: None)
+    monkeypatch.setattr(caffejax.SGDSolver, "_returned_blobs", lambda self, learnt=frozenset(): None)
     every = solver()
     x = np.random.default_rng(0).normal(size=(4, 3, 6, 6))
     for one in (lazy, every):
@@ -448,6 +448,40 @@ def test_blobs_after_a_step_hold_its_forward(monkeypatch):
         for name in ("conv", "ip"):
             np.testing.assert_allclose(lazy.net.params[name][0].data, every.net.params[name][0].data, rtol=1e-5,
                                        atol=1e-6)
+
+
+def test_blobs_read_after_every_step_are_handed_back_by_the_step(monkeypatch):
+    """A training loop reading a blob after each solver.step (an activation watched as the net trains) gets it from
+    the step itself from the third iteration on, where it was recomputed by a forward of its own after each step:
+    the same values, Dropout's mask included, as a step handing back every blob."""
+    def solver():
+        param = caffe_pb2.SolverParameter(type="SGD", base_lr=0.5, lr_policy="fixed", max_iter=9, random_seed=3)
+        param.net_param.CopyFrom(parse_net_text(DROPOUT_NET))
+        return caffejax.SGDSolver(param)
+
+    recomputes, jitted = [], caffejax.Net._jitted
+    monkeypatch.setattr(caffejax.Net, "_jitted", lambda self, kind, *args, **kwargs: (
+        lambda fn: (lambda *a: recomputes.append(kind) or fn(*a)) if kind == "forward-all" else fn)(
+            jitted(self, kind, *args, **kwargs)))
+    lazy, every = solver(), solver()
+    every._returned_blobs = lambda learnt=frozenset(): None  # every blob, every step
+    x = np.random.default_rng(1).normal(size=(4, 3, 6, 6))
+    for one in (lazy, every):
+        one.net.blobs["x"].data[...] = x
+        one.net.blobs["label"].data[...] = [0, 1, 2, 1]
+        for name in ("conv", "ip"):
+            for i, blob in enumerate(one.net.params[name]):
+                blob.data[...] = lazy.net.params[name][i].data
+    for step in range(5):
+        lazy.step(1)
+        every.step(1)
+        for name in ("drop", "ip"):
+            np.testing.assert_allclose(lazy.net.blobs[name].data, every.net.blobs[name].data, rtol=1e-5, atol=1e-6,
+                                       err_msg=f"{name} after step {step + 1}")
+    assert len(recomputes) == 2  # after the first two steps
+    compiles = lazy.compile_count
+    lazy.step(2)  # not read: the step that hands them back, then the plain one, both compiled already
+    assert lazy.compile_count == compiles and len(recomputes) == 2
 
 
 def test_a_backward_after_a_step_takes_the_steps_dropout_mask():
@@ -523,8 +557,8 @@ def _record_iterations(solver, what) -> list:
     """A list that gets ``what(arguments, outputs)`` of every call of the solver's iteration program."""
     recorded, program = [], solver._step_program
 
-    def recording():
-        step = program()
+    def recording(*learnt):
+        step = program(*learnt)
 
         def record(*args):
             outputs = step(*args)
@@ -591,8 +625,8 @@ def test_a_failed_iteration_forgets_the_blobs_deferred_from_the_weights_it_gave_
     assert solver.net.blobs["conv"]._data._pending is not None
     program = solver._step_program
 
-    def failing():
-        step = program()
+    def failing(*learnt):
+        step = program(*learnt)
 
         def run(*args):
             for spare in args[-1]:  # (the last argument: _into_spare)

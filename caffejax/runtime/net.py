@@ -1415,8 +1415,10 @@ class Net:
         def materialize():
             computed = all_values(params, env, key())
             for top, value in deferred.items():
-                if self.blobs[top]._data._pending is loads[top]:
-                    self.blobs[top]._data.set(computed[value])
+                slot = self.blobs[top]._data
+                if slot._pending is loads[top]:
+                    slot.set(computed[value])
+                    slot.defer(functools.partial(_noting_read, read, top))  # (a later read of it is noted too)
 
         read = self._blobs_read.setdefault((start, end), set())  # (see _handed_back)
         loads = {top: functools.partial(_noting_read, read, top, materialize) for top in deferred}

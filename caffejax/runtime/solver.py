@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -59,7 +60,8 @@ from caffejax.runtime.debug_info import log_param_norms
 from caffejax.runtime.distributed import DataParallel, Devices
 from caffejax.runtime.memory import DeviceMemoryErrors
 from caffejax.runtime.mode import glog_level, log_float, log_to_stderr_unless_configured
-from caffejax.runtime.net import Net, _folding_key, _PassKey, _python_top_values, pulls_batches, to_device
+from caffejax.runtime.net import (Net, _folding_key, _noting_read, _PassKey, _python_top_values, pulls_batches,
+                                  to_device)
 from caffejax.runtime.program_cache import describe_graph, jit_through_cache
 from caffejax.runtime.xla_options import compiler_options
 
@@ -352,10 +354,11 @@ class Solver:
         return diff + local_decay * jnp.sign(weights)
 
     # -- one training iteration as one program -----------------------------------------------------------------
-    def _step_program(self):
-        """The jitted iteration for the net's current graph (one per input-shape signature)."""
+    def _step_program(self, learnt: frozenset[str] = frozenset()):
+        """The jitted iteration for the net's current graph (one per input-shape signature), handing back the
+        ``learnt`` blobs too (:meth:`_learnt_reads`)."""
         net = self.net
-        cache_key = ("step", net._signature(net.graph))
+        cache_key = ("step", net._signature(net.graph), learnt)
         fn = self._programs.get(cache_key)
         if fn is None:
             def counted_step(program, device_axis=None, returned=None):
@@ -378,15 +381,15 @@ class Solver:
                 # (TopsSizedByData) after giving it up, and the iteration runs again by passes.
                 # It folds the pass count into the seed's key itself (net._folding_key): (params, history, fed,
                 # pulled, seed key, count, scalars, spare).
-                step = _folding_key(counted_step(net._program, returned=self._returned_blobs()), 4)
+                step = _folding_key(counted_step(net._program, returned=self._returned_blobs(learnt)), 4)
                 fn = jit_through_cache(_into_spare(step), options=compiler_options(net.graph, backward=True,
                                                                                    dtype=net._dtype),
-                                       describe=self._step_description, keep_unused=True,
+                                       describe=lambda: self._step_description(learnt), keep_unused=True,
                                        donate_argnums=(7,) if self._tops_may_be_sized_by_data else (1, 7))
             self._programs[cache_key] = fn
         return fn
 
-    def _step_description(self) -> list[bytes | str] | None:
+    def _step_description(self, learnt: frozenset[str] = frozenset()) -> list[bytes | str] | None:
         """What one iteration's program computes, for the program cache: a new process then loads it instead of
         tracing the step (GoogLeNet at batch 16: about 2 s). None where its arguments may change structure
         (carried RNN state present or not), or where code outside caffejax decides it (a solver subclass)."""
@@ -396,18 +399,33 @@ class Solver:
         described = describe_graph(net.graph, net._program.kernels)
         if described is None:
             return None
-        returned = self._returned_blobs()
+        returned = self._returned_blobs(learnt)
         return ["solver-step", type(self).__name__, self.param.SerializeToString(deterministic=True),
                 repr(None if returned is None else sorted(returned)), repr(net.channels_last), *described]
 
-    def _returned_blobs(self) -> set[str] | None:
+    def _returned_blobs(self, learnt: frozenset[str] = frozenset()) -> set[str] | None:
         """The blobs one iteration's program hands back (None: all): with one pass an iteration, what a forward
-        would (``Net._returned_values``); the others are recomputed when read. Written out by the step, every
-        blob made MobileNet v2's iteration at batch 16 take 2.1x the time (1.3x with their buffers reused)."""
+        would (``Net._returned_values``) and the ``learnt`` ones; the others are recomputed when read. Written out
+        by the step, every blob made MobileNet v2's iteration at batch 16 take 2.1x the time (1.3x with their
+        buffers reused)."""
         if self.param.iter_size != 1:
             return None  # the last pass's inputs include the state the passes before it carried
         values = self.net._returned_values(self.net.graph.layers)
-        return {blob for blob, value in self.net.graph.blob_value.items() if value in values}
+        return {blob for blob, value in self.net.graph.blob_value.items() if value in values or blob in learnt}
+
+    def _learnt_reads(self) -> frozenset[str]:
+        """The train net's blobs read after each of the last two passes over the whole net (its iterations and
+        forwards), which this iteration hands back, as Net.forward does (Net._handed_back): a training loop
+        reading a blob after every step had the step's forward run again for it each time. None where the
+        iteration hands back every blob anyway (iter_size above 1, several devices)."""
+        net = self.net
+        whole = (0, len(net.graph.layers) - 1)
+        read = net._blobs_read.pop(whole, set())
+        learnt = read & net._blobs_read_before.get(whole, set())
+        net._blobs_read_before[whole] = read
+        if self._parallel is not None or self.param.iter_size != 1:
+            return frozenset()
+        return frozenset(blob for blob in learnt if blob in net.graph.blob_value)
 
     def _pull_batches(self) -> list[dict[str, np.ndarray]] | None:
         """iter_size batches from the train net's data layers, one per pass (Caffe pulls one per pass): top ->
@@ -467,7 +485,8 @@ class Solver:
         if self._parallel is None:  # carried layer state (RNN/LSTM's h_T) is kept per net on one device
             fed.update(net._read_state(graph.layers))
         pulled = {pulled_values[top]: array for top, array in stacked.items()}
-        fn = self._step_program()
+        learnt = self._learnt_reads()
+        fn = self._step_program(learnt)
         before = net.param_arrays()
         scalars = self.step_scalars(rate)
         if self._parallel is None:
@@ -497,8 +516,11 @@ class Solver:
         params, history, loss, updates, blobs, state, norm = outputs
         self._history = history
         self._write_back(params, [new[0] if update is None else update for update, new in zip(updates, history)])
+        read_next = net._blobs_read.setdefault((0, len(graph.layers) - 1), set())  # (see _learnt_reads)
         for name, value in blobs.items():
             net.blobs[name]._data.set(value)
+            if name in learnt:
+                net.blobs[name]._data.defer(functools.partial(_noting_read, read_next, name))
         read = {**fed, **{v: a[0] for v, a in pulled.items()}}
         made_on_host = net._run_host_layers(graph.layers, {graph.blob_value[name]: value for name, value in
                                                            blobs.items()}, read) if net._host_layers else set()
