@@ -118,3 +118,18 @@ def assert_close(got, ref, rtol: float, atol_scale: float, what: str) -> None:
 
 
 needs_shared = pytest.mark.skipif(not (SHARED / "models").is_dir(), reason="../shared is not present")
+
+
+def program_calls(monkeypatch, kind: str, note=lambda net: None) -> list:
+    """The calls of a Net's programs of one ``kind`` (Net._jitted's: "prepare" lays the weights out, "forward-all"
+    recomputes the blobs a pass did not hand back), each as ``note(net)`` at the call, in a list that grows."""
+    import caffejax
+
+    calls, jitted = [], caffejax.Net._jitted
+
+    def counting(self, program_kind, *args, **kwargs):
+        fn = jitted(self, program_kind, *args, **kwargs)
+        return (lambda *a: calls.append(note(self)) or fn(*a)) if program_kind == kind else fn
+
+    monkeypatch.setattr(caffejax.Net, "_jitted", counting)
+    return calls

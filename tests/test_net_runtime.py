@@ -12,7 +12,7 @@ import pytest
 
 import caffejax
 from caffejax.proto import caffe_pb2
-from conftest import BUNDLED, REFERENCE, layer_case
+from conftest import BUNDLED, REFERENCE, layer_case, program_calls
 
 LENET = BUNDLED / "lenet" / "lenet.prototxt"
 LENET_WEIGHTS = BUNDLED / "lenet" / "lenet_iter_10000.caffemodel"
@@ -89,19 +89,6 @@ def test_a_reshape_back_to_shapes_seen_before_builds_no_graph(monkeypatch):
     assert [shapes["data"][0] for shapes in builds] == [2, 3, 1]
 
 
-def _program_calls(monkeypatch, kind: str, note=lambda net: None) -> list:
-    """The calls of a Net's programs of one ``kind`` (Net._jitted's: "prepare" lays the weights out, "forward-all"
-    recomputes the blobs a pass did not hand back), each as ``note(net)`` at the call, in a list that grows."""
-    calls, jitted = [], caffejax.Net._jitted
-
-    def counting(self, program_kind, *args, **kwargs):
-        fn = jitted(self, program_kind, *args, **kwargs)
-        return (lambda *a: calls.append(note(self)) or fn(*a)) if program_kind == kind else fn
-
-    monkeypatch.setattr(caffejax.Net, "_jitted", counting)
-    return calls
-
-
 def test_shapes_fed_in_turn_keep_each_form_of_the_weights(monkeypatch):
     """Input shapes whose kernels take the weights in other forms (a 3x3 convolution as Winograd over enough
     tiles, as XLA's convolution over fewer) keep each form: fed in turn (ResNet-50 fed batches of 1 and 2, an image
@@ -112,7 +99,7 @@ def test_shapes_fed_in_turn_keep_each_form_of_the_weights(monkeypatch):
                 convolution_param { num_output: 8 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.1 }
                                     bias_filler { type: "constant" value: 0.5 } } }
     """, caffejax.TEST)
-    laid_out = _program_calls(monkeypatch, "prepare", lambda net: net.blobs["x"].shape[0])
+    laid_out = program_calls(monkeypatch, "prepare", lambda net: net.blobs["x"].shape[0])
     x = np.random.default_rng(0).standard_normal((4, 4, 8, 8)).astype(np.float32)
     kernels, first = {}, {}
     for n in (1, 4, 1, 4, 1):
@@ -158,7 +145,7 @@ def test_forward_hands_back_the_blobs_named_and_those_read_after_every_pass(monk
     """forward(blobs=[...]) hands its blobs back from the pass itself, and a blob read after every forward
     (features taken from fc7, pycaffe's way) is handed back from the third pass on: neither recomputes the net.
     A blob read once (a script printing the blobs' shapes) is recomputed then and compiles nothing more."""
-    recomputes = _program_calls(monkeypatch, "forward-all")
+    recomputes = program_calls(monkeypatch, "forward-all")
     net = caffejax.Net(str(LENET), str(LENET_WEIGHTS), caffejax.TEST)
     net.blobs["data"].reshape(2, 1, 28, 28)
     x = digits(2, seed=5)

@@ -15,7 +15,7 @@ from caffejax.lower import registry
 from caffejax.lower.registry import LayerRule
 from caffejax.proto import caffe_pb2
 from caffejax.runtime.lr_policy import learning_rate
-from conftest import REFERENCE
+from conftest import REFERENCE, program_calls
 
 SOLVERS = REFERENCE / "solvers"
 CASES = sorted(p.name[: -len("_solver.prototxt")] for p in SOLVERS.glob("*_solver.prototxt"))
@@ -418,26 +418,29 @@ def test_a_pass_folds_its_key_in_its_program_and_only_a_rerun_makes_it_apart(mon
     assert made == [solver.net._pass_count, 0]  # the step's key, then its pass's
 
 
-def test_blobs_after_a_step_hold_its_forward(monkeypatch):
-    """An iteration's program hands back only the net's outputs (written out, every blob made MobileNet v2's
-    iteration 2x slower); the other blobs, read after the step, are recomputed from the weights before the update
-    with the pass's key: the values, Dropout's mask included, of a step that hands back every blob."""
-    def solver():
-        param = caffe_pb2.SolverParameter(type="SGD", base_lr=0.5, lr_policy="fixed", max_iter=5, random_seed=3)
-        param.net_param.CopyFrom(parse_net_text(DROPOUT_NET))
-        return caffejax.SGDSolver(param)
-
-    lazy = solver()
-    assert lazy._returned_blobs() == {"loss"}
-    monkeypatch.setattr(caffejax.SGDSolver, "_returned_blobs", lambda self, learnt=frozenset(): None)
-    every = solver()
-    x = np.random.default_rng(0).normal(size=(4, 3, 6, 6))
+def _lazy_and_every_blob_solvers(seed: int):
+    """Two SGD solvers of DROPOUT_NET with the same weights and fed blobs: the first's steps hand back what they
+    choose (the outputs, the blobs read after every step), the second's every blob."""
+    param = caffe_pb2.SolverParameter(type="SGD", base_lr=0.5, lr_policy="fixed", max_iter=9, random_seed=3)
+    param.net_param.CopyFrom(parse_net_text(DROPOUT_NET))
+    lazy, every = caffejax.SGDSolver(param), caffejax.SGDSolver(param)
+    every._returned_blobs = lambda learnt=frozenset(): None
+    x = np.random.default_rng(seed).normal(size=(4, 3, 6, 6))
     for one in (lazy, every):
         one.net.blobs["x"].data[...] = x
         one.net.blobs["label"].data[...] = [0, 1, 2, 1]
     for name in ("conv", "ip"):
         for i, blob in enumerate(lazy.net.params[name]):
             every.net.params[name][i].data[...] = blob.data
+    return lazy, every
+
+
+def test_blobs_after_a_step_hold_its_forward():
+    """An iteration's program hands back only the net's outputs (written out, every blob made MobileNet v2's
+    iteration 2x slower); the other blobs, read after the step, are recomputed from the weights before the update
+    with the pass's key: the values, Dropout's mask included, of a step that hands back every blob."""
+    lazy, every = _lazy_and_every_blob_solvers(seed=0)
+    assert lazy._returned_blobs() == {"loss"}
     for _ in range(2):
         lazy.step(1)
         every.step(1)
@@ -454,24 +457,8 @@ def test_blobs_read_after_every_step_are_handed_back_by_the_step(monkeypatch):
     """A training loop reading a blob after each solver.step (an activation watched as the net trains) gets it from
     the step itself from the third iteration on, where it was recomputed by a forward of its own after each step:
     the same values, Dropout's mask included, as a step handing back every blob."""
-    def solver():
-        param = caffe_pb2.SolverParameter(type="SGD", base_lr=0.5, lr_policy="fixed", max_iter=9, random_seed=3)
-        param.net_param.CopyFrom(parse_net_text(DROPOUT_NET))
-        return caffejax.SGDSolver(param)
-
-    recomputes, jitted = [], caffejax.Net._jitted
-    monkeypatch.setattr(caffejax.Net, "_jitted", lambda self, kind, *args, **kwargs: (
-        lambda fn: (lambda *a: recomputes.append(kind) or fn(*a)) if kind == "forward-all" else fn)(
-            jitted(self, kind, *args, **kwargs)))
-    lazy, every = solver(), solver()
-    every._returned_blobs = lambda learnt=frozenset(): None  # every blob, every step
-    x = np.random.default_rng(1).normal(size=(4, 3, 6, 6))
-    for one in (lazy, every):
-        one.net.blobs["x"].data[...] = x
-        one.net.blobs["label"].data[...] = [0, 1, 2, 1]
-        for name in ("conv", "ip"):
-            for i, blob in enumerate(one.net.params[name]):
-                blob.data[...] = lazy.net.params[name][i].data
+    recomputes = program_calls(monkeypatch, "forward-all")
+    lazy, every = _lazy_and_every_blob_solvers(seed=1)
     for step in range(5):
         lazy.step(1)
         every.step(1)
