@@ -1088,10 +1088,7 @@ class Net:
         # The blobs read after each of the last two passes over the range: a blob read once (a script printing
         # every blob's shape) costs its recompute; one read after every pass (features taken from fc7) is handed
         # back from the third pass on, at the cost of one program more.
-        read = self._blobs_read.pop((start, end), set())
-        learnt = read & self._blobs_read_before.get((start, end), set())
-        self._blobs_read_before[(start, end)] = read
-        watched, extra = self._handed_back(plan, blobs, learnt)
+        watched, extra = self._handed_back(plan, blobs, self._learnt_blobs(start, end))
         returned = sorted({*plan.returned, *extra}) if extra else plan.returned
         # A pass that can run again folds the chains whose inner values blobs hold: those blobs are recomputed
         # layer by layer when read (_defer_blobs). Other chains' inner values are never made.
@@ -1146,18 +1143,33 @@ class Net:
         self._recorded_tops.update((v, values[v]) for v in plan.python_tops if v in values)
         self._state.update((v, values[out]) for v, out in plan.state)
         final = self._note_pass(start, end, env)
-        read = self._blobs_read.setdefault((start, end), set())  # (what is read before the next pass)
         for top, value in final.items():
             if value in values:
                 self.blobs[top]._data.set(values[value])
-                if top in watched:
-                    self.blobs[top]._data.defer(functools.partial(_noting_read, read, top))
+        self._watch_reads([top for top in watched if final[top] in values], self._reads_after(start, end))
         self._defer_blobs(start, end, {top: value for top, value in final.items()
                                        if value not in values and value not in made_on_host}, params, env, key)
         for owner, changed in updates.items():
             for i, value in changed.items():
                 self._param_blobs[(owner, i)]._data.set(value)
         return float(loss) if plan.weighs_loss else 0.0
+
+    def _reads_after(self, start: int, end: int) -> set[str]:
+        """The blobs read since the last pass over layers start..end (see :meth:`_handed_back`), noted as read."""
+        return self._blobs_read.setdefault((start, end), set())
+
+    def _learnt_blobs(self, start: int, end: int) -> set[str]:
+        """The blobs read after each of the last two passes over layers start..end, called as a pass begins: the
+        reads since the last pass become those before it."""
+        read = self._blobs_read.pop((start, end), set())
+        learnt = read & self._blobs_read_before.get((start, end), set())
+        self._blobs_read_before[(start, end)] = read
+        return learnt
+
+    def _watch_reads(self, blobs: Iterable[str], read: set[str]) -> None:
+        """Note in ``read`` the first read of each of ``blobs``, which hold their values (ArraySlot.defer)."""
+        for blob in blobs:
+            self.blobs[blob]._data.defer(functools.partial(_noting_read, read, blob))
 
     @staticmethod
     def _handed_back(plan: _PassPlan, blobs: Iterable[str], learnt: set[str]) -> tuple[set[str], list[str]]:
@@ -1414,13 +1426,12 @@ class Net:
 
         def materialize():
             computed = all_values(params, env, key())
-            for top, value in deferred.items():
-                slot = self.blobs[top]._data
-                if slot._pending is loads[top]:
-                    slot.set(computed[value])
-                    slot.defer(functools.partial(_noting_read, read, top))  # (a later read of it is noted too)
+            made = [top for top in deferred if self.blobs[top]._data._pending is loads[top]]
+            for top in made:
+                self.blobs[top]._data.set(computed[deferred[top]])
+            self._watch_reads(made, read)  # (a later read of each is noted too)
 
-        read = self._blobs_read.setdefault((start, end), set())  # (see _handed_back)
+        read = self._reads_after(start, end)
         loads = {top: functools.partial(_noting_read, read, top, materialize) for top in deferred}
         for top, load in loads.items():
             self.blobs[top]._data.defer(load)

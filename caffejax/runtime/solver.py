@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
 import math
 import os
@@ -60,8 +59,7 @@ from caffejax.runtime.debug_info import log_param_norms
 from caffejax.runtime.distributed import DataParallel, Devices
 from caffejax.runtime.memory import DeviceMemoryErrors
 from caffejax.runtime.mode import glog_level, log_float, log_to_stderr_unless_configured
-from caffejax.runtime.net import (Net, _folding_key, _noting_read, _PassKey, _python_top_values, pulls_batches,
-                                  to_device)
+from caffejax.runtime.net import Net, _folding_key, _PassKey, _python_top_values, pulls_batches, to_device
 from caffejax.runtime.program_cache import describe_graph, jit_through_cache
 from caffejax.runtime.xla_options import compiler_options
 
@@ -416,13 +414,10 @@ class Solver:
     def _learnt_reads(self) -> frozenset[str]:
         """The train net's blobs read after each of the last two passes over the whole net (its iterations and
         forwards), which this iteration hands back, as Net.forward does (Net._handed_back): a training loop
-        reading a blob after every step had the step's forward run again for it each time. None where the
+        reading a blob after every step had the step's forward run again for it each time. Empty where the
         iteration hands back every blob anyway (iter_size above 1, several devices)."""
         net = self.net
-        whole = (0, len(net.graph.layers) - 1)
-        read = net._blobs_read.pop(whole, set())
-        learnt = read & net._blobs_read_before.get(whole, set())
-        net._blobs_read_before[whole] = read
+        learnt = net._learnt_blobs(0, len(net.graph.layers) - 1)
         if self._parallel is not None or self.param.iter_size != 1:
             return frozenset()
         return frozenset(blob for blob in learnt if blob in net.graph.blob_value)
@@ -516,11 +511,9 @@ class Solver:
         params, history, loss, updates, blobs, state, norm = outputs
         self._history = history
         self._write_back(params, [new[0] if update is None else update for update, new in zip(updates, history)])
-        read_next = net._blobs_read.setdefault((0, len(graph.layers) - 1), set())  # (see _learnt_reads)
         for name, value in blobs.items():
             net.blobs[name]._data.set(value)
-            if name in learnt:
-                net.blobs[name]._data.defer(functools.partial(_noting_read, read_next, name))
+        net._watch_reads(learnt & blobs.keys(), net._reads_after(0, len(graph.layers) - 1))  # (see _learnt_reads)
         read = {**fed, **{v: a[0] for v, a in pulled.items()}}
         made_on_host = net._run_host_layers(graph.layers, {graph.blob_value[name]: value for name, value in
                                                            blobs.items()}, read) if net._host_layers else set()
