@@ -28,6 +28,7 @@ NETS = {
     "fcn8s": MODELS / "fcn/voc-fcn8s/deploy.prototxt",  # Deconvolution, Crop
     "inception_v3": MODELS / "soeaver/deploy_inception-v3.prototxt",  # asymmetric kernels and pads
     "densenet121": MODELS / "densenet/DenseNet_121.prototxt",
+    "mtcnn_det3": BUNDLED / "mtcnn/det3.prototxt",  # PReLU after convolutions and an InnerProduct
 }
 WITH_RULES = [t for t in registered_types() if get_rule(t).top_shapes is not None]
 
@@ -35,7 +36,8 @@ WITH_RULES = [t for t in registered_types() if get_rule(t).top_shapes is not Non
 def test_the_common_layers_have_written_rules():
     assert {"Convolution", "Deconvolution", "Pooling", "ReLU", "Sigmoid", "TanH", "Dropout", "Split", "BatchNorm",
             "Scale", "Bias", "Eltwise", "InnerProduct", "Softmax", "Concat", "LRN", "Flatten",
-            "Reshape"} <= set(WITH_RULES)
+            "Reshape", "PReLU", "AbsVal", "BNLL", "Clip", "ELU", "Exp", "Log", "Power", "Swish",
+            "Threshold"} <= set(WITH_RULES)
 
 
 def _both(layer_param, bottom_shapes, param_shapes, num_tops):
@@ -93,6 +95,19 @@ GOOD = [
     ('name: "c" type: "Concat" concat_param { axis: -1 }', [(2, 3), (2, 1), (2, 5)], [], 1),
     ('name: "s" type: "Softmax" softmax_param { axis: -1 }', [(2, 3, 4)], [], 1),
     ('name: "n" type: "BatchNorm"', [(4, 3)], [(3,), (3,), (1,)], 1),
+    ('name: "p" type: "PReLU" prelu_param { channel_shared: true }', [(2, 3, 4)], [()], 1),
+    ('name: "p" type: "PReLU"', [(2, 3)], [(3,)], 1),
+    ('name: "p" type: "PReLU"', [(2, 6, 2)], [(2, 3)], 1),  # a shared blob of the right count
+    ('name: "a" type: "AbsVal"', [(2, 3, 4)], [], 1),
+    ('name: "b" type: "BNLL"', [()], [], 1),
+    ('name: "c" type: "Clip" clip_param { min: -1 max: 1 }', [(5,)], [], 1),
+    ('name: "e" type: "ELU" elu_param { alpha: 0.5 }', [(2, 3)], [], 1),
+    ('name: "e" type: "Exp" exp_param { base: 2 scale: 3 shift: 1 }', [(2, 3)], [], 1),
+    ('name: "l" type: "Log" log_param { base: -1 shift: 1 }', [(2, 3)], [], 1),
+    ('name: "p" type: "Power" power_param { power: 0 }', [(2, 3)], [], 1),
+    ('name: "p" type: "Power" power_param { power: 2 scale: 3 }', [(2, 3)], [], 1),
+    ('name: "s" type: "Swish"', [(2, 3)], [], 1),
+    ('name: "t" type: "Threshold"', [(2, 3)], [], 1),
 ]
 
 
@@ -147,6 +162,12 @@ BAD = [
     ('name: "r" type: "Reshape" reshape_param { shape { dim: 5 } }', [(2, 3)], [], 1),
     ('name: "r" type: "Reshape" reshape_param { shape { dim: 0 dim: 0 dim: 0 } }', [(2, 3)], [], 1),
     ('name: "r" type: "Reshape" reshape_param { shape { dim: -1 dim: 4 } }', [(2, 3)], [], 1),
+    ('name: "p" type: "PReLU"', [(2, 3, 4)], [(4,)], 1),                       # a slope per other channels
+    ('name: "p" type: "PReLU" prelu_param { channel_shared: true }', [(2, 3)], [(3,)], 1),
+    ('name: "p" type: "PReLU"', [(6,)], [(1,)], 1),                              # no channel axis
+    ('name: "e" type: "Exp" exp_param { base: 0 }', [(2, 3)], [], 1),
+    ('name: "l" type: "Log" log_param { base: -2 }', [(2, 3)], [], 1),
+    ('name: "l" type: "Log" log_param { base: 1 }', [(2, 3)], [], 1),           # 1 / ln(base) infinite
 ]
 
 

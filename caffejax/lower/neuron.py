@@ -17,15 +17,17 @@ from jax import lax
 from caffejax.lower.registry import TRAIN, layer, rejected
 
 
-def neuron(type_name: str, **kwargs):
-    """Register a NeuronLayer: exactly one bottom and one top; in place allowed unless said otherwise. Each
-    element maps on its own, so each row of the batch does (LayerRule.rows_apart) unless said otherwise."""
-    return layer(type_name, bottoms=(1, 1), tops=(1, 1), **{"rows_apart": True, **kwargs})
-
-
 def same_shape(layer_param, bottom_shapes, param_shapes, num_tops):
     """A NeuronLayer's Reshape: top->ReshapeLike(*bottom[0]) (for neurons whose forward checks nothing)."""
     return [tuple(bottom_shapes[0])]
+
+
+def neuron(type_name: str, **kwargs):
+    """Register a NeuronLayer: exactly one bottom and one top; in place allowed unless said otherwise. Each
+    element maps on its own, so each row of the batch does (LayerRule.rows_apart) unless said otherwise. Its
+    top has its bottom's shape (NeuronLayer::Reshape): ``top_shapes`` is :func:`same_shape` unless the layer
+    checks its settings, where it must raise what the forward raises."""
+    return layer(type_name, bottoms=(1, 1), tops=(1, 1), **{"rows_apart": True, "top_shapes": same_shape, **kwargs})
 
 
 def sigmoid(x: jax.Array) -> jax.Array:
@@ -44,12 +46,12 @@ def leaky(x: jax.Array, slope) -> jax.Array:
     return jnp.where(x > 0, x, slope * x)
 
 
-def ln_of_base(ctx, base: float, what: str) -> float:
+def ln_of_base(layer_param, base: float, what: str) -> float:
     """ln(base) for Exp/Log's ``base`` (-1 means e), with Caffe's checks (exp_layer.cpp, log_layer.cpp)."""
     if base == -1:
         return 1.0
     if not base > 0:
-        raise ctx.error(f"{what}: base must be strictly positive, got {base}")
+        raise rejected(layer_param, f"{what}: base must be strictly positive, got {base}")
     return math.log(base)
 
 
@@ -89,25 +91,41 @@ def elu(ctx, bottoms, params):
     return [jnp.where(x > 0, x, alpha * (jnp.exp(negative) - 1))]
 
 
-@neuron("Exp")
+def _exp_top_shapes(layer_param, bottom_shapes, param_shapes, num_tops):
+    ln_of_base(layer_param, layer_param.exp_param.base, "exp_param")
+    return same_shape(layer_param, bottom_shapes, param_shapes, num_tops)
+
+
+@neuron("Exp", top_shapes=_exp_top_shapes)
 def exp(ctx, bottoms, params):
     """y = base^(shift + scale·x) = outer · e^(inner·x), inner = ln(base)·scale, outer = base^shift."""
     (x,) = bottoms
     p = ctx.layer.exp_param
-    inner = ln_of_base(ctx, p.base, "exp_param") * p.scale
+    inner = ln_of_base(ctx.layer, p.base, "exp_param") * p.scale
     outer = 1.0 if p.shift == 0 else (math.exp(p.shift) if p.base == -1 else p.base ** p.shift)
     return [jnp.exp(inner * x) * outer]
 
 
-@neuron("Log")
+def _ln_of_log_base(layer_param) -> float:
+    """ln of Log's base, which must not be 1 either (its output scale 1 / ln(base) would be infinite)."""
+    base = layer_param.log_param.base
+    ln_base = ln_of_base(layer_param, base, "log_param")
+    if ln_base == 0:
+        raise rejected(layer_param, f"log_param: base {base} gives log(base) = 0, an infinite output scale")
+    return ln_base
+
+
+def _log_top_shapes(layer_param, bottom_shapes, param_shapes, num_tops):
+    _ln_of_log_base(layer_param)
+    return same_shape(layer_param, bottom_shapes, param_shapes, num_tops)
+
+
+@neuron("Log", top_shapes=_log_top_shapes)
 def log(ctx, bottoms, params):
     """y = log_base(shift + scale·x) = ln(shift + scale·x) / ln(base)."""
     (x,) = bottoms
     p = ctx.layer.log_param
-    ln_base = ln_of_base(ctx, p.base, "log_param")
-    if ln_base == 0:
-        raise ctx.error(f"log_param: base {p.base} gives log(base) = 0, an infinite output scale")
-    return [jnp.log(p.scale * x + p.shift) * (1.0 / ln_base)]
+    return [jnp.log(p.scale * x + p.shift) * (1.0 / _ln_of_log_base(ctx.layer))]
 
 
 @neuron("Power")
@@ -155,14 +173,14 @@ _replace_gradient.defvjp(
     lambda res, g: (res[0].astype(g.dtype), jnp.zeros_like(res[1]), jnp.zeros_like(res[0])))
 
 
-@neuron("ReLU", top_shapes=same_shape)
+@neuron("ReLU")
 def relu(ctx, bottoms, params):
     """y = x > 0 ? x : negative_slope·x; dy/dx = negative_slope at x == 0 (relu_layer.cpp)."""
     (x,) = bottoms
     return [leaky(x, ctx.layer.relu_param.negative_slope)]
 
 
-@neuron("Sigmoid", top_shapes=same_shape)
+@neuron("Sigmoid")
 def sigmoid_layer(ctx, bottoms, params):
     """y = 1 / (1 + e^-x)."""
     (x,) = bottoms
@@ -176,7 +194,7 @@ def swish(ctx, bottoms, params):
     return [x * sigmoid(ctx.layer.swish_param.beta * x)]
 
 
-@neuron("TanH", top_shapes=same_shape)
+@neuron("TanH")
 def tanh(ctx, bottoms, params):
     """y = tanh(x)."""
     (x,) = bottoms
@@ -259,12 +277,15 @@ def dropout(ctx, bottoms, params):
 
 # ---- PReLU ------------------------------------------------------------------------------------------------------
 
+def _check_prelu_bottom(layer_param, bottom_shape) -> None:
+    if len(bottom_shape) < 2:
+        raise rejected(layer_param, f"bottom must have at least 2 axes, got shape {tuple(bottom_shape)}")
+
+
 def _prelu_param_shapes(layer_param, bottom_shapes):
     """One slope blob: shape () if channel_shared, else [C] with C = bottom.shape[1] (prelu_layer.cpp)."""
-    shape = tuple(bottom_shapes[0])
-    if len(shape) < 2:
-        raise rejected(layer_param, f"bottom must have at least 2 axes, got shape {shape}")
-    return [()] if layer_param.prelu_param.channel_shared else [(shape[1],)]
+    _check_prelu_bottom(layer_param, bottom_shapes[0])
+    return [()] if layer_param.prelu_param.channel_shared else [(bottom_shapes[0][1],)]
 
 
 def _prelu_init_params(layer_param, shapes, key):
@@ -277,7 +298,23 @@ def _prelu_init_params(layer_param, shapes, key):
     return [fill(filler, shapes[0], key)]
 
 
-@neuron("PReLU", param_shapes=_prelu_param_shapes, init_params=_prelu_init_params)
+def _check_prelu_slope(layer_param, bottom_shape, slope_shape) -> None:
+    """A bottom of at least 2 axes, and a slope blob of one value per channel (axis 1), or one if
+    channel_shared. Caffe indexes the blob flat, so any blob of that count (shared PERMISSIVE params) will do."""
+    _check_prelu_bottom(layer_param, bottom_shape)
+    shared = layer_param.prelu_param.channel_shared
+    expected, count = 1 if shared else bottom_shape[1], math.prod(slope_shape)
+    if count != expected:
+        raise rejected(layer_param, f"negative slope blob has {count} values, expected {expected} "
+                       f"({'channel_shared' if shared else f'one per channel of bottom {tuple(bottom_shape)}'})")
+
+
+def _prelu_top_shapes(layer_param, bottom_shapes, param_shapes, num_tops):
+    _check_prelu_slope(layer_param, bottom_shapes[0], param_shapes[0])
+    return same_shape(layer_param, bottom_shapes, param_shapes, num_tops)
+
+
+@neuron("PReLU", param_shapes=_prelu_param_shapes, init_params=_prelu_init_params, top_shapes=_prelu_top_shapes)
 def prelu(ctx, bottoms, params):
     """y = x > 0 ? x : a_c·x with c the channel (axis 1), or one a for all if channel_shared.
 
@@ -285,15 +322,7 @@ def prelu(ctx, bottoms, params):
     """
     (x,) = bottoms
     (slope,) = params
-    if x.ndim < 2:
-        raise ctx.error(f"bottom must have at least 2 axes, got shape {tuple(x.shape)}")
-    channels = x.shape[1]
-    shared = ctx.layer.prelu_param.channel_shared
-    expected = 1 if shared else channels
-    if slope.size != expected:
-        raise ctx.error(f"negative slope blob has {slope.size} values, expected {expected} "
-                        f"({'channel_shared' if shared else f'one per channel of bottom {tuple(x.shape)}'})")
-    # Caffe indexes the blob flat, so any blob of the right count (shared PERMISSIVE params) works the same.
+    _check_prelu_slope(ctx.layer, x.shape, slope.shape)
     flat = slope.reshape(-1).astype(x.dtype)
-    a = flat[0] if shared else flat.reshape((channels,) + (1,) * (x.ndim - 2))
+    a = flat[0] if ctx.layer.prelu_param.channel_shared else flat.reshape((x.shape[1],) + (1,) * (x.ndim - 2))
     return [leaky(x, a)]
