@@ -47,15 +47,22 @@ def pyramid_shapes(height: int, width: int, min_face: int = 20, factor: float = 
     return shapes
 
 
-def _programs(name: str, shapes, repeats: int, rng) -> list[dict]:
-    """Each shape of one net, caffejax against OpenCV (alternating blocks): medians, ratio, agreement."""
+def _compiled_and_opencv(name: str):
+    """One MTCNN net as caffejax's compile_inference and as OpenCV DNN's net."""
     import caffejax
-    from bench.measure import once, timed_alternating
     from bench.run import opencv_net
 
     prototxt, weights = MODELS / f"{name}.prototxt", MODELS / f"{name}.caffemodel"
-    infer = caffejax.compile_inference(caffejax.Net(str(prototxt), caffejax.TEST, weights=str(weights)))
-    dnn = opencv_net(prototxt, weights)
+    return (caffejax.compile_inference(caffejax.Net(str(prototxt), caffejax.TEST, weights=str(weights))),
+            opencv_net(prototxt, weights))
+
+
+def _programs(name: str, shapes, repeats: int, rng, nets=None) -> list[dict]:
+    """Each shape of one net, caffejax against OpenCV (alternating blocks): medians, ratio, agreement. ``nets``:
+    the net's (compile_inference, OpenCV) pair, made here where not given."""
+    from bench.measure import once, timed_alternating
+
+    infer, dnn = nets or _compiled_and_opencv(name)
     rows = []
     for shape in shapes:
         x = rng.uniform(-1, 1, shape).astype(np.float32)
@@ -78,18 +85,16 @@ def _programs(name: str, shapes, repeats: int, rng) -> list[dict]:
     return rows
 
 
-def _pyramid_walks(shapes, repeats: int, rng) -> dict:
+def _pyramid_walks(shapes, repeats: int, rng, nets) -> dict:
     """det1 over every level in turn, per walk: compile_inference, Net.forward as a pycaffe script calls it
     (reshaping its input blob at each level) and OpenCV, in alternating blocks; medians, ratios to OpenCV's, and
-    the largest difference of the pycaffe way's outputs from OpenCV's."""
+    the largest difference of the pycaffe way's outputs from OpenCV's. ``nets``: det1's (compile_inference,
+    OpenCV) pair that timed its levels one by one (its programs compiled already)."""
     import caffejax
     from bench.measure import timed_alternating
-    from bench.run import opencv_net
 
-    prototxt, weights = MODELS / "det1.prototxt", MODELS / "det1.caffemodel"
-    infer = caffejax.compile_inference(caffejax.Net(str(prototxt), caffejax.TEST, weights=str(weights)))
-    net = caffejax.Net(str(prototxt), str(weights), caffejax.TEST)
-    dnn = opencv_net(prototxt, weights)
+    infer, dnn = nets
+    net = caffejax.Net(str(MODELS / "det1.prototxt"), str(MODELS / "det1.caffemodel"), caffejax.TEST)
     xs = [rng.uniform(-1, 1, shape).astype(np.float32) for shape in shapes]
     names = ["conv4-2", "prob1"]
 
@@ -150,7 +155,8 @@ def main(argv=None) -> int:
     print(f"MTCNN on a {args.height} x {args.width} photo, faces from {args.min_face} px: {len(shapes)} pyramid "
           f"levels; caffejax (JAX {jax.__version__}, {jax.default_backend()}) against OpenCV {cv2.__version__} "
           f"({cv2.getNumThreads()} threads)")
-    rows = _programs("det1", shapes, args.repeats, rng)
+    det1 = _compiled_and_opencv("det1")
+    rows = _programs("det1", shapes, args.repeats, rng, det1)
     for item in filter(None, args.crops.split(",")):
         name, count = item.split(":")
         if int(count):
@@ -163,7 +169,7 @@ def main(argv=None) -> int:
         t = totals[label]
         print(f"{label:>9}: caffejax {t['caffejax_ms']:8.3f} ms  OpenCV {t['opencv_ms']:8.3f} ms  ratio "
               f"{t['ratio']:5.2f}  first photo {t['first_s']:5.2f} s (compiles included)")
-    walk = _pyramid_walks(shapes, max(1, args.repeats // 2), rng) if shapes else None
+    walk = _pyramid_walks(shapes, max(1, args.repeats // 2), rng, det1) if shapes else None
     if args.json:
         report = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args), "jax": jax.__version__,
                   "opencv": cv2.__version__, "rows": rows, "totals": totals, "pyramid_walk": walk}

@@ -309,10 +309,15 @@ def test_mtcnn_pyramid_is_detect_faces_scales():
     assert pyramid_shapes(19, 30) == []  # a face of 20 pixels does not fit
 
 
-def test_mtcnn_bench_times_each_stage_against_opencv(tmp_path, capsys):
+def test_mtcnn_bench_times_each_stage_against_opencv(tmp_path, capsys, monkeypatch):
     pytest.importorskip("cv2")
+    import caffejax
     from bench import mtcnn
 
+    compiled = []
+    compile_inference = caffejax.compile_inference
+    monkeypatch.setattr(caffejax, "compile_inference", lambda net, **kw: compiled.append(net) or
+                        compile_inference(net, **kw))
     out = tmp_path / "m.json"
     assert mtcnn.main(["--height", "40", "--width", "48", "--crops", "det2:2,det3:0", "--repeats", "1",
                        "--json", str(out)]) == 0
@@ -328,3 +333,4 @@ def test_mtcnn_bench_times_each_stage_against_opencv(tmp_path, capsys):
     assert all(walk[f"{k}_ms"] > 0 for k in ("compile_inference", "net_forward", "opencv"))
     assert walk["net_forward_ratio"] == pytest.approx(walk["net_forward_ms"] / walk["opencv_ms"])
     assert "Net.forward as pycaffe scripts call it" in capsys.readouterr().out
+    assert len(compiled) == 2  # det1's walk reuses the programs its levels were timed with, then det2
