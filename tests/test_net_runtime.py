@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 
@@ -169,6 +170,28 @@ def test_forward_hands_back_the_blobs_named_and_those_read_after_every_pass(monk
     for _ in range(3):
         np.testing.assert_array_equal(net.forward(data=x)["prob"], net.forward(data=x, blobs=["ip1"])["prob"])
     assert net.compile_count == compiled
+
+
+def test_blobs_read_at_random_after_each_forward_compile_a_bounded_number_of_programs():
+    """Each set of blobs read after two passes in a row is handed back by a program of its own: a script reading
+    blobs at random after every forward (a viewer sampling layers) compiled a program at nearly every new pair of
+    sets (22 in LeNet's 60 forwards). At most LEARNT_SETS_PER_RANGE of them now; the other reads recompute, and
+    every read holds the pass's value."""
+    from caffejax.runtime.net import LEARNT_SETS_PER_RANGE
+
+    net = caffejax.Net(str(LENET), str(LENET_WEIGHTS), caffejax.TEST)
+    net.blobs["data"].reshape(1, 1, 28, 28)
+    x = digits(1, seed=2)
+    net.forward(data=x)
+    want = {name: blob.data.copy() for name, blob in net.blobs.items()}
+    compiled = net.compile_count
+    choose = random.Random(0)
+    names = [name for name in net.blobs if name != "data"]
+    for _ in range(40):
+        net.forward(data=x)
+        for name in choose.sample(names, 3):
+            np.testing.assert_allclose(net.blobs[name].data, want[name], rtol=1e-6, atol=1e-7, err_msg=name)
+    assert net.compile_count - compiled <= LEARNT_SETS_PER_RANGE
 
 
 def test_blob_data_and_forward_kwargs_agree(lenet):

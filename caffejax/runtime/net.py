@@ -164,6 +164,14 @@ def to_device(tree):
 DEVICE_ARGUMENTS_MIN_FLOPS = 100e6
 
 
+# How many sets of blobs read after the last two passes (Net._learnt_blobs) the passes over one range of one graph
+# hand back, each set a program of its own (a compile): a script reading 3 of LeNet's blobs at random after each
+# forward compiled 22 programs in 60 forwards (7.3 s; each set seen twice in a row was new), where a loop
+# reading the same blobs every time needs one. Past these, a pass hands back the largest of them the reads
+# hold, and the other blobs read are recomputed when read (no compile).
+LEARNT_SETS_PER_RANGE = 4
+
+
 # Net.forward prepares its kernels' weights in a program of its own (Net._prepared_weights), however small they
 # are: laid out in every forward instead, LeNet's 100 KB of filters cost its forward at batch 1 8% and MTCNN's det3
 # and det4 20% and 12%. The preparation costs a net's first forward 30-70 ms more to compile and its first at
@@ -341,6 +349,8 @@ class _GraphFacts:
     owned_params: list[tuple[str, tuple]]  # param_arrays' walk: see Net._set_graph
     pass_plans: dict[tuple[int, int], _PassPlan] = dataclasses.field(default_factory=dict)  # Net._pass_plan
     range_keys: dict[tuple[int, int], tuple] = dataclasses.field(default_factory=dict)  # Net._range_key
+    # The sets of blobs the passes over each range hand back besides their outputs (Net._learnt_blobs)
+    learnt_sets: dict[tuple[int, int], list[frozenset[str]]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -546,7 +556,7 @@ class Net:
                 [(layer.name, tuple(slot.key if slot.is_owner else None for slot in layer.params))
                  for layer in graph.layers if any(slot.is_owner for slot in layer.params)])
         self._owned_params, self._pass_plans = facts.owned_params, facts.pass_plans
-        self._range_keys = facts.range_keys
+        self._range_keys, self._learnt_sets = facts.range_keys, facts.learnt_sets
         old = getattr(self, "blobs", {})
         self.blobs: collections.OrderedDict[str, Blob] = collections.OrderedDict()
         # A top of a layer run on the host keeps what its last forward made: that layer's forward reshapes it (as
@@ -1160,11 +1170,20 @@ class Net:
 
     def _learnt_blobs(self, start: int, end: int) -> set[str]:
         """The blobs read after each of the last two passes over layers start..end, called as a pass begins: the
-        reads since the last pass become those before it."""
+        reads since the last pass become those before it. At most LEARNT_SETS_PER_RANGE sets of them over one
+        range of one graph (its passes, and a solver's iterations over the whole net): past those, the largest of
+        them that the blobs read hold."""
         read = self._blobs_read.pop((start, end), set())
         learnt = read & self._blobs_read_before.get((start, end), set())
         self._blobs_read_before[(start, end)] = read
-        return learnt
+        if not learnt:
+            return learnt
+        used, learnt = self._learnt_sets.setdefault((start, end), []), frozenset(learnt)
+        if learnt not in used:
+            if len(used) >= LEARNT_SETS_PER_RANGE:
+                return set(max((blobs for blobs in used if blobs <= learnt), key=len, default=()))
+            used.append(learnt)
+        return set(learnt)
 
     def _watch_reads(self, blobs: Iterable[str], read: set[str]) -> None:
         """Note in ``read`` the first read of each of ``blobs``, which hold their values (ArraySlot.defer)."""
