@@ -548,15 +548,13 @@ class Net:
         # Which value each blob's data came from (blob -> value id): a backward over part of the net recomputes
         # the inputs of its range whose blobs a layer in place has since overwritten (_recomputed_feed).
         self._blob_holds: dict[str, str] = dict(graph.blob_value)
-        facts = self._graph_facts.get(signature)
-        if facts is None:
+        self._facts = self._graph_facts.get(signature)
+        if self._facts is None:
             # The layers owning learnable blobs, and each blob's key where the layer owns it (None where it shares
             # another layer's): param_arrays' walk, fixed per graph.
-            facts = self._graph_facts[signature] = _GraphFacts(
+            self._facts = self._graph_facts[signature] = _GraphFacts(
                 [(layer.name, tuple(slot.key if slot.is_owner else None for slot in layer.params))
                  for layer in graph.layers if any(slot.is_owner for slot in layer.params)])
-        self._owned_params, self._pass_plans = facts.owned_params, facts.pass_plans
-        self._range_keys, self._learnt_sets = facts.range_keys, facts.learnt_sets
         old = getattr(self, "blobs", {})
         self.blobs: collections.OrderedDict[str, Blob] = collections.OrderedDict()
         # A top of a layer run on the host keeps what its last forward made: that layer's forward reshapes it (as
@@ -592,9 +590,9 @@ class Net:
 
     def _range_key(self, first: int, last: int):
         """:meth:`_range_signature` of the net's graph, worked out once per range and graph."""
-        key = self._range_keys.get((first, last))
+        key = self._facts.range_keys.get((first, last))
         if key is None:
-            key = self._range_keys[(first, last)] = self._range_signature(self._graph, first, last)
+            key = self._facts.range_keys[(first, last)] = self._range_signature(self._graph, first, last)
         return key
 
     @staticmethod
@@ -754,7 +752,7 @@ class Net:
         out: dict[str, list[Any]] = {}
         on_host: list[tuple[ArraySlot, str, int]] = []
         blobs = self._param_blobs
-        for name, keys in self._owned_params:
+        for name, keys in self._facts.owned_params:
             arrays = out[name] = []
             for i, key in enumerate(keys):
                 if key is None:
@@ -1178,7 +1176,7 @@ class Net:
         self._blobs_read_before[(start, end)] = read
         if not learnt:
             return learnt
-        used, learnt = self._learnt_sets.setdefault((start, end), []), frozenset(learnt)
+        used, learnt = self._facts.learnt_sets.setdefault((start, end), []), frozenset(learnt)
         if learnt not in used:
             if len(used) >= LEARNT_SETS_PER_RANGE:
                 return set(max((blobs for blobs in used if blobs <= learnt), key=len, default=()))
@@ -1205,10 +1203,10 @@ class Net:
 
     def _pass_plan(self, start: int, end: int) -> _PassPlan:
         """The :class:`_PassPlan` of a forward over layers start..end of the current graph."""
-        plan = self._pass_plans.get((start, end))
+        plan = self._facts.pass_plans.get((start, end))
         if plan is None:
             layers = self._program.layers_between(start, end)
-            plan = self._pass_plans[(start, end)] = _PassPlan(
+            plan = self._facts.pass_plans[(start, end)] = _PassPlan(
                 layers, sorted(self._returned_values(layers)), self._reruns(layers),
                 self._feed_sources(layers, read_only=True), _python_top_values(layers),
                 [(v, out) for layer in layers for v, out in zip(layer.state_in, layer.state_out)],
