@@ -613,6 +613,28 @@ def test_depthwise_filter_gradient_by_rows_every_block_shape(monkeypatch, produc
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
 
 
+def test_depthwise_layers_trace_few_operations_per_product():
+    """A padded 3x3 depthwise layer's forward (by regions: 5 of them, 45 weighted taps) and its filter gradient's
+    loop body (a block of 28 rows: 252 products) trace a few operations per product: each input row, column
+    window and offset's weights taken once, not indexed again per product. Indexed per product (jnp), the
+    body held 7 operations per product and MobileNet v2's training step traced in 4.7 s, 3.2 s since."""
+    from caffejax.lower import vision
+
+    g = vision.ConvGeometry(channel_axis=3, kernel=(3, 3), stride=(1, 1), pad=(1, 1), dilation=(1, 1))
+    padding, out = ((1, 1), (1, 1)), (28, 28)
+    x = dy = jnp.zeros((2, 28, 28, 8), jnp.float32)
+    gradient = jax.make_jaxpr(lambda x, dy: vision._depthwise_filter_gradient_by_rows(
+        x, dy, g, padding, out, jnp.float32))(x, dy)
+    (loop,) = [e for e in gradient.jaxpr.eqns if e.primitive.name in ("scan", "while")]
+    body = (loop.params.get("jaxpr") or loop.params["body_jaxpr"]).jaxpr
+    assert sum(e.primitive.name == "mul" for e in body.eqns) >= 252
+    assert len(body.eqns) < 3.5 * 252
+    forward = jax.make_jaxpr(lambda x, w: vision._depthwise_taps(x, w, g, padding, out, True, None))(
+        x, jnp.zeros((3, 3, 1, 8), jnp.float32))
+    assert sum(e.primitive.name == "mul" for e in forward.jaxpr.eqns) == 45
+    assert len(forward.jaxpr.eqns) < 5 * 45
+
+
 def test_convolution_channel_axis_and_several_bottoms():
     # axis 2: the leading axes (2, 3) are the "num" of Caffe's loop; every bottom gets its own top.
     rng = np.random.default_rng(8)
