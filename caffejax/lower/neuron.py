@@ -22,11 +22,21 @@ def same_shape(layer_param, bottom_shapes, param_shapes, num_tops):
     return [tuple(bottom_shapes[0])]
 
 
+def same_shape_after(check):
+    """:func:`same_shape` for a neuron whose forward checks its settings: ``check(layer_param, bottom_shapes,
+    param_shapes)`` raises first what the forward raises."""
+    def top_shapes(layer_param, bottom_shapes, param_shapes, num_tops):
+        check(layer_param, bottom_shapes, param_shapes)
+        return same_shape(layer_param, bottom_shapes, param_shapes, num_tops)
+
+    return top_shapes
+
+
 def neuron(type_name: str, **kwargs):
     """Register a NeuronLayer: exactly one bottom and one top; in place allowed unless said otherwise. Each
     element maps on its own, so each row of the batch does (LayerRule.rows_apart) unless said otherwise. Its
-    top has its bottom's shape (NeuronLayer::Reshape): ``top_shapes`` is :func:`same_shape` unless the layer
-    checks its settings, where it must raise what the forward raises."""
+    top has its bottom's shape (NeuronLayer::Reshape): ``top_shapes`` is :func:`same_shape`, or
+    :func:`same_shape_after` the checks of a layer whose forward checks its settings."""
     return layer(type_name, bottoms=(1, 1), tops=(1, 1), **{"rows_apart": True, "top_shapes": same_shape, **kwargs})
 
 
@@ -91,12 +101,7 @@ def elu(ctx, bottoms, params):
     return [jnp.where(x > 0, x, alpha * (jnp.exp(negative) - 1))]
 
 
-def _exp_top_shapes(layer_param, bottom_shapes, param_shapes, num_tops):
-    ln_of_base(layer_param, layer_param.exp_param.base, "exp_param")
-    return same_shape(layer_param, bottom_shapes, param_shapes, num_tops)
-
-
-@neuron("Exp", top_shapes=_exp_top_shapes)
+@neuron("Exp", top_shapes=same_shape_after(lambda lp, *_: ln_of_base(lp, lp.exp_param.base, "exp_param")))
 def exp(ctx, bottoms, params):
     """y = base^(shift + scale·x) = outer · e^(inner·x), inner = ln(base)·scale, outer = base^shift."""
     (x,) = bottoms
@@ -115,12 +120,7 @@ def _ln_of_log_base(layer_param) -> float:
     return ln_base
 
 
-def _log_top_shapes(layer_param, bottom_shapes, param_shapes, num_tops):
-    _ln_of_log_base(layer_param)
-    return same_shape(layer_param, bottom_shapes, param_shapes, num_tops)
-
-
-@neuron("Log", top_shapes=_log_top_shapes)
+@neuron("Log", top_shapes=same_shape_after(lambda lp, *_: _ln_of_log_base(lp)))
 def log(ctx, bottoms, params):
     """y = log_base(shift + scale·x) = ln(shift + scale·x) / ln(base)."""
     (x,) = bottoms
@@ -248,13 +248,9 @@ def random_words(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return _threefry_first_word(k0, k1, index, jnp.zeros_like(index))
 
 
-def _dropout_top_shapes(layer_param, bottom_shapes, param_shapes, num_tops):
-    _dropout_ratio(layer_param)
-    return same_shape(layer_param, bottom_shapes, param_shapes, num_tops)
-
-
 # In TRAIN each row's mask depends on where the row is in the batch (the random words are drawn by position).
-@neuron("Dropout", top_shapes=_dropout_top_shapes, rows_apart=lambda layer_param, phase, shapes: phase != TRAIN)
+@neuron("Dropout", top_shapes=same_shape_after(lambda lp, *_: _dropout_ratio(lp)),
+        rows_apart=lambda layer_param, phase, shapes: phase != TRAIN)
 def dropout(ctx, bottoms, params):
     """TRAIN: y = x · mask / (1 - r), mask ~ Bernoulli(1 - r) per element; TEST: y = x (dropout_layer.cpp).
     The mask comes from :func:`random_words`, so the same key gives the same mask.
@@ -309,12 +305,8 @@ def _check_prelu_slope(layer_param, bottom_shape, slope_shape) -> None:
                        f"({'channel_shared' if shared else f'one per channel of bottom {tuple(bottom_shape)}'})")
 
 
-def _prelu_top_shapes(layer_param, bottom_shapes, param_shapes, num_tops):
-    _check_prelu_slope(layer_param, bottom_shapes[0], param_shapes[0])
-    return same_shape(layer_param, bottom_shapes, param_shapes, num_tops)
-
-
-@neuron("PReLU", param_shapes=_prelu_param_shapes, init_params=_prelu_init_params, top_shapes=_prelu_top_shapes)
+@neuron("PReLU", param_shapes=_prelu_param_shapes, init_params=_prelu_init_params,
+        top_shapes=same_shape_after(lambda lp, bottoms, params: _check_prelu_slope(lp, bottoms[0], params[0])))
 def prelu(ctx, bottoms, params):
     """y = x > 0 ? x : a_c·x with c the channel (axis 1), or one a for all if channel_shared.
 
