@@ -37,11 +37,14 @@ def child(net_name: str, batch: int, steps: int) -> dict:
     from caffejax.runtime.solver import _into_spare
 
     spec = NETS[net_name]
-    weights = spec.weights
-    if weights is None:
-        weights = pathlib.Path(tempfile.mkdtemp()) / f"{net_name}.caffemodel"
-        deploy_net(spec).save(str(weights))
-    step, options, (params, inputs, key), _ = training_step_program(spec, weights, batch)
+    # Random weights for a net without bundled ones go to a folder removed once they are read (AlexNet's are
+    # 244 MB, and each run is a new process).
+    with tempfile.TemporaryDirectory(prefix="compile_ab-") as folder:
+        weights = spec.weights
+        if weights is None:
+            weights = pathlib.Path(folder) / f"{net_name}.caffemodel"
+            deploy_net(spec).save(str(weights))
+        step, options, (params, inputs, key), _ = training_step_program(spec, weights, batch)
     params = jax.tree.map(jnp.asarray, params)
     spare = jax.tree.map(jnp.zeros_like, params)
     start = time.perf_counter()

@@ -263,6 +263,21 @@ def test_compile_ab_times_each_flag_setting_in_its_own_process(capsys):
     assert "xla_no_such_flag" in rows[1]["error"] and "lenet batch 1, training step" in out
 
 
+def test_compile_ab_leaves_no_random_weights_behind(tmp_path, monkeypatch):
+    """A net without bundled weights is compiled from random ones written to a file; each run (a fresh process)
+    removes it afterwards (AlexNet's are 244 MB)."""
+    import dataclasses
+    import tempfile
+
+    from bench import compile_ab
+    from bench.nets import NETS
+
+    monkeypatch.setitem(NETS, "lenet", dataclasses.replace(NETS["lenet"], weights=None))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    result = compile_ab.child("lenet", 1, 2)
+    assert result["step_ms"] > 0 and list(tmp_path.iterdir()) == []
+
+
 def test_batch_sizes_bench_sends_the_stream_from_several_threads(tmp_path, capsys):
     """`python -m bench.batch_sizes --threads N`: the stream dealt out to N threads at once, each mode in its own
     process; the programs are one per size met (exact) or per padded size, however many threads ask at once."""
