@@ -830,7 +830,7 @@ def test_a_held_host_array_is_handed_to_programs_as_one_copy_while_its_bits_stay
     held[0, 1] = -0.0
     assert slot.value() is not zero and np.signbit(slot.value()[0, 1])
     before = slot.value()
-    new = jax.numpy.full((2, 3), 5.0)
+    new = jax.numpy.full((2, 3), 5.0, np.float32)  # the slot's dtype, under JAX_ENABLE_X64 too
     slot.set(new)  # copied into the held array, and handed itself
     assert slot.value() is new
     np.testing.assert_array_equal(held, 5.0)

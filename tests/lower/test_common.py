@@ -203,7 +203,7 @@ def test_filter_selects_rows_and_routes_gradient_back():
     ctx = layer_context(FILTER)
     # The selector must stay concrete: it enters as a constant, only the filtered bottoms are traced.
     _, vjp = jax.vjp(lambda a, b: get_rule("Filter").forward(ctx, [a, b, jnp.asarray(s)], []), a, b)
-    da, db = vjp([jnp.full((3, 2), 2.0), jnp.ones(3)])
+    da, db = vjp([jnp.full((3, 2), 2.0, jnp.float32), jnp.ones(3, jnp.float32)])
     np.testing.assert_array_equal(da, [[0, 0], [2, 2], [0, 0], [2, 2], [2, 2]])
     np.testing.assert_array_equal(db, [0, 1, 0, 1, 1])
     assert not get_rule("Filter").allow_force_backward(ctx.layer, 2)
@@ -408,7 +408,7 @@ def test_inner_product_weight_gradient_at_one_row_is_one_product_of_finished_vec
         (y,) = get_rule("InnerProduct").forward(ip, [h], [w, b])
         return jnp.sum(y * y)
 
-    args = (jnp.ones((1, inputs)), jnp.ones((outputs, inputs)), jnp.ones(outputs))
+    args = tuple(jnp.ones(shape, jnp.float32) for shape in [(1, inputs), (outputs, inputs), (outputs,)])
     hlo = jax.jit(jax.grad(loss, argnums=1)).lower(*args).compile().as_text()
     weight_gradient_dots = [line for line in hlo.splitlines()
                             if " dot(" in line and line.strip().split(" = ")[1].startswith(f"f32[{outputs},{inputs}]")]
@@ -574,7 +574,7 @@ def test_few_rows_take_the_input_gradient_of_a_big_weight_from_dy_written_out():
     _assert_hessian_vector_products_are_the_plain_products(forward, x, w, b, rng)
 
     def barriers(x, w, b):
-        return str(jax.make_jaxpr(lambda x, w, b: jax.vjp(forward, x, w, b)[1](jnp.ones((len(x), len(w)))))(
+        return str(jax.make_jaxpr(lambda x, w, b: jax.vjp(forward, x, w, b)[1](jnp.ones((len(x), len(w)), jnp.float32)))(
             x, w, b)).count("optimization_barrier")
 
     lenet_ip1 = jnp.asarray(rng.standard_normal((500, 1024)), jnp.float32)

@@ -111,10 +111,10 @@ def test_exposed_hidden_states_carry_data_but_no_gradient():
     ctx = layer_context(LSTM_EXPOSED)
     bottoms = [jnp.asarray(b) for b in (x, cont, xs, h0, c0)]
     _, vjp = jax.vjp(lambda bs: get_rule("LSTM").forward(ctx, bs, [jnp.asarray(p) for p in params]), bottoms)
-    (dx, dcont, dxs, dh0, dc0), = vjp([jnp.zeros((3, 2, 3)), jnp.ones((1, 2, 3)), jnp.ones((1, 2, 3))])
+    (dx, dcont, dxs, dh0, dc0), = vjp([jnp.zeros((3, 2, 3), jnp.float32), jnp.ones((1, 2, 3), jnp.float32), jnp.ones((1, 2, 3), jnp.float32)])
     for d in (dx, dcont, dxs, dh0, dc0):
         assert not np.any(d)
-    (dx, dcont, dxs, dh0, dc0), = vjp([jnp.ones((3, 2, 3)), jnp.zeros((1, 2, 3)), jnp.zeros((1, 2, 3))])
+    (dx, dcont, dxs, dh0, dc0), = vjp([jnp.ones((3, 2, 3), jnp.float32), jnp.zeros((1, 2, 3), jnp.float32), jnp.zeros((1, 2, 3), jnp.float32)])
     assert np.any(dx) and np.any(dxs) and not np.any(dcont) and not np.any(dh0) and not np.any(dc0)
 
 
