@@ -19,6 +19,11 @@ SHARED = pathlib.Path(os.environ.get("CAFFEJAX_SHARED", HERE.parent.parent / "sh
 # the suite's checks of the log lines (caffe's tools, the solvers) would fail under it. Dropped before caffejax is
 # imported (and from what the tests' subprocesses inherit); the tests of the variable set it themselves.
 os.environ.pop("GLOG_minloglevel", None)
+# So too the caches a shell may turn on for every process (caffejax's program cache, JAX's persistent cache,
+# beside which caffejax keeps its programs): the suite counts compiles from a cold start, and a program loaded
+# from a cache is no compile. The cache's own tests set theirs.
+os.environ.pop("CAFFEJAX_PROGRAM_CACHE", None)
+os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
 
 if "PYTEST_XDIST_WORKER" in os.environ:
     # One process per core (README's -n auto): on a GPU each would otherwise claim 75% of its memory up front.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -61,3 +62,18 @@ def test_importing_caffejax_pauses_the_cyclic_collector_and_gives_it_back(collec
     runs, enabled = json.loads(out.strip().splitlines()[-1])
     assert enabled is collecting
     assert runs <= 5
+
+
+def test_the_suite_holds_under_the_log_level_and_caches_a_shell_exports(tmp_path):
+    """Caffe's users export GLOG_minloglevel=2 to quiet its log, and a shell may turn caffejax's program cache or
+    JAX's persistent cache on for every process: the suite's checks of log lines and of compile counts still hold
+    (conftest drops the three; the tests of each set their own). Two runs, the second one with the caches full."""
+    tests = pathlib.Path(__file__).resolve().parent
+    env = {**os.environ, "GLOG_minloglevel": "2", "CAFFEJAX_PROGRAM_CACHE": str(tmp_path / "programs"),
+           "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax")}
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                               f"{tests / 'test_cli.py'}::test_caffes_gpu_flag_is_accepted",
+                               f"{tests / 'test_net_runtime.py'}::test_compiles_once_per_shape"],
+                              env=env, capture_output=True, text=True, timeout=600, cwd=tests.parent)
+        assert done.returncode == 0, done.stdout[-3000:]
