@@ -67,7 +67,8 @@ def test_importing_caffejax_pauses_the_cyclic_collector_and_gives_it_back(collec
 def test_the_suite_holds_under_the_log_level_and_caches_a_shell_exports(tmp_path):
     """Caffe's users export GLOG_minloglevel=2 to quiet its log, and a shell may turn caffejax's program cache or
     JAX's persistent cache on for every process: the suite's checks of log lines and of compile counts still hold
-    (conftest drops the three; the tests of each set their own). Two runs, the second one with the caches full."""
+    (conftest drops the three; the tests of each set their own). Two runs: without the drop, the second one would
+    load its programs from the caches the first one filled."""
     tests = pathlib.Path(__file__).resolve().parent
     env = {**os.environ, "GLOG_minloglevel": "2", "CAFFEJAX_PROGRAM_CACHE": str(tmp_path / "programs"),
            "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax")}
